@@ -1,0 +1,1 @@
+"""Speculative decoding and acceptance-length (tau) evaluation."""

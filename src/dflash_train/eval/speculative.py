@@ -1,0 +1,175 @@
+"""Speculative decoding with a DFlash drafter (DESIGN §2), and the target-only baseline.
+
+One step: the drafter sees the features of the newly verified context plus the block
+[last token, MASK x (B-1)] and proposes slots 1..B-1 in ONE forward (its cache keeps only
+context K/V); the target verifies the whole block in ONE forward. T=0 accepts the longest
+prefix equal to the target's argmax plus the target's own next token; T>0 uses rejection
+sampling, so the output distribution is exactly the target's.
+
+Batch size 1: acceptance decides control flow, so each step reads a few integers back from
+the device (commented `host sync` below). That is inherent to speculative decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_train.models.drafter import ContextCache, DFlashDrafter
+from dflash_train.models.targets import Target
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens, prompt excluded, stop token included when hit
+    prefill_s: float
+    decode_s: float  # wall time after prefill
+    committed: list[int] = field(default_factory=list)  # tokens committed per verify step (tau's numerator)
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step (before stop/length cuts)
+    slots: list[int] = field(default_factory=list)  # draft slots proposed per step
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: honest wall time of queued GPU work
+    return time.perf_counter()
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """logits [..., V] -> tokens [...]: argmax at T=0, a sample otherwise."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    p = _probs(logits, temperature)
+    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=gen).reshape(p.shape[:-1])
+
+
+def rejection_sample(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                     gen: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al.; Chen et al.) for one block.
+
+    draft [n] tokens drawn from q [n, V]; p [n+1, V] the target's distributions at the n
+    draft positions and after them. Returns (accepted count, next token): accept draft i
+    with probability min(1, p_i/q_i); on the first rejection draw from norm(max(p_i - q_i, 0));
+    if all are accepted draw the bonus from p_n. The committed tokens are distributed
+    exactly as the target's own samples.
+    """
+    n = draft.shape[0]
+    idx = torch.arange(n, device=draft.device)
+    p_d, q_d = p[idx, draft], q[idx, draft]
+    u = torch.rand(n, generator=gen, device=draft.device)
+    ok = (u * q_d < p_d).to(torch.int64)  # u < p/q without dividing by a zero q
+    accepted = int(ok.cumprod(0).sum().item())  # host sync: acceptance drives control flow
+    if accepted == n:
+        dist = p[n]
+    else:
+        dist = (p[accepted] - q[accepted]).clamp_min(0)
+        total = dist.sum()
+        dist = dist / total if total > 0 else p[accepted]  # p == q at this slot: any rejection is measure-zero
+    token = int(torch.multinomial(dist, 1, generator=gen).item())  # host sync: next block's input
+    return accepted, token
+
+
+def _new_cache(target: Target):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    if hasattr(cache, "activate_past_recording"):  # sliding-window targets must be able to roll back
+        cache.activate_past_recording()
+    return cache
+
+
+def _crop(cache, length: int) -> None:
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)  # negative form: valid for sliding-window layers too
+
+
+def _features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+@torch.inference_mode()
+def target_generate(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+                    stop_ids: list[int] | None = None, gen: torch.Generator | None = None) -> DecodeResult:
+    """Plain autoregressive decoding with a KV cache: the baseline for losslessness and speedup."""
+    dev, stops = target.device, set(stop_ids or [])
+    ids = torch.tensor([prompt], device=dev)
+    cache = _new_cache(target)
+    t0 = _now(dev)
+    out = target.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tok = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
+    t1 = _now(dev)
+    tokens = [tok]
+    while len(tokens) < max_new_tokens and tok not in stops:
+        pos = torch.tensor([[len(prompt) + len(tokens) - 1]], device=dev)
+        out = target.model(torch.tensor([[tok]], device=dev), position_ids=pos, past_key_values=cache, use_cache=True)
+        tok = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
+        tokens.append(tok)
+    return DecodeResult(tokens=tokens, prefill_s=t1 - t0, decode_s=_now(dev) - t1)
+
+
+@torch.inference_mode()
+def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
+                         temperature: float = 0.0, block_size: int | None = None, stop_ids: list[int] | None = None,
+                         gen: torch.Generator | None = None) -> DecodeResult:
+    """DFlash speculative decoding of one prompt (batch 1)."""
+    dev, stops = target.device, set(stop_ids or [])
+    B = block_size or drafter.block_size
+    layer_ids = list(drafter.config.target_layer_ids)
+    mask_id = drafter.mask_token_id
+    head = target.lm_head
+    ddtype = next(drafter.parameters()).dtype
+
+    t0 = _now(dev)
+    cache = _new_cache(target)
+    out = target.model(torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True,
+                       output_hidden_states=True, logits_to_keep=1)
+    first = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: control flow
+    new_ctx = _features(out.hidden_states, layer_ids)  # features of positions [ctx_start, start)
+    t1 = _now(dev)
+
+    res = DecodeResult(tokens=[first], prefill_s=t1 - t0, decode_s=0.0)
+    draft_cache = ContextCache()
+    start = len(prompt)  # position of the last committed token (block slot 0)
+    ctx_start = 0
+    while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stops:
+        q_len = min(B, max_new_tokens - len(res.tokens) + 1)
+        block = torch.full((1, q_len), mask_id, device=dev, dtype=torch.long)
+        block[0, 0] = res.tokens[-1]
+        positions = torch.arange(ctx_start, start + q_len, device=dev)[None]
+        hidden = drafter(target.embed(block).to(ddtype), new_ctx.to(ddtype), positions, cache=draft_cache)
+        draft_logits = head(hidden[:, 1:].to(target.dtype))[0]  # [q_len-1, V]
+        draft = _pick(draft_logits, temperature, gen)
+        block[0, 1:] = draft
+
+        out = target.model(block, position_ids=positions[:, -q_len:], past_key_values=cache, use_cache=True,
+                           output_hidden_states=True)
+        logits = out.logits[0]  # [q_len, V]: slot i predicts position start+i+1
+        if temperature <= 0:
+            pred = logits.argmax(-1)
+            accepted = int((draft == pred[:-1]).cumprod(0).sum().item())  # host sync: control flow
+            nxt = int(pred[accepted].item())
+        else:
+            accepted, nxt = rejection_sample(draft, _probs(draft_logits, temperature), _probs(logits, temperature), gen)
+        new = block[0, 1:accepted + 1].tolist() + [nxt]  # host sync: committed tokens
+        produced = min(len(new), max_new_tokens - len(res.tokens))
+        for i, t in enumerate(new[:produced]):
+            if t in stops:
+                produced = i + 1
+                break
+        res.tokens.extend(new[:produced])
+        res.committed.append(produced)
+        res.accepted.append(accepted)
+        res.slots.append(q_len - 1)
+        # Keep target K/V of the verified slots 0..produced-1; their features feed the next draft.
+        ctx_start, start = start, start + produced
+        _crop(cache, start)
+        new_ctx = _features(out.hidden_states, layer_ids)[:, :produced]
+    res.decode_s = _now(dev) - t1
+    return res

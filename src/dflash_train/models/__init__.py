@@ -1,0 +1,4 @@
+"""Model code: the DFlash drafter, its config and checkpoints, and the frozen target.
+
+Nothing here knows about training loops or data.
+"""

@@ -1,0 +1,101 @@
+"""Drafter checkpoints in the reference (z-lab) HF layout: `config.json` + `model.safetensors`.
+
+The reference `DFlashDraftModel` (PyPI `dflash`), SGLang and vLLM load what we write with
+no missing or unexpected keys; we load theirs. Writes are atomic: a directory is filled
+under a temporary name and renamed into place, so a crash never leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflash_train.errors import UsageError
+from dflash_train.models.config import DFlashConfig
+from dflash_train.models.drafter import DFlashDrafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
+    if name not in _DTYPES:
+        raise UsageError(f"{flag}: unknown dtype {name!r} (choose from {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def drafter_state_dict(model: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Reference parameter names -> contiguous CPU tensors (buffers such as RoPE excluded)."""
+    return {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
+
+
+def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write `out_dir/config.json` and `out_dir/model.safetensors` atomically (replacing any old copy)."""
+    out = Path(out_dir)
+    dtype = dtype or next(model.parameters()).dtype
+    dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
+    cfg = model.config.to_reference_dict() | {"torch_dtype": dtype_name}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(drafter_state_dict(model, dtype), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_config(path: str | os.PathLike, flag: str = "--drafter") -> DFlashConfig:
+    cfg_path = Path(path) / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise UsageError(f"{flag}: {cfg_path} not found (expected a drafter directory with config.json)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    return DFlashConfig.from_reference_dict(raw, source=str(cfg_path))
+
+
+def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 flag: str = "--drafter") -> DFlashDrafter:
+    """Load a reference-format drafter; every parameter must be present, nothing extra."""
+    cfg = load_config(path, flag)
+    weights_path = Path(path) / WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise UsageError(f"{flag}: {weights_path} not found")
+    try:
+        state = load_file(str(weights_path))
+    except (SafetensorError, OSError) as e:
+        raise UsageError(f"{weights_path}: unreadable safetensors file ({e})") from None
+    # Some exports nest the drafter under `model.`; the reference layout has no prefix.
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    model = DFlashDrafter(cfg)
+    expected = dict(model.named_parameters())
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise UsageError(f"{weights_path}: weights do not match config.json "
+                         f"(missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                         f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''})")
+    for name, p in expected.items():
+        if state[name].shape != p.shape:
+            raise UsageError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, config implies {tuple(p.shape)}")
+    model.load_state_dict(state, strict=False)  # strict on parameters above; RoPE buffers are derived
+    dtype = dtype or state[next(iter(expected))].dtype
+    return model.to(device=device, dtype=dtype).eval()

