@@ -1,0 +1,162 @@
+"""The `dflash-train` command.
+
+    dflash-train init-drafter --target smollm2-135m --num-layers 1 --block-size 8 --out runs/untrained
+    dflash-train eval --target smollm2-135m --drafter runs/untrained --dataset humaneval --limit 3 \\
+        --max-new-tokens 48 --temperature 0 --json out.json
+
+Usage errors print one line naming the flag, field or file and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from dflash_train.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UsageError(message)
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    return name
+
+
+def _load_target(args):
+    from dflash_train.models.checkpoint import parse_dtype
+    from dflash_train.models.targets import load_target
+
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    return load_target(args.target, device=_device(args.device), dtype=dtype, seed=args.target_seed)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_init_drafter(args) -> int:
+    from dflash_train.models.checkpoint import parse_dtype, save_drafter
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+
+    if args.num_layers < 1:
+        raise UsageError(f"--num-layers must be >= 1, got {args.num_layers}")
+    if args.block_size < 2:
+        raise UsageError(f"--block-size must be >= 2, got {args.block_size}")
+    parse_dtype(args.save_dtype, "--save-dtype")
+    target = _load_target(args)
+    cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size,
+                             num_features=args.num_features, target_layer_ids=args.target_layer_ids,
+                             mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
+                             num_sliding_layers=args.sliding_layers, dtype=args.save_dtype)
+    model = new_drafter(cfg, args.seed)
+    out = save_drafter(model, args.out, parse_dtype(args.save_dtype, "--save-dtype"))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"wrote untrained drafter ({n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, "
+          f"B={cfg.block_size}, target layers {cfg.target_layer_ids}, mask token {cfg.mask_token_id}) to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from dflash_train.eval.evaluate import EvalConfig, evaluate
+    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.models.checkpoint import load_drafter
+    from dflash_train.models.factory import check_compatible, to_device
+
+    cfg = EvalConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     block_size=args.block_size, seed=args.seed)
+    prompts = load_prompts(args.dataset, args.limit)  # fail on bad data before loading models
+    target = _load_target(args)
+    drafter = load_drafter(args.drafter)
+    check_compatible(drafter, target)
+    drafter = to_device(drafter, target)
+    ids = [target.render_chat(m) for m in prompts]
+    report = evaluate(target, drafter, ids, cfg, progress=not args.quiet)
+    print(report.summary())
+    if args.json:
+        report.to_json(args.json)
+        print(f"wrote {args.json}")
+    return 0 if report.lossless is not False else 1
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m",
+                   help="smollm2-135m (embedded), random:<preset>, a .gguf file, an HF directory or a hub id")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default=None, help="target compute dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--target-seed", type=int, default=0, help="weights seed for random:<preset> targets")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dflash-train", description="Train and evaluate DFlash draft models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("init-drafter", help="write an untrained drafter for a target (reference format)")
+    _add_target_args(p)
+    p.add_argument("--num-layers", type=int, default=1, help="draft layers (default 1)")
+    p.add_argument("--block-size", type=int, default=16, help="block size B (default 16)")
+    p.add_argument("--num-features", type=int, default=None, help="number of target feature layers (default 5)")
+    p.add_argument("--target-layer-ids", type=_int_list, default=None, help="explicit feature layers, e.g. 1,9,17")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: first spare embedding row, "
+                   "else an unused special token")
+    p.add_argument("--sliding-layers", type=int, default=0, help="number of sliding-window draft layers (first ones)")
+    p.add_argument("--sliding-window", type=int, default=None, help="window of the sliding layers")
+    p.add_argument("--save-dtype", default="bfloat16", help="dtype of the written weights (default bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_init_drafter)
+
+    p = sub.add_parser("eval", help="speculative decoding with a drafter: tau, acceptance, speedup, lossless check")
+    _add_target_args(p)
+    p.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors)")
+    p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, sharegpt (held-out) or a .jsonl file")
+    p.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """Our own progress bars and messages are the ones a user should read."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        _quiet_libraries()
+        args = build_parser().parse_args(argv)
+        func: Callable[[argparse.Namespace], int] = args.func
+        return func(args)
+    except UsageError as e:
+        print(f"dflash-train: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("dflash-train: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: conversation sources, normalisation and the deterministic train / held-out split."""

@@ -1,0 +1,32 @@
+import time
+
+import pytest
+import torch
+
+from dflash_train.models.factory import drafter_config_for, new_drafter
+from dflash_train.models.targets import load_target
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+
+
+@pytest.fixture
+def make_drafter(tiny_target):
+    """An untrained float32 drafter for the tiny target."""
+
+    def make(num_layers=2, block_size=4, seed=1, **kw):
+        cfg = drafter_config_for(tiny_target, num_layers=num_layers, block_size=block_size, dtype="float32", **kw)
+        return new_drafter(cfg, seed).float().eval()
+
+    return make
+
+
+@pytest.fixture
+def reference_timing(monkeypatch):
+    """The reference decode loop times itself with torch.cuda.synchronize; on CPU use the plain clock."""
+    import dflash.model as ref
+
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
+    return ref

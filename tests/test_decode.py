@@ -1,0 +1,114 @@
+"""Speculative decoding: lossless at T=0, oracle tau = B, the reference loop's behaviour, exact sampling."""
+
+import pytest
+import torch
+
+from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.eval.speculative import rejection_sample, speculative_generate, target_generate
+from dflash_train.models.checkpoint import save_drafter
+from dflash_train.models.targets import load_target
+
+
+def _prompts(n, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (length + i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def oracle_target():
+    """A target whose logits are all zero (final norm weight 0), so its greedy choice is always token 0."""
+    t = load_target("random:tiny", seed=1)
+    t.decoder.norm.weight.data.zero_()
+    return t
+
+
+def _oracle_drafter(make_drafter, **kw):
+    d = make_drafter(**kw)
+    d.norm.weight.data.zero_()  # zero logits -> always drafts token 0, exactly what the oracle target wants
+    return d
+
+
+def test_greedy_random_drafter_is_lossless_and_tau_near_one(tiny_target, make_drafter):
+    drafter = make_drafter(num_layers=1, block_size=4)
+    rep = evaluate(tiny_target, drafter, _prompts(3), EvalConfig(max_new_tokens=24), progress=False)
+    assert rep.lossless is True and rep.mismatched_prompts == []
+    assert 1.0 <= rep.tau < 1.2
+    assert sum(rep.histogram) == rep.steps and len(rep.per_position_acceptance) == 3
+
+
+def test_oracle_drafter_reaches_tau_equal_block_size(oracle_target, make_drafter):
+    B = 5
+    drafter = _oracle_drafter(make_drafter, block_size=B)
+    res = speculative_generate(oracle_target, drafter, _prompts(1)[0], max_new_tokens=1 + 4 * B)
+    assert res.committed == [B] * 4 and res.accepted == [B - 1] * 4
+    assert res.tokens == target_generate(oracle_target, _prompts(1)[0], 1 + 4 * B).tokens == [0] * (1 + 4 * B)
+    rep = evaluate(oracle_target, drafter, _prompts(2), EvalConfig(max_new_tokens=1 + 3 * B), progress=False)
+    assert rep.tau == B and rep.per_position_acceptance == [1.0] * (B - 1) and rep.lossless
+
+
+def test_oracle_at_temperature_accepts_everything(oracle_target, make_drafter):
+    """p == q (both uniform): rejection sampling must accept every draft."""
+    B = 4
+    drafter = _oracle_drafter(make_drafter, block_size=B)
+    gen = torch.Generator().manual_seed(0)
+    res = speculative_generate(oracle_target, drafter, _prompts(1)[0], 1 + 5 * B, temperature=1.0, gen=gen)
+    assert res.committed == [B] * 5
+
+
+def test_stop_token_ends_generation(oracle_target, make_drafter):
+    drafter = _oracle_drafter(make_drafter, block_size=4)
+    res = speculative_generate(oracle_target, drafter, _prompts(1)[0], 40, stop_ids=[0])
+    assert res.tokens == [0]  # the first token (from prefill) is already a stop token
+    base = target_generate(oracle_target, _prompts(1)[0], 40, stop_ids=[0])
+    assert base.tokens == [0]
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_same_tokens_and_acceptance_as_reference_loop(tiny_target, oracle_target, make_drafter, reference_timing,
+                                                      tmp_path, oracle):
+    from dflash import DFlashDraftModel
+
+    target = oracle_target if oracle else tiny_target
+    drafter = _oracle_drafter(make_drafter, block_size=4) if oracle else make_drafter(block_size=4)
+    save_drafter(drafter, tmp_path, torch.float32)
+    ref = DFlashDraftModel.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompt = _prompts(1, length=15)[0]
+    ours = speculative_generate(target, drafter, prompt, max_new_tokens=30)
+    theirs = reference_timing.dflash_generate(ref, target.model, torch.tensor([prompt]), 30, None, return_stats=True)
+    assert theirs.output_ids[0, len(prompt):].tolist() == ours.tokens
+    assert theirs.acceptance_lengths == ours.committed
+
+
+def _chi2(counts, probs):
+    n = counts.sum()
+    expected = probs * n
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_reproduces_target_distribution():
+    """Committed tokens follow p, whatever q proposes (chi-square, V=5, 0.999 quantile 18.47 for 4 dof)."""
+    V, n, trials = 5, 3, 20000
+    g = torch.Generator().manual_seed(1234)
+    p = torch.distributions.Dirichlet(torch.ones(V)).sample((n + 1,))
+    q = torch.distributions.Dirichlet(torch.ones(V)).sample((n,))
+    first = torch.zeros(V)
+    second = torch.zeros(V)
+    for _ in range(trials):
+        draft = torch.multinomial(q, 1, generator=g)[:, 0]
+        acc, nxt = rejection_sample(draft, q, p, g)
+        committed = draft[:acc].tolist() + [nxt]
+        first[committed[0]] += 1
+        if acc >= 1:  # the first draft was accepted: the second token must follow p[1]
+            second[committed[1]] += 1
+    assert _chi2(first, p[0]) < 18.47
+    assert _chi2(second, p[1]) < 18.47
+    # The test has power: the draft distribution itself is far from p.
+    assert _chi2(first, q[0]) > 100
+
+
+def test_rejection_sampling_identical_distributions_accept_all():
+    V = 7
+    p = torch.softmax(torch.randn(4, V), -1)
+    draft = torch.tensor([1, 2, 3])
+    acc, _ = rejection_sample(draft, p[:3], p, torch.Generator().manual_seed(0))
+    assert acc == 3

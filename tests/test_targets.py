@@ -1,0 +1,88 @@
+"""Target loading and the feature convention: id L = output of decoder layer L = HF hidden_states[L + 1]."""
+
+import pytest
+import torch
+
+from dflash_train.errors import UsageError
+from dflash_train.models.targets import load_target
+
+
+def test_layer_ids_index_hf_hidden_states(tiny_target):
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        hs = tiny_target.model(ids, output_hidden_states=True).hidden_states
+    n = tiny_target.num_layers
+    for layer_ids in ([0], [1, 3], [2, 0, 4], [n - 1], [1, n - 1]):
+        got = tiny_target.features(ids, layer_ids)
+        want = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_features_run_only_needed_layers(tiny_target):
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+             for i, layer in enumerate(tiny_target.decoder.layers)]
+    lm_head_calls = []
+    hooks.append(tiny_target.lm_head.register_forward_hook(lambda *a: lm_head_calls.append(1)))
+    try:
+        tiny_target.features(torch.randint(0, 256, (1, 5)), [0, 2])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert ran == [0, 1, 2] and not lm_head_calls
+    assert len(tiny_target.decoder.layers) == tiny_target.num_layers  # restored
+
+
+def test_target_is_frozen_and_exposes_parts(tiny_target):
+    assert not tiny_target.model.training
+    assert not any(p.requires_grad for p in tiny_target.model.parameters())
+    ids = torch.tensor([[3, 4]])
+    torch.testing.assert_close(tiny_target.embed(ids), tiny_target.model.get_input_embeddings()(ids))
+    assert tiny_target.lm_head.weight.shape == (tiny_target.vocab_size, tiny_target.hidden_size)
+    prompt = tiny_target.render_chat([{"role": "user", "content": "hi"}])
+    assert tiny_target.tokenizer.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_mask_token_is_first_spare_row(tiny_target):
+    assert tiny_target.vocab_size > len(tiny_target.tokenizer)
+    assert tiny_target.default_mask_token_id() == len(tiny_target.tokenizer)
+
+
+def test_mask_token_inside_label_vocabulary_is_refused(tiny_target):
+    with pytest.raises(UsageError, match="mask"):
+        tiny_target.check_mask_token(65)  # an ordinary byte token
+    with pytest.raises(UsageError, match="mask"):
+        tiny_target.check_mask_token(tiny_target.stop_token_ids()[0])
+    with pytest.raises(UsageError, match="outside"):
+        tiny_target.check_mask_token(tiny_target.vocab_size)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("nonsense", "unknown target"),
+    ("random:huge", "unknown preset"),
+    ("/no/such/model.gguf", "not found"),
+])
+def test_bad_target_specs(spec, match):
+    with pytest.raises(UsageError, match=match):
+        load_target(spec)
+
+
+def test_hf_directory_without_config(tmp_path):
+    with pytest.raises(UsageError, match="config.json"):
+        load_target(str(tmp_path))
+
+
+def test_unreachable_hub_id_is_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UsageError) as err:
+        load_target("no-such-org/no-such-model")
+    assert "--target" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_local_hf_directory_round_trip(tiny_target, tmp_path):
+    tiny_target.model.save_pretrained(tmp_path)
+    tiny_target.tokenizer.save_pretrained(tmp_path)
+    loaded = load_target(str(tmp_path))
+    ids = torch.randint(0, 256, (1, 6))
+    torch.testing.assert_close(loaded.features(ids, [1, 2]), tiny_target.features(ids, [1, 2]))
+    assert loaded.render_chat([{"role": "user", "content": "x"}]) == tiny_target.render_chat([{"role": "user", "content": "x"}])
