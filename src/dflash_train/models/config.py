@@ -32,12 +32,6 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
 
 
-def default_gamma(block_size: int) -> float:
-    """Loss-decay constant of DESIGN §3: 7 (B=16), 5 (B=10), 4 (B=8); interpolated elsewhere."""
-    known = {16: 7.0, 10: 5.0, 8: 4.0}
-    return known.get(block_size, max(1.0, 7.0 * block_size / 16))
-
-
 @dataclass(kw_only=True, slots=True)
 class DFlashConfig:
     """Shape and DFlash settings of a drafter. Validated on construction."""

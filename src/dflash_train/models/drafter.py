@@ -118,10 +118,23 @@ class ContextCache:
         return full_k, full_v
 
 
+_compiled_flex = None
+
+
+def _flex_attention(q: torch.Tensor):
+    """FlexAttention is only fast when compiled (CUDA); eager mode is an exact reference elsewhere."""
+    global _compiled_flex
+    if not q.is_cuda:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float) -> torch.Tensor:
     """q: [b, Hq, n, d], k/v: [b, Hkv, m, d] (GQA) -> [b, Hq, n, d]."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return _flex_attention(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -1,0 +1,90 @@
+"""Packed training batches and their DFlash blocks.
+
+A packed batch is one row of S context tokens holding several sequences back to back (each
+with positions restarting at 0). For every anchor a the block is [x_a, MASK x (B-1)] at
+positions pos(a)..pos(a)+B-1; slot k >= 1 is labelled with token a+k of the same sequence
+(same position, not shifted) where loss_mask is 1, else ignored. Slot 0 never has a label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class PackedBatch:
+    """S context tokens of packed sequences (all tensors [S], on one device)."""
+
+    input_ids: torch.Tensor  # int64
+    loss_mask: torch.Tensor  # 0/1
+    seq_ids: torch.Tensor  # int64, which packed sequence each token belongs to
+    positions: torch.Tensor  # int64, position within its sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(*(t.to(device, non_blocking=True) for t in
+                             (self.input_ids, self.loss_mask, self.seq_ids, self.positions)))
+
+
+@dataclass
+class Blocks:
+    """The drafter's inputs and targets for n anchors of block size B (n*B block tokens)."""
+
+    anchors: torch.Tensor  # [n] indices into the packed row
+    input_ids: torch.Tensor  # [n*B] x_a then MASK
+    positions: torch.Tensor  # [n*B] pos(a) + k
+    labels: torch.Tensor  # [n*B] token a+k or IGNORE
+    weights: torch.Tensor  # [n*B] float32 loss weight of each slot (0 where ignored)
+    block_size: int
+
+    @property
+    def num_anchors(self) -> int:
+        return self.anchors.numel()
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for slots k >= 1; slot 0 has weight 0 (it holds the known token)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 gamma: float) -> Blocks:
+    """Block inputs, positions, same-position labels and weights for sorted `anchors`."""
+    B, S = block_size, batch.num_tokens
+    dev = batch.input_ids.device
+    k = torch.arange(B, device=dev)
+    src = anchors[:, None] + k[None, :]  # [n, B] index of the token slot k predicts
+    inside = src < S
+    src_c = src.clamp(max=S - 1)
+    same_seq = batch.seq_ids[src_c] == batch.seq_ids[anchors][:, None]
+    labelled = inside & same_seq & batch.loss_mask[src_c].bool() & (k[None, :] >= 1)
+    labels = torch.where(labelled, batch.input_ids[src_c], torch.full_like(src_c, IGNORE))
+    ids = torch.full_like(src, mask_token_id)
+    ids[:, 0] = batch.input_ids[anchors]
+    positions = batch.positions[anchors][:, None] + k[None, :]
+    weights = slot_weights(B, gamma).to(dev)[None, :].expand_as(src) * labelled
+    return Blocks(anchors=anchors, input_ids=ids.flatten(), positions=positions.flatten(), labels=labels.flatten(),
+                  weights=weights.flatten(), block_size=B)
+
+
+def gamma_for(block_size: int, gamma: float | None = None) -> float:
+    """gamma from the config, else DESIGN §3's values (7 for B=16, 5 for B=10, 4 for B=8)."""
+    if gamma is not None:
+        return gamma
+    # Piecewise-linear through the published points, (2, 1) below them, slope 1/3 above B=16.
+    xs, ys = [2, 8, 10, 16], [1.0, 4.0, 5.0, 7.0]
+    if block_size >= xs[-1]:
+        return ys[-1] + (block_size - xs[-1]) / 3
+    i = next(i for i in range(1, len(xs)) if block_size <= xs[i])
+    t = (block_size - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[i - 1] + t * (ys[i] - ys[i - 1])
