@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from dflash_train.errors import UsageError
 
@@ -24,22 +25,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
-    return name
-
-
 def _load_target(args):
+    from dflash_train.devices import resolve_device
     from dflash_train.models.checkpoint import parse_dtype
     from dflash_train.models.targets import load_target
 
     dtype = parse_dtype(args.dtype) if args.dtype else None
-    return load_target(args.target, device=_device(args.device), dtype=dtype, seed=args.target_seed)
+    return load_target(args.target, device=resolve_device(args.device), dtype=dtype, seed=args.target_seed)
 
 
 def _int_list(text: str) -> list[int]:
@@ -93,6 +85,59 @@ def cmd_eval(args) -> int:
     return 0 if report.lossless is not False else 1
 
 
+def cmd_train(args) -> int:
+    from dflash_train.training import config as train_config
+    from dflash_train.training.job import run
+
+    base = train_config.read_toml(args.config) if args.config else {}
+    if args.resume and not args.config:
+        saved = Path(getattr(args, "run_dir", None) or base.get("run_dir") or train_config.TrainConfig().run_dir) / "config.toml"
+        if saved.is_file():
+            base = train_config.read_toml(saved)  # resume with the run's own settings unless overridden
+    cfg = train_config.from_args(args, base)
+    return run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+
+
+def cmd_prepare(args) -> int:
+    from dflash_train.data.dataset import prepare_dataset
+    from dflash_train.data.sources import SourceReport, iter_conversations
+
+    if args.max_length < 2:
+        raise UsageError(f"--max-length must be >= 2, got {args.max_length}")
+    target = _load_target(args)
+    report = SourceReport()
+    convs = iter_conversations(args.data, split=args.split, on_bad=args.on_bad, limit=args.limit, report=report)
+    prep = prepare_dataset(target.tokenizer, convs, args.out, max_length=args.max_length, on_bad=args.on_bad,
+                           target_spec=target.spec, source_summary=report.summary, overwrite=args.overwrite)
+    print(f"source: {report.summary()}")
+    print(f"prepared: {prep.summary()} -> {args.out}")
+    return 0
+
+
+def cmd_regenerate(args) -> int:
+    from dflash_train.data.regenerate import RegenConfig, regenerate
+    from dflash_train.data.sources import SourceReport, iter_conversations
+
+    cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
+                      max_turns=args.max_turns, seed=args.seed)
+    target = _load_target(args)
+    report = SourceReport()
+    convs = iter_conversations(args.data, split=args.split, on_bad=args.on_bad, limit=args.limit, report=report,
+                               require_assistant=False)
+    rep = regenerate(target, convs, Path(args.out), cfg, progress=not args.quiet)
+    print(f"source: {report.summary()}")
+    print(f"regenerated: {rep.summary()} -> {args.out}")
+    return 0
+
+
+def _add_source_args(p: argparse.ArgumentParser, on_bad_default: str = "error") -> None:
+    p.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .json/.jsonl file of conversations")
+    p.add_argument("--split", default="train", help="train (default), held-out or all")
+    p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
+    p.add_argument("--on-bad", default=on_bad_default, help="error: stop at the first bad record (file:line); "
+                   "skip: skip and count bad records")
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m",
                    help="smollm2-135m (embedded), random:<preset>, a .gguf file, an HF directory or a hub id")
@@ -132,6 +177,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("train", help="regenerate data, train a drafter, export it and report tau before/after "
+                       "(no arguments: the embedded default)")
+    from dflash_train.training.config import add_arguments
+
+    p.add_argument("--config", default=None, help="TOML file of options (flags override it)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --run-dir")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_arguments(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="tokenize conversations with the target's chat template (loss on assistant turns)")
+    _add_target_args(p)
+    _add_source_args(p)
+    p.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
+    p.add_argument("--out", required=True, help="output directory of the prepared dataset")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("regenerate", help="let the target write the assistant turns (resumable JSONL)")
+    _add_target_args(p)
+    _add_source_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-turns", type=int, default=None, help="assistant turns regenerated per conversation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output JSONL (a rerun continues where it stopped)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_regenerate)
     return parser
 
 

@@ -12,6 +12,7 @@ counted (`on_bad="skip"`); nothing is dropped silently.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ class SourceReport:
     notes: list[str] = field(default_factory=list)
 
     def skip(self, where: str, reason: str) -> None:
-        key = reason.split(" (")[0]
+        key = re.sub(r"\d+", "N", reason.split(" (")[0])  # "turn 3 has empty text" -> "turn N has ..."
         self.skipped[key] = self.skipped.get(key, 0) + 1
         if len(self.examples) < 5:
             self.examples.append(f"{where}: {reason}")

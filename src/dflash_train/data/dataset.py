@@ -1,0 +1,255 @@
+"""The prepared dataset: conversations tokenized once with the target's chat template.
+
+Tokenizing (and locating assistant turns) is slow compared with a training step and must be
+identical across epochs and workers, so it is done once and stored as flat arrays that training
+memory-maps instead of loading:
+
+    input_ids.npy   int32  every sequence's tokens, concatenated
+    loss_mask.npy   uint8  1 where the token is trained on (assistant content + end of turn)
+    offsets.npy     int64  n + 1 boundaries: sequence i is [offsets[i], offsets[i + 1])
+    ids.json               the conversation ids, in order (trace a sequence back to its record)
+    meta.json              format version, target, tokenizer, max_length, counts, source summary
+
+The directory is written atomically: everything goes to a temporary sibling that is renamed
+into place at the end, so an interrupted run never leaves a half-written dataset that looks
+complete. An existing non-empty directory is only replaced when asked to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dflash_train.data.conversations import BadRecord
+from dflash_train.data.sources import ON_BAD, Conversation
+from dflash_train.data.tokenize import encode_chat, end_of_turn_ids, template_ids, truncate
+from dflash_train.errors import UsageError
+
+FORMAT = "dflash-train-prepared"
+FORMAT_VERSION = 1
+_ARRAYS = ("input_ids.npy", "loss_mask.npy", "offsets.npy")
+_MAX_EXAMPLES = 5
+
+
+@dataclass
+class PrepareReport:
+    sequences: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0  # conversations cut at max_length (kept: their prefix still has loss tokens)
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count (on_bad="skip")
+    examples: list[str] = field(default_factory=list)  # first few "id: reason" of skipped records
+
+    def skip(self, conv_id: str, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if len(self.examples) < _MAX_EXAMPLES:
+            self.examples.append(f"{conv_id}: {reason}")
+
+    def summary(self) -> str:
+        share = self.loss_tokens / self.tokens if self.tokens else 0.0
+        text = (f"{self.sequences} sequences, {self.tokens} tokens, {self.loss_tokens} loss tokens ({share:.0%}); "
+                f"{self.truncated} truncated at --max-length")
+        if self.skipped:
+            text += f"; skipped {sum(self.skipped.values())}: " + ", ".join(
+                f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+        return text
+
+
+def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: str | os.PathLike, *,
+                    max_length: int, on_bad: str = "error", target_spec: str = "",
+                    source_summary: Callable[[], str] | None = None, overwrite: bool = False) -> PrepareReport:
+    """Tokenize `conversations` and write the prepared dataset to `out_dir` (see module docstring).
+
+    source_summary is called after the conversations are consumed, so it can report on a lazy
+    source (e.g. `SourceReport.summary`) that only knows its counts once iteration is done.
+    """
+    if max_length < 2:  # one token has no next token to predict
+        raise UsageError(f"--max-length must be at least 2, got {max_length}")
+    if on_bad not in ON_BAD:
+        raise UsageError(f"--on-bad must be one of {ON_BAD}, got {on_bad!r}")
+    out = Path(out_dir)
+    _check_writable(out, overwrite)  # fail before the slow part
+
+    report = PrepareReport()
+    stops = end_of_turn_ids(tokenizer)
+    seq_ids: list[np.ndarray] = []
+    seq_masks: list[np.ndarray] = []
+    conv_ids: list[str] = []
+    for conv in conversations:
+        try:
+            ids, mask = encode_chat(tokenizer, conv.messages, stop_ids=stops)
+            if not conv_ids:  # once: our render + tokenize must be what the target sees
+                _check_matches_template(tokenizer, conv, ids, target_spec)
+            cut = len(ids) > max_length
+            ids, mask = truncate(ids, mask, max_length)
+        except BadRecord as e:
+            if on_bad == "error":
+                raise UsageError(f"{conv.id}: {e} (use --on-bad skip to skip such records)") from None
+            report.skip(conv.id, str(e))
+            continue
+        report.truncated += cut
+        seq_ids.append(np.asarray(ids, dtype=np.int32))
+        seq_masks.append(np.asarray(mask, dtype=np.uint8))
+        conv_ids.append(conv.id)
+
+    if not conv_ids:
+        why = f" (skipped: {'; '.join(report.examples)})" if report.examples else ""
+        raise UsageError(f"--data: no usable record to prepare{why}")
+    lengths = np.array([len(a) for a in seq_ids], dtype=np.int64)
+    report.sequences = len(conv_ids)
+    report.tokens = int(lengths.sum())
+    report.loss_tokens = int(sum(int(m.sum()) for m in seq_masks))
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "target": target_spec,
+        "tokenizer": getattr(tokenizer, "name_or_path", ""),
+        "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+        "end_of_turn_ids": sorted(stops),
+        "max_length": max_length,
+        "sequences": report.sequences,
+        "tokens": report.tokens,
+        "loss_tokens": report.loss_tokens,
+        "truncated": report.truncated,
+        "skipped": report.skipped,
+        "source": source_summary() if source_summary is not None else "",
+    }
+    arrays = {
+        "input_ids.npy": np.concatenate(seq_ids),
+        "loss_mask.npy": np.concatenate(seq_masks),
+        "offsets.npy": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+    }
+    _write_atomically(out, arrays, conv_ids, meta, overwrite)
+    return report
+
+
+def _check_matches_template(tokenizer, conv: Conversation, ids: list[int], target_spec: str) -> None:
+    """Rendering to text then tokenizing must give apply_chat_template(tokenize=True)'s tokens.
+
+    They differ when a tokenizer adds tokens of its own (a BOS the template already has, say);
+    training on such sequences would teach the drafter a context the target never sees.
+    """
+    if template_ids(tokenizer, conv.messages) != ids:
+        raise UsageError(f"--target {target_spec or '?'}: tokenizing the rendered chat template of {conv.id} differs "
+                         "from apply_chat_template(tokenize=True); this tokenizer is not supported")
+
+
+# --- writing -------------------------------------------------------------------------------
+
+def _check_writable(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UsageError(f"--out: {out} already exists and is not empty; choose a new directory or remove it")
+
+
+def _write_atomically(out: Path, arrays: dict[str, np.ndarray], conv_ids: list[str], meta: dict,
+                      overwrite: bool) -> None:
+    """Fill a temporary sibling of `out`, then rename it into place."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise UsageError(f"--out: cannot create {out}: {e.strerror}") from None
+    try:
+        for name, arr in arrays.items():
+            np.save(tmp / name, arr)
+        (tmp / "ids.json").write_text(json.dumps(conv_ids, ensure_ascii=False))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+        _check_writable(out, overwrite)  # again: something may have appeared while we tokenized
+        _replace(tmp, out)
+    except OSError as e:
+        raise UsageError(f"--out: cannot write {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an existing out is moved aside first and removed only afterwards."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old.rmdir()
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:
+        old.rename(out)  # put the previous dataset back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+class PreparedDataset:
+    """A prepared dataset directory, memory-mapped: opening is instant, pages load on access."""
+
+    def __init__(self, path: Path, input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray,
+                 ids: list[str], meta: dict):
+        self.path = path
+        self.input_ids = input_ids
+        self.loss_mask = loss_mask
+        self.offsets = offsets
+        self.ids = ids
+        self.meta = meta
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> PreparedDataset:
+        path = Path(path)
+        if not path.is_dir():
+            raise UsageError(f"{path}: no prepared dataset there (not a directory)")
+        missing = [n for n in (*_ARRAYS, "ids.json", "meta.json") if not (path / n).is_file()]
+        if missing:
+            raise UsageError(f"{path}: not a prepared dataset (missing {', '.join(missing)})")
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            ids = json.loads((path / "ids.json").read_text())
+            input_ids, loss_mask, offsets = (np.load(path / n, mmap_mode="r") for n in _ARRAYS)
+        except (OSError, ValueError) as e:  # JSONDecodeError and bad .npy headers are ValueErrors
+            raise UsageError(f"{path}: corrupt prepared dataset ({str(e).splitlines()[0]})") from None
+        _validate(path, meta, ids, input_ids, loss_mask, offsets)
+        return cls(path, input_ids, loss_mask, offsets, ids, meta)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids as an int64 copy, loss_mask as a read-only uint8 view) of sequence i."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {n} sequences")
+        i %= n
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[start:end].astype(np.int64), self.loss_mask[start:end]
+
+    def lengths(self) -> np.ndarray:
+        """Token count of every sequence (int64)."""
+        return np.diff(self.offsets)
+
+
+def _validate(path: Path, meta: object, ids: object, input_ids: np.ndarray, loss_mask: np.ndarray,
+              offsets: np.ndarray) -> None:
+    """Catch a mix of files from different runs or a truncated copy before training on it."""
+    def bad(why: str) -> UsageError:
+        return UsageError(f"{path}: corrupt prepared dataset ({why})")
+
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise bad("meta.json is not a dflash-train prepared dataset")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise UsageError(f"{path}: prepared dataset format version {meta.get('format_version')} is not supported "
+                         f"(expected {FORMAT_VERSION}); prepare it again")
+    if input_ids.ndim != 1 or loss_mask.shape != input_ids.shape or offsets.ndim != 1 or len(offsets) < 1:
+        raise bad("array shapes disagree")
+    if not isinstance(ids, list) or len(ids) != len(offsets) - 1 or meta.get("sequences") != len(ids):
+        raise bad("ids.json, offsets.npy and meta.json disagree on the number of sequences")
+    if offsets[0] != 0 or offsets[-1] != len(input_ids) or np.any(np.diff(offsets) < 0):
+        raise bad("offsets.npy does not partition input_ids.npy")

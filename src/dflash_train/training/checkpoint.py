@@ -1,0 +1,84 @@
+"""Training checkpoints: the drafter (reference format, float32) + everything needed to resume exactly.
+
+    RUN_DIR/checkpoints/step_0000100/drafter/{config.json, model.safetensors}
+    RUN_DIR/checkpoints/step_0000100/trainer_state.pt   optimizer, scheduler, RNGs, data position
+    RUN_DIR/checkpoints/latest                          name of the newest complete checkpoint
+
+A checkpoint directory is filled under a temporary name and renamed into place, and `latest`
+is replaced atomically afterwards, so a crash at any moment leaves the previous checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.errors import UsageError
+from dflash_train.models.checkpoint import save_drafter
+from dflash_train.models.drafter import DFlashDrafter
+
+LATEST = "latest"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dict[str, Any], keep: int) -> Path:
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        save_drafter(drafter, tmp / "drafter", torch.float32)  # fp32 master weights: resume is exact
+        torch.save(state, tmp / "trainer_state.pt")
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_atomic(root / LATEST, name + "\n")
+    _prune(root, keep)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = checkpoints_dir(run_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    path = checkpoints_dir(run_dir) / pointer.read_text().strip()
+    if not (path / "trainer_state.pt").is_file():
+        raise UsageError(f"{pointer}: names {path.name}, which is incomplete or missing")
+    return path
+
+
+def load_state(ckpt: Path) -> dict[str, Any]:
+    # weights_only=False: the state holds RNG states and plain Python containers we wrote ourselves.
+    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    root = checkpoints_dir(run_dir)
+    return root.is_dir() and any(p.name.startswith("step_") or p.name == LATEST for p in root.iterdir())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,173 @@
+"""Training configuration: one typed dataclass, a TOML file, and CLI flags generated from it.
+
+Precedence: defaults < `--config FILE.toml` < explicit command-line flags. Every field is a
+flag (`num_anchors` <-> `--num-anchors`) and a TOML key; each is validated here, and errors
+name the option. The resolved configuration is saved as `RUN_DIR/config.toml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_train.errors import UsageError
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    # --- run -------------------------------------------------------------------------
+    run_dir: str = _opt("runs/default", "run directory: data cache, checkpoints, metrics, exported drafter")
+    target: str = _opt("smollm2-135m", "target spec (see `dflash-train eval --help`)")
+    device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
+    seed: int = _opt(0, "seed for the drafter init, data order and anchors")
+    # --- data ------------------------------------------------------------------------
+    data: str = _opt("sharegpt", "conversations: sharegpt (embedded, train split) or a .json/.jsonl file")
+    num_conversations: int = _opt(192, "conversations to use from --data (0 = all)")
+    regenerate: bool = _opt(True, "let the target rewrite the assistant turns (cached in RUN_DIR/regenerated.jsonl)")
+    regen_max_new_tokens: int = _opt(160, "max tokens per regenerated assistant turn")
+    regen_temperature: float = _opt(0.0, "sampling temperature of regeneration (0 = greedy)")
+    regen_batch_size: int = _opt(32, "conversations per regeneration batch")
+    regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
+    max_length: int = _opt(512, "tokens per training sequence (longer ones are truncated)")
+    on_bad: str = _opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
+    # --- drafter ---------------------------------------------------------------------
+    num_layers: int = _opt(1, "draft layers")
+    block_size: int = _opt(8, "block size B")
+    num_features: int | None = _opt(None, "target feature layers (default 5, fewer for shallow targets)")
+    init_drafter: str | None = _opt(None, "start from this drafter directory instead of a random init")
+    # --- objective -------------------------------------------------------------------
+    num_anchors: int = _opt(96, "anchors drawn per sequence each time it is seen")
+    gamma: float | None = _opt(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
+    attention: str = _opt("auto", "flex | dense | auto (flex on CUDA, dense elsewhere)")
+    loss_chunk_rows: int = _opt(4096, "block tokens per LM-head + loss chunk")
+    token_budget: int = _opt(2048, "context tokens packed into one step")
+    # --- optimisation ----------------------------------------------------------------
+    lr: float = _opt(6e-4, "peak learning rate (AdamW)")
+    warmup_ratio: float = _opt(0.04, "fraction of steps of linear warm-up before the cosine decay")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    grad_clip: float = _opt(1.0, "gradient-norm clip (0 = off)")
+    epochs: float = _opt(3.0, "passes over the data (ignored when --max-steps > 0)")
+    max_steps: int = _opt(0, "optimizer steps (0 = derive from --epochs)")
+    # --- logging and checkpoints -----------------------------------------------------
+    log_every: int = _opt(10, "steps between metric records")
+    checkpoint_every: int = _opt(100, "steps between checkpoints (0 = only at the end)")
+    keep_checkpoints: int = _opt(2, "checkpoints kept in RUN_DIR/checkpoints")
+    export_dtype: str = _opt("float32", "dtype of the exported drafter (float32 | bfloat16)")
+    # --- evaluation ------------------------------------------------------------------
+    eval_dataset: str = _opt("humaneval", "prompts for the before/after tau (humaneval, mtbench, sharegpt, file)")
+    eval_limit: int = _opt(4, "prompts evaluated before and after training (0 = skip)")
+    eval_max_new_tokens: int = _opt(64, "tokens generated per eval prompt")
+
+    def __post_init__(self) -> None:
+        positive = ("num_layers", "block_size", "num_anchors", "token_budget", "max_length", "log_every",
+                    "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns",
+                    "eval_max_new_tokens", "loss_chunk_rows")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_conversations", "max_steps", "checkpoint_every", "eval_limit", "weight_decay", "grad_clip",
+                     "regen_temperature"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
+        if self.max_length < self.block_size:
+            raise UsageError(f"--max-length {self.max_length} is shorter than a block (--block-size {self.block_size})")
+        if self.token_budget < self.max_length:
+            raise UsageError(f"--token-budget {self.token_budget} must hold one sequence (--max-length {self.max_length})")
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise UsageError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps == 0 and not self.epochs > 0:
+            raise UsageError("--epochs must be > 0 when --max-steps is 0")
+        if self.on_bad not in ("error", "skip"):
+            raise UsageError(f"--on-bad must be error or skip, got {self.on_bad!r}")
+        if self.export_dtype not in ("float32", "bfloat16"):
+            raise UsageError(f"--export-dtype must be float32 or bfloat16, got {self.export_dtype!r}")
+        if self.attention not in ("auto", "flex", "dense"):
+            raise UsageError(f"--attention must be auto, flex or dense, got {self.attention!r}")
+
+    # --- files -----------------------------------------------------------------------
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        values = read_toml(path)
+        return cls(**(values | (overrides or {})))
+
+    def to_toml(self) -> str:
+        lines = ["# dflash-train resolved configuration"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _field_types() -> dict[str, tuple[type, ...]]:
+    types = {}
+    for f in dataclasses.fields(TrainConfig):
+        t = str(f.type)
+        base = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,)}[t.split(" ")[0]]
+        types[f.name] = base + ((type(None),) if "None" in t else ())
+    return types
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Keys of a flat TOML file, each checked against TrainConfig's fields and types."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--config: {path} not found")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: invalid TOML ({e})") from None
+    types = _field_types()
+    for key, value in raw.items():
+        if key not in types:
+            raise UsageError(f"{path}: unknown option {key!r}")
+        ok = types[key]
+        if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
+            raise UsageError(f"{path}: option {key!r} must be {ok[0].__name__}, got {value!r}")
+    return raw
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field; defaults are SUPPRESSed so only explicit flags override the TOML."""
+    types = _field_types()
+    for f in dataclasses.fields(TrainConfig):
+        kind = types[f.name][0]
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(f"--{_flag(f.name)}", type=kind, default=argparse.SUPPRESS, help=help_text,
+                                metavar=f.name.upper())
+
+
+def from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults < base (a TOML's values) < flags given on the command line."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    return TrainConfig(**((base or {}) | given))

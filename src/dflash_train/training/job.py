@@ -1,0 +1,158 @@
+"""`dflash-train train`: from conversations to an exported, evaluated drafter in one command.
+
+    1. data     conversations (train split) -> target-regenerated replies -> tokenized dataset,
+                each stage cached in the run directory under a key of its settings
+    2. drafter  a fresh drafter shaped for the target (or --init-drafter, or the checkpoint on --resume)
+    3. tau      of the untrained drafter on held-out prompts
+    4. train    the single-device trainer (checkpoints, metrics.jsonl, TensorBoard)
+    5. export   RUN_DIR/drafter/ in the reference format, and tau of the trained drafter
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.devices import resolve_device
+from dflash_train.errors import UsageError
+from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
+from dflash_train.eval.prompts import load_prompts
+from dflash_train.models.checkpoint import load_drafter, parse_dtype, save_drafter
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter
+from dflash_train.models.targets import Target, load_target
+from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, load_state
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.trainer import Trainer
+
+_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json")
+
+
+def say(msg: str) -> None:
+    print(f"[dflash-train] {msg}", file=sys.stderr, flush=True)
+
+
+def _key(*parts: object) -> str:
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
+    run_dir = Path(cfg.run_dir)
+    if has_checkpoints(run_dir) and not resume:
+        if not overwrite:
+            raise UsageError(f"--run-dir {run_dir} holds another run's checkpoints; pass --resume to continue it "
+                             "or --overwrite to start over")
+        for name in _RUN_OUTPUTS:  # keep the data caches: they are keyed by their settings
+            path = run_dir / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    if resume and latest_checkpoint(run_dir) is None:
+        raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    return run_dir
+
+
+def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
+    """Regenerate (optionally) and tokenize the training conversations; reuse cached stages."""
+    from dflash_train.data.dataset import PreparedDataset, prepare_dataset
+    from dflash_train.data.regenerate import RegenConfig, regenerate
+    from dflash_train.data.sources import SourceReport, iter_conversations
+
+    if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
+        return PreparedDataset.open(cfg.data)
+    limit = cfg.num_conversations or None
+    src_key = _key(cfg.data, limit, cfg.on_bad, target.spec)
+    data_dir = run_dir / f"data-{_key(src_key, cfg.regenerate, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns, cfg.max_length)}"
+    if (data_dir / "meta.json").is_file():
+        say(f"using the prepared data in {data_dir}")
+        return PreparedDataset.open(data_dir)
+    report = SourceReport()
+    convs = list(iter_conversations(cfg.data, split="train", on_bad=cfg.on_bad, limit=limit, report=report))
+    say(f"data: {report.summary()}")
+    if cfg.regenerate:
+        regen_path = run_dir / f"regenerated-{_key(src_key, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns)}.jsonl"
+        regen_cfg = RegenConfig(max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
+                                batch_size=cfg.regen_batch_size, max_turns=cfg.regen_max_turns, seed=cfg.seed)
+        say(f"regenerating {len(convs)} conversations with the target into {regen_path}")
+        rep = regenerate(target, convs, regen_path, regen_cfg, progress=progress)
+        say(f"regenerate: {rep.summary()}")
+        convs = _read_regenerated(regen_path, [c.id for c in convs])
+    prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.max_length, on_bad=cfg.on_bad,
+                           target_spec=target.spec, source_summary=report.summary, overwrite=True)
+    say(f"prepare: {prep.summary()}")
+    return PreparedDataset.open(data_dir)
+
+
+def _read_regenerated(path: Path, ids: list[str]):
+    from dflash_train.data.sources import Conversation
+
+    wanted = set(ids)
+    by_id = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec["id"] in wanted:
+            by_id[rec["id"]] = Conversation(rec["id"], rec["messages"])
+    return [by_id[i] for i in ids if i in by_id]
+
+
+def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashDrafter:
+    if resume_ckpt is not None:
+        drafter = load_drafter(resume_ckpt / "drafter", dtype=torch.float32)
+    elif cfg.init_drafter:
+        drafter = load_drafter(cfg.init_drafter, dtype=torch.float32, flag="--init-drafter")
+    else:
+        dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                                  num_features=cfg.num_features, dtype=cfg.export_dtype)
+        drafter = new_drafter(dcfg, cfg.seed)
+    check_compatible(drafter, target)
+    return drafter.to(device=target.device, dtype=torch.float32)  # fp32 master weights
+
+
+def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: TrainConfig, name: str,
+             run_dir: Path, progress: bool) -> EvalReport:
+    drafter.eval()
+    rep = evaluate(target, drafter, prompts, EvalConfig(max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed),
+                   progress=progress)
+    rep.to_json(run_dir / f"eval_{name}.json")
+    return rep
+
+
+def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> int:
+    t0 = time.perf_counter()
+    run_dir = prepare_run_dir(cfg, resume, overwrite)
+    device = resolve_device(cfg.device)
+    target = load_target(cfg.target, device=device)
+    say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
+    prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
+               if cfg.eval_limit else [])
+    dataset = build_dataset(cfg, target, run_dir, progress)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    drafter = make_drafter(cfg, target, ckpt)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    say(f"drafter: {n_params / 1e6:.2f}M parameters, {drafter.config.num_hidden_layers} layers, "
+        f"B={drafter.block_size}, target layers {drafter.config.target_layer_ids}")
+    before = None
+    if prompts and ckpt is None:
+        before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress)
+        say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
+    trainer = Trainer(cfg, target, drafter, dataset, run_dir, load_state(ckpt) if ckpt else None, progress)
+    say(f"training {trainer.total_steps - trainer.step} steps on {len(dataset)} sequences"
+        + (f" (resuming at step {trainer.step})" if ckpt else ""))
+    result = trainer.train()
+    export = save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))
+    if prompts:
+        after = eval_tau(target, load_drafter(export, device=device, dtype=target.dtype), prompts, cfg, "after",
+                         run_dir, progress)
+        print(after.summary())
+        print(f"tau on {len(prompts)} held-out {cfg.eval_dataset} prompts: "
+              f"untrained {before.tau:.3f} -> trained {after.tau:.3f}" if before else
+              f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval_dataset} prompts: {after.tau:.3f}")
+    print(f"trained {result.steps} steps in {result.seconds:.0f} s (run {time.perf_counter() - t0:.0f} s); "
+          f"drafter exported to {export}")
+    return 0

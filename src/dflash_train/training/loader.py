@@ -1,0 +1,73 @@
+"""Deterministic packing of prepared sequences into fixed token budgets, resumable by position.
+
+Each epoch visits the sequences in a permutation seeded by (seed, epoch); consecutive
+sequences are packed into one step while they fit the token budget. The loader's whole
+state is (epoch, index into that epoch's order), so a checkpoint can resume it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_train.objective.blocks import PackedBatch
+
+
+@dataclass
+class LoaderState:
+    epoch: int = 0
+    index: int = 0
+
+
+class PackedLoader:
+    def __init__(self, dataset, token_budget: int, seed: int, state: LoaderState | None = None) -> None:
+        self.dataset = dataset
+        self.budget = token_budget
+        self.seed = seed
+        self.state = state or LoaderState()
+        self.lengths = np.minimum(np.asarray(dataset.lengths()), token_budget)
+        self._order_epoch, self._order = -1, np.zeros(0, dtype=np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order, self._order_epoch = rng.permutation(len(self.lengths)), epoch
+        return self._order
+
+    def _take(self, epoch: int, index: int) -> tuple[list[int], int]:
+        """Sequence ids of the step starting at (epoch, index) and the index after it."""
+        order = self.order(epoch)
+        picked, used = [], 0
+        while index < len(order) and (not picked or used + self.lengths[order[index]] <= self.budget):
+            picked.append(int(order[index]))
+            used += int(self.lengths[order[index]])
+            index += 1
+        return picked, index
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        index, steps = 0, 0
+        while index < len(self.lengths):
+            _, index = self._take(epoch, index)
+            steps += 1
+        return steps
+
+    def next(self) -> tuple[PackedBatch, list[int]]:
+        """The next packed batch (host tensors) and the sequence ids in it; advances the state."""
+        if self.state.index >= len(self.lengths):
+            self.state = LoaderState(self.state.epoch + 1, 0)
+        picked, self.state.index = self._take(self.state.epoch, self.state.index)
+        return pack([self.dataset[i] for i in picked], self.budget), picked
+
+
+def pack(sequences: list[tuple[np.ndarray, np.ndarray]], budget: int) -> PackedBatch:
+    """Concatenate (input_ids, loss_mask) pairs, truncating each to the budget."""
+    ids, mask, seq, pos = [], [], [], []
+    for i, (x, m) in enumerate(sequences):
+        n = min(len(x), budget)
+        ids.append(torch.as_tensor(np.asarray(x[:n], dtype=np.int64)))
+        mask.append(torch.as_tensor(np.asarray(m[:n], dtype=np.int64)))
+        seq.append(torch.full((n,), i, dtype=torch.long))
+        pos.append(torch.arange(n))
+    return PackedBatch(torch.cat(ids), torch.cat(mask), torch.cat(seq), torch.cat(pos))

@@ -1,0 +1,176 @@
+"""The DFlash objective against brute-force definitions: anchors, mask, labels, weights, backends."""
+
+import math
+
+import pytest
+import torch
+
+from dflash_train.objective.anchors import eligible_anchors, sample_anchors
+from dflash_train.objective.blocks import IGNORE, PackedBatch, build_blocks, gamma_for, slot_weights
+from dflash_train.objective.loss import expected_acceptance_length, weighted_block_loss
+from dflash_train.objective.masks import MaskSpec, dense_mask, flex_block_mask
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, sample_packed_anchors
+
+
+def _packed(lens=(13, 9, 11), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 200, (sum(lens),), generator=g)
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    mask = torch.cat([(torch.arange(n) >= n // 3).long() for n in lens])
+    mask[4] = 0  # a hole inside the first sequence's assistant span
+    return PackedBatch(ids, mask, seq, pos)
+
+
+def test_anchor_eligibility():
+    m = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 1])
+    assert eligible_anchors(m).tolist() == [1, 4, 5]
+
+
+def test_anchor_sampling_is_sorted_unique_and_bounded():
+    m = torch.ones(100, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    a = sample_anchors(m, 10, g)
+    assert a.numel() == 10 and torch.equal(a, a.sort().values) and a.unique().numel() == 10
+    assert (a < 99).all()
+    b = sample_anchors(m, 10, g)
+    assert not torch.equal(a, b)  # fresh anchors each time a sequence is seen
+    assert sample_anchors(torch.tensor([1, 1, 0]), 10).tolist() == [0]  # fewer eligible than asked: all of them
+
+
+def test_packed_anchors_stay_inside_their_sequence():
+    b = _packed()
+    anchors = sample_packed_anchors(b, 100, torch.Generator().manual_seed(0))
+    expect = [i for i in range(b.num_tokens - 1) if b.loss_mask[i] and b.loss_mask[i + 1] and b.seq_ids[i] == b.seq_ids[i + 1]]
+    assert anchors.tolist() == expect
+
+
+def test_labels_are_same_position_and_respect_sequence_and_mask():
+    b = _packed()
+    anchors = sample_packed_anchors(b, 100, torch.Generator().manual_seed(0))
+    B, MASK = 4, 999
+    blk = build_blocks(b, anchors, B, MASK, gamma=4.0)
+    for j, a in enumerate(anchors.tolist()):
+        assert blk.input_ids[j * B] == b.input_ids[a] and (blk.input_ids[j * B + 1:(j + 1) * B] == MASK).all()
+        for k in range(B):
+            assert blk.positions[j * B + k] == b.positions[a] + k
+            t = a + k
+            ok = k >= 1 and t < b.num_tokens and b.seq_ids[t] == b.seq_ids[a] and b.loss_mask[t] == 1
+            assert blk.labels[j * B + k] == (b.input_ids[t] if ok else IGNORE), (j, k)
+            assert (blk.weights[j * B + k] > 0) == ok
+    assert MASK not in blk.labels.tolist()
+
+
+def test_slot_weights_and_gamma():
+    w = slot_weights(6, gamma=2.0)
+    assert w[0] == 0 and w[1] == 1
+    torch.testing.assert_close(w[1:], torch.exp(-torch.arange(5.0) / 2.0))
+    assert (gamma_for(16), gamma_for(10), gamma_for(8)) == (7.0, 5.0, 4.0)
+    assert gamma_for(16, 3.0) == 3.0
+
+
+def _brute_mask(b: PackedBatch, anchors, B, window=None):
+    S, n = b.num_tokens, anchors.numel()
+    out = torch.zeros(n * B, S + n * B, dtype=torch.bool)
+    for q in range(n * B):
+        j, k = divmod(q, B)
+        a = int(anchors[j])
+        qpos = int(b.positions[a]) + k
+        for kv in range(S + n * B):
+            if kv < S:
+                ok = b.seq_ids[kv] == b.seq_ids[a] and kv < a
+                kpos = int(b.positions[kv])
+            else:
+                jj, kk = divmod(kv - S, B)
+                ok = jj == j
+                kpos = int(b.positions[a]) + kk
+            if window is not None:
+                ok = ok and kpos <= qpos and qpos - kpos < window
+            out[q, kv] = bool(ok)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_mask_matches_brute_force(window):
+    b = _packed()
+    anchors = sample_packed_anchors(b, 4, torch.Generator().manual_seed(1))
+    spec = MaskSpec(b.seq_ids, b.positions, anchors, 4, window)
+    assert torch.equal(dense_mask(spec)[0, 0], _brute_mask(b, anchors, 4, window))
+
+
+def test_mask_never_shows_the_anchor_itself_or_later_context():
+    b = _packed()
+    anchors = sample_packed_anchors(b, 4, torch.Generator().manual_seed(2))
+    m = dense_mask(MaskSpec(b.seq_ids, b.positions, anchors, 4))[0, 0]
+    for j, a in enumerate(anchors.tolist()):
+        assert not m[j * 4:(j + 1) * 4, a:b.num_tokens].any()  # strictly before the anchor
+
+
+def test_flex_block_mask_equals_dense_mask():
+    b = _packed()
+    anchors = sample_packed_anchors(b, 4, torch.Generator().manual_seed(1))
+    spec = MaskSpec(b.seq_ids, b.positions, anchors, 4)
+    bm = flex_block_mask(spec)
+    dense = bm.to_dense()  # [1, 1, q_blocks, kv_blocks] tile occupancy
+    assert dense.any()
+    q = torch.arange(spec.num_queries)[:, None]
+    kv = torch.arange(spec.context_len + spec.num_queries)[None, :]
+    torch.testing.assert_close(bm.mask_mod(0, 0, q, kv), dense_mask(spec)[0, 0])
+
+
+def test_loss_weights_normalise_over_labelled_slots():
+    torch.manual_seed(0)
+    H, V, B = 8, 11, 3
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(2 * B, H)
+    labels = torch.tensor([IGNORE, 3, 4, IGNORE, 5, IGNORE])
+    w = slot_weights(B, 2.0).repeat(2) * (labels != IGNORE)
+    out = weighted_block_loss(hidden, labels, w, head, B, chunk_rows=2)
+    logp = torch.log_softmax(head(hidden), -1)
+    ce = torch.stack([-logp[i, labels[i]] for i in (1, 2, 4)])
+    ws = torch.tensor([1.0, math.exp(-0.5), 1.0])
+    torch.testing.assert_close(out.loss, (ce * ws).sum() / ws.sum())
+    assert out.labelled.tolist() == [0, 2, 1]
+
+
+def test_expected_acceptance_length():
+    correct = torch.tensor([0.0, 8, 4, 1])
+    labelled = torch.tensor([0.0, 10, 10, 10])
+    assert math.isclose(expected_acceptance_length(correct, labelled).item(), 1 + 0.8 + 0.8 * 0.4 + 0.8 * 0.4 * 0.1,
+                        rel_tol=1e-6)
+
+
+def _objective(tiny_target, make_drafter, backend, **kw):
+    drafter = make_drafter(num_layers=2, block_size=4, **kw)
+    return DFlashObjective(drafter, tiny_target.embedding_weight, tiny_target.lm_head,
+                           ObjectiveConfig(attention=backend, loss_chunk_rows=7))
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_flex_and_dense_give_the_same_loss(tiny_target, make_drafter, sliding):
+    kw = {"num_sliding_layers": 1, "sliding_window": 5} if sliding else {}
+    b = _packed()
+    anchors = sample_packed_anchors(b, 4, torch.Generator().manual_seed(1))
+    feats = torch.randn(b.num_tokens, 3 * 64)
+    dense = _objective(tiny_target, make_drafter, "dense", **kw)
+    flex = _objective(tiny_target, make_drafter, "flex", **kw)
+    with torch.no_grad():  # FlexAttention has no CPU backward; gradients are compared on CUDA below
+        torch.testing.assert_close(dense(b, anchors, feats).loss, flex(b, anchors, feats).loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
+def test_flex_and_dense_give_the_same_gradients_on_cuda(tiny_target, make_drafter):
+    b = _packed().to("cuda")
+    anchors = sample_packed_anchors(_packed(), 4, torch.Generator().manual_seed(1)).cuda()
+    feats = torch.randn(b.num_tokens, 3 * 64, device="cuda")
+    grads = {}
+    for backend in ("dense", "flex"):
+        obj = _objective(tiny_target.__class__(tiny_target.model.cuda(), tiny_target.tokenizer, "t"), make_drafter,
+                         backend)
+        obj.drafter.cuda()
+        loss = obj(b, anchors, feats).loss
+        loss.backward()
+        grads[backend] = (loss.detach(), [p.grad for p in obj.drafter.parameters()])
+    torch.testing.assert_close(grads["dense"][0], grads["flex"][0], rtol=1e-4, atol=1e-4)
+    for gd, gf in zip(grads["dense"][1], grads["flex"][1]):
+        torch.testing.assert_close(gd, gf, rtol=1e-3, atol=1e-4)
