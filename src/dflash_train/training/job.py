@@ -73,7 +73,8 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
         say(f"using the prepared data in {data_dir}")
         return PreparedDataset.open(data_dir)
     report = SourceReport()
-    convs = list(iter_conversations(cfg.data, split="train", on_bad=cfg.on_bad, limit=limit, report=report))
+    convs = list(iter_conversations(cfg.data, split="train", on_bad=cfg.on_bad, limit=limit, report=report,
+                                    require_assistant=not cfg.regenerate))
     say(f"data: {report.summary()}")
     if cfg.regenerate:
         regen_path = run_dir / f"regenerated-{_key(src_key, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns)}.jsonl"

@@ -13,6 +13,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
         _drop_records_after(self.path, start_step)  # a resumed run rewrites what came after its checkpoint
         self.file = open(self.path, "a", encoding="utf-8")

@@ -1,0 +1,317 @@
+"""Regenerate the assistant turns of training conversations with the target itself.
+
+A DFlash drafter learns to predict what the *target* would write, so it should train on the
+target's own outputs rather than on whatever model wrote the original replies.
+
+Multi-turn: system and user turns are kept as written; every assistant turn is rewritten by
+the target given the history *as regenerated so far*:
+
+    reply 1 = target(system, user 1)
+    reply 2 = target(system, user 1, reply 1, user 2)
+    ...
+
+Conditioning on the target's own earlier replies (not the originals) keeps every training
+context on the target's distribution, which is what it will see when the drafter serves it.
+The cost is that turn k needs turn k-1 first, so turns are generated in rounds: a batch of
+conversations does its first turn in one batched `generate`, then its second turn for the
+conversations that have one, and so on. `--max-turns` caps the rounds; a conversation is cut
+after its last regenerated reply, and user turns left without a reply are dropped.
+
+Where the target replies: wherever the original has an assistant turn after at least one user
+turn (a run of consecutive assistant turns counts once), and at the end when the conversation
+ends on a user turn (prompt-only records such as MT-Bench `turns`). Assistant turns before the
+first user turn have nothing to answer and are dropped.
+
+Resumable: the output is an append-only JSONL with one line per finished conversation. Each
+batch is written, flushed and fsync'ed before the next starts, so a killed run loses at most
+the batch in flight. On start the file is read back, a torn last line (no newline or invalid
+JSON) is truncated away, and conversations whose id is already there are skipped. A file
+written with another target, temperature or token limit is refused rather than mixed.
+At T=0 a resumed run writes exactly what an uninterrupted one would; at T>0 the samples of the
+redone conversations differ (the random stream restarts at --seed), the distribution does not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dflash_train.data.sources import Conversation
+from dflash_train.errors import UsageError
+from dflash_train.models.targets import Target
+
+Message = dict[str, str]
+
+# Decode from the target's plain (tempered) distribution, as eval/speculative.py does. A hub
+# model's generation_config.json may set penalties and top-k / top-p / min-p, which `generate`
+# would otherwise apply; the drafter must learn the unmodified target. The penalties act even
+# at T=0; the warpers act only when sampling (passing them at T=0 makes generate warn).
+_PLAIN_ALWAYS = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, use_cache=True)
+_PLAIN_SAMPLING = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+
+
+@dataclass(kw_only=True, slots=True)
+class RegenConfig:
+    max_new_tokens: int = 256
+    """Token limit of each regenerated turn (--max-new-tokens)."""
+    temperature: float = 0.0
+    """0 = greedy; > 0 = sampling from the target's tempered distribution (--temperature)."""
+    batch_size: int = 16
+    """Conversations generated together (--batch-size)."""
+    max_turns: int | None = None
+    """Regenerate at most this many assistant turns per conversation; None = all (--max-turns)."""
+    seed: int = 0
+    """Seeds torch's generator for sampling (--seed)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise UsageError(f"--max-turns must be >= 1, got {self.max_turns}")
+
+
+@dataclass
+class RegenReport:
+    written: int
+    """Conversations written by this run."""
+    already_done: int
+    """Conversations skipped because their id was already in the output file."""
+    generated_tokens: int
+    """Tokens the target generated (stop tokens included, padding excluded)."""
+    seconds: float
+    hit_length_limit: int
+    """Turns cut at --max-new-tokens without a stop token."""
+    turns: int = 0
+    """Assistant turns generated."""
+    empty_replies: int = 0
+    """Turns whose text is empty or whitespace (the target stopped at once)."""
+    duplicate_ids: int = 0
+    """Input conversations skipped because an earlier one in the same input had their id."""
+
+    def summary(self) -> str:
+        rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+        text = (f"regenerated {self.written} conversations ({self.turns} turns, {self.generated_tokens} tokens, "
+                f"{rate:.1f} tokens/s, {self.seconds:.1f} s); {self.already_done} already done; "
+                f"{self.hit_length_limit} turns hit --max-new-tokens")
+        if self.empty_replies:
+            text += f"; {self.empty_replies} empty replies"
+        if self.duplicate_ids:
+            text += f"; skipped {self.duplicate_ids} conversations with a repeated id"
+        return text
+
+
+@dataclass
+class _Job:
+    """One conversation in flight: the prompt segment before each reply, and the history so far."""
+
+    id: str
+    segments: list[list[Message]]
+    history: list[Message] = field(default_factory=list)
+
+
+@dataclass
+class _Reply:
+    text: str
+    ids: list[int]  # generated tokens, up to and including the first stop token
+    hit_limit: bool  # max_new_tokens reached without a stop token
+
+
+def regenerate(target: Target, conversations: Iterable[Conversation], out_path: Path, cfg: RegenConfig,
+               progress: bool = True) -> RegenReport:
+    """Append every conversation not yet in `out_path`, its assistant turns written by `target`."""
+    out_path = Path(out_path)
+    t0 = time.perf_counter()
+    header = {"regenerated_by": target.spec, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+    done = _resume(out_path, header)
+    stops = target.stop_token_ids()  # builds the vocabulary dict: once per run, not per turn
+    report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
+    torch.manual_seed(cfg.seed)  # generate samples from torch's global generator
+    total = len(conversations) if hasattr(conversations, "__len__") else None
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
+        todo = _pending(conversations, done, report, bar)
+        while batch := list(islice(todo, cfg.batch_size)):
+            jobs = [_Job(c.id, _reply_segments(c, cfg.max_turns)) for c in batch]
+            _run_batch(target, jobs, cfg, stops, report)
+            _append(out, [_record(job, header) for job in jobs])
+            report.written += len(jobs)
+            bar.update(len(jobs))
+            bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# --- which turns the target writes -------------------------------------------------------------
+
+def _reply_segments(conv: Conversation, max_turns: int | None) -> list[list[Message]]:
+    """The kept (system / user) messages preceding each reply the target writes, in order."""
+    segments: list[list[Message]] = []
+    pending: list[Message] = []
+    seen_user = False
+    for m in conv.messages:
+        if m["role"] != "assistant":
+            pending.append({"role": m["role"], "content": m["content"]})
+            seen_user = seen_user or m["role"] == "user"
+        elif pending and seen_user:  # an assistant turn right after another one adds no new reply point
+            segments.append(pending)
+            pending = []
+    if any(m["role"] == "user" for m in pending):  # ends on a user turn: the target answers it
+        segments.append(pending)
+    if not segments:
+        raise UsageError(f"conversation {conv.id}: no user turn for the target to answer")
+    return segments[:max_turns]  # later segments have no reply: the conversation ends at the last one
+
+
+def _record(job: _Job, header: dict) -> dict:
+    return {"id": job.id, "messages": job.history, **header}
+
+
+# --- generation --------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport) -> None:
+    """Fill every job's history, one batched `generate` per turn index."""
+    for k in range(max(len(j.segments) for j in jobs)):
+        active = [j for j in jobs if k < len(j.segments)]
+        for job in active:
+            job.history.extend(job.segments[k])
+        replies = _generate(target, [target.render_chat(j.history) for j in active], cfg, stops)
+        for job, reply in zip(active, replies):
+            job.history.append({"role": "assistant", "content": reply.text})
+            report.turns += 1
+            report.generated_tokens += len(reply.ids)
+            report.hit_length_limit += reply.hit_limit
+            report.empty_replies += not reply.text.strip()
+
+
+def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
+    """One reply per prompt from a single left-padded batched `generate`."""
+    pad_id = _pad_id(target, stops)
+    input_ids, attention_mask = _left_pad(prompts, pad_id)
+    sampling = cfg.temperature > 0
+    decoding = {**_PLAIN_ALWAYS, **(dict(_PLAIN_SAMPLING, temperature=cfg.temperature) if sampling else {})}
+    # Position ids: generate derives them from the attention mask (cumsum - 1), so a left-padded
+    # row gets the positions of its unpadded prompt. Tests check the positions directly (RoPE's
+    # shift invariance would hide an offset) and batched == unbatched tokens at T=0.
+    out = target.model.generate(
+        input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
+        max_new_tokens=cfg.max_new_tokens, do_sample=sampling, eos_token_id=stops or None, pad_token_id=pad_id,
+        **decoding,
+    )
+    # Host sync: one copy of the new tokens per batched turn, needed to decode the text that
+    # the next turn's prompt is rendered from. (generate itself syncs every step to check stops.)
+    new_tokens = out[:, input_ids.shape[1]:].tolist()
+    return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in new_tokens]
+
+
+def _reply(target: Target, row: list[int], stops: set[int], max_new_tokens: int) -> _Reply:
+    """Text up to the first stop token; rows that stopped early are padded after it."""
+    cut = next((i for i, t in enumerate(row) if t in stops), None)
+    if cut is None:
+        return _Reply(target.tokenizer.decode(row, skip_special_tokens=False), row, len(row) >= max_new_tokens)
+    return _Reply(target.tokenizer.decode(row[:cut], skip_special_tokens=False), row[:cut + 1], False)
+
+
+def _pad_id(target: Target, stops: list[int]) -> int:
+    """Any real token works (padding is masked); after a stop, pad tokens are cut off anyway."""
+    tok = target.tokenizer
+    for candidate in (tok.pad_token_id, tok.eos_token_id, *stops):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding keeps every prompt's last token in the last column, where generation continues."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, width - len(p):] = 1
+    return input_ids, attention_mask  # built on the host, moved in one copy each
+
+
+# --- the resumable output file -----------------------------------------------------------------
+
+def _pending(conversations: Iterable[Conversation], done: set[str], report: RegenReport,
+             bar: tqdm) -> Iterator[Conversation]:
+    """Conversations still to do; skipped ones are counted and advance the bar."""
+    queued: set[str] = set()
+    for conv in conversations:
+        if conv.id in done:
+            report.already_done += 1
+            bar.update(1)
+        elif conv.id in queued:  # the file is keyed by id: a second conversation with it could never resume
+            report.duplicate_ids += 1
+            bar.update(1)
+        else:
+            queued.add(conv.id)
+            yield conv
+
+
+def _resume(path: Path, header: dict) -> set[str]:
+    """Ids of the complete lines of `path`; a torn last line is truncated away."""
+    if not path.is_file():
+        return set()
+    done: set[str] = set()
+    good_end = 0  # byte offset just past the last complete line
+    with open(path, "rb") as f:
+        lines = enumerate(f, 1)
+        for lineno, raw in lines:
+            record = _parse_line(raw)
+            if record is None:
+                if next(lines, None) is not None:  # only the last line can be torn by a kill
+                    raise UsageError(f"{path}:{lineno}: not a regenerated conversation; "
+                                     "this file is not a regeneration output, or was edited; write to a new file")
+                break
+            _check_same_run(path, lineno, record, header)
+            done.add(str(record["id"]))
+            good_end += len(raw)
+    if good_end < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+    return done
+
+
+def _parse_line(raw: bytes) -> dict | None:
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)):
+        return None
+    return record
+
+
+def _check_same_run(path: Path, lineno: int, record: dict, header: dict) -> None:
+    """Refuse to mix outputs of different targets or settings in one file."""
+    theirs = {k: record.get(k) for k in header}
+    if theirs != header:
+        diff = ", ".join(f"{k} {theirs[k]!r} (this run: {header[k]!r})" for k in header if theirs[k] != header[k])
+        raise UsageError(f"{path}:{lineno}: was regenerated with {diff}; write to a new file or rerun with "
+                         "the same settings")
+
+
+def _append(out, records: list[dict]) -> None:
+    """Write whole lines and make them durable before the next batch starts."""
+    out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    out.flush()
+    os.fsync(out.fileno())

@@ -1,0 +1,278 @@
+"""Regenerating assistant turns with the target: batching, multi-turn history, resumable output."""
+
+import json
+
+import pytest
+import torch
+
+from dflash_train.data import regenerate as regen
+from dflash_train.data.regenerate import RegenConfig, RegenReport, regenerate
+from dflash_train.data.sources import Conversation
+from dflash_train.errors import UsageError
+from dflash_train.eval.speculative import target_generate
+from dflash_train.models.targets import Target
+
+NEW = 8  # tokens per turn: enough to be meaningful, cheap on CPU
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matmuls are too small to split: extra threads only add sync overhead, and
+    on a busy shared CPU they make these tests ~40x slower. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def sys_(text):
+    return {"role": "system", "content": text}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def asst(text):
+    return {"role": "assistant", "content": text}
+
+
+def conversations(n: int, turns: int = 1) -> list[Conversation]:
+    """Conversations with prompts of different lengths, so left padding matters in a batch."""
+    out = []
+    for i in range(n):
+        msgs = [sys_("be brief")] if i % 2 else []
+        for k in range(turns):
+            msgs += [user(f"question {k} " + "x" * (3 * i)), asst(f"original answer {k}")]
+        out.append(Conversation(f"c{i}", msgs))
+    return out
+
+
+def reference_reply(target: Target, history: list[dict], max_new_tokens: int = NEW) -> tuple[list[int], str]:
+    """Unbatched greedy reply: tokens up to the first stop, and the text before it."""
+    stops = target.stop_token_ids()
+    tokens = target_generate(target, target.render_chat(history), max_new_tokens, 0.0, stops).tokens
+    text_ids = tokens[:-1] if tokens[-1] in stops else tokens
+    return tokens, target.tokenizer.decode(text_ids, skip_special_tokens=False)
+
+
+def read_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# --- config ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(max_new_tokens=0), "--max-new-tokens"),
+    (dict(temperature=-0.1), "--temperature"),
+    (dict(temperature=float("nan")), "--temperature"),
+    (dict(batch_size=0), "--batch-size"),
+    (dict(max_turns=0), "--max-turns"),
+])
+def test_config_errors_name_the_flag(kwargs, flag):
+    with pytest.raises(UsageError, match=f"^{flag} must be"):
+        RegenConfig(**kwargs)
+
+
+def test_config_defaults_are_valid():
+    cfg = RegenConfig()
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size, cfg.max_turns) == (256, 0.0, 16, None)
+
+
+# --- which turns are regenerated ----------------------------------------------------------------
+
+def test_reply_points():
+    conv = Conversation("c", [sys_("s"), asst("before any user"), user("u1"), asst("a1"), asst("a1 again"),
+                              sys_("mid"), user("u2"), asst("a2"), user("u3")])
+    segments = regen._reply_segments(conv, None)
+    assert segments == [[sys_("s"), user("u1")], [sys_("mid"), user("u2")], [user("u3")]]
+    assert regen._reply_segments(conv, 2) == segments[:2]
+    assert regen._reply_segments(Conversation("p", [user("prompt only")]), None) == [[user("prompt only")]]
+
+
+# --- generation ---------------------------------------------------------------------------------
+
+def test_batched_greedy_equals_unbatched(tiny_target):
+    histories = [[user("hi")], [sys_("a much longer system prompt"), user("and a question " * 3)], [user("mid length q")]]
+    prompts = [tiny_target.render_chat(h) for h in histories]
+    assert len({len(p) for p in prompts}) == 3  # distinct lengths: rows are padded differently
+    replies = regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=NEW), tiny_target.stop_token_ids())
+    for history, reply in zip(histories, replies):
+        ref_tokens, ref_text = reference_reply(tiny_target, history)
+        assert reply.ids == ref_tokens
+        assert reply.text == ref_text
+
+
+def test_left_padded_rows_get_their_own_positions(tiny_target):
+    """RoPE is shift-invariant, so equal outputs alone would not catch padding-offset positions: look at them."""
+    prompts = [tiny_target.render_chat([user("a long enough question")]), tiny_target.render_chat([user("hi")])]
+    long, short = map(len, prompts)
+    seen = []
+    hook = tiny_target.model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: seen.append(kwargs["position_ids"].clone()), with_kwargs=True)
+    try:
+        regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=3), tiny_target.stop_token_ids())
+    finally:
+        hook.remove()
+    prefill, *steps = seen
+    assert prefill[0].tolist() == list(range(long))
+    assert prefill[1, long - short:].tolist() == list(range(short))  # real tokens start at 0 after the padding
+    assert [s[:, -1].tolist() for s in steps] == [[long + i, short + i] for i in range(len(steps))]
+    assert len(steps) == 2
+
+
+def test_stop_tokens_cut_the_reply_and_are_counted(tiny_target):
+    """Make a token the model emits greedily a stop token: the reply ends there, padding is not counted."""
+    histories = [[user("what is 2+2?")], [user("hi")]]
+    free = [reference_reply(tiny_target, h)[0] for h in histories]
+    # Row 0 stops at the first token it emits that row 1 never emits; row 1 runs to the limit.
+    k = next(k for k, t in enumerate(free[0]) if k > 0 and t not in free[0][:k] and t not in free[1])
+    stop = free[0][k]
+    target = Target(model=tiny_target.model, tokenizer=tiny_target.tokenizer, spec="random:tiny")
+    target.stop_token_ids = lambda: [stop]  # instance attribute: the shared fixture stays untouched
+    prompts = [target.render_chat(h) for h in histories]
+    r0, r1 = regen._generate(target, prompts, RegenConfig(max_new_tokens=NEW), [stop])
+    assert r0.ids == free[0][:k + 1] and not r0.hit_limit
+    assert r0.text == target.tokenizer.decode(free[0][:k], skip_special_tokens=False)
+    assert r1.ids == free[1] and r1.hit_limit and len(r1.ids) == NEW
+
+
+def test_multi_turn_conditions_on_regenerated_history(tiny_target, tmp_path):
+    convs = [Conversation("c0", [sys_("s"), user("first"), asst("orig 1"), user("second"), asst("orig 2"),
+                                 user("third"), asst("orig 3")]),
+             Conversation("c1", [user("only one turn here"), asst("orig")])]
+    out = tmp_path / "regen.jsonl"
+    report = regenerate(tiny_target, convs, out, RegenConfig(max_new_tokens=NEW, max_turns=2), progress=False)
+    assert (report.written, report.turns, report.generated_tokens) == (2, 3, 3 * NEW)
+    assert report.hit_length_limit == 3  # the random model never emits a stop token in 8 tokens
+    c0, c1 = read_lines(out)
+    roles = [m["role"] for m in c0["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]  # cut after max_turns replies
+    assert [m["content"] for m in c0["messages"] if m["role"] == "user"] == ["first", "second"]
+    msgs = c0["messages"]
+    assert msgs[2]["content"] == reference_reply(tiny_target, msgs[:2])[1]
+    # Turn 2 is the target's reply to a history holding its OWN first reply, not the original.
+    assert msgs[2]["content"] != "orig 1"
+    assert msgs[4]["content"] == reference_reply(tiny_target, msgs[:4])[1]
+    assert [m["role"] for m in c1["messages"]] == ["user", "assistant"]
+    assert c0["regenerated_by"] == "random:tiny" and c0["max_new_tokens"] == NEW and c0["temperature"] == 0.0
+
+
+def test_sampling_is_seeded(tiny_target, tmp_path):
+    convs = conversations(1)
+    runs = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        cfg = RegenConfig(max_new_tokens=NEW, temperature=1.0, seed=seed)
+        regenerate(tiny_target, convs, tmp_path / f"{name}.jsonl", cfg, progress=False)
+        runs.append((tmp_path / f"{name}.jsonl").read_bytes())
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+# --- resumable output ----------------------------------------------------------------------------
+
+N = 5
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_target, tmp_path_factory):
+    """The reference: one run over N conversations (mixed 1 and 2 turns) that was never killed."""
+    out = tmp_path_factory.mktemp("regen") / "full.jsonl"
+    report = regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
+    assert report.written == N and report.already_done == 0
+    return out.read_bytes()
+
+
+def _resume_convs() -> list[Conversation]:
+    return [c if i % 2 else Conversation(c.id, c.messages[:2]) for i, c in enumerate(conversations(N, turns=2))]
+
+
+def _resume_cfg() -> RegenConfig:
+    return RegenConfig(max_new_tokens=NEW, batch_size=2)
+
+
+def _assert_complete(path, reference: bytes) -> None:
+    ids = [r["id"] for r in read_lines(path)]
+    assert len(ids) == len(set(ids)), "duplicate ids"
+    assert set(ids) == {f"c{i}" for i in range(N)}
+    assert path.read_bytes() == reference  # T=0: identical to the run that was never interrupted
+
+
+def test_resume_after_kill_mid_line(tiny_target, tmp_path, uninterrupted):
+    lines = uninterrupted.splitlines(keepends=True)
+    out = tmp_path / "run.jsonl"
+    out.write_bytes(b"".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # killed while writing line 3
+    report = regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
+    assert (report.already_done, report.written) == (2, N - 2)
+    _assert_complete(out, uninterrupted)
+
+
+def test_resume_after_losing_last_lines(tiny_target, tmp_path, uninterrupted):
+    lines = uninterrupted.splitlines(keepends=True)
+    out = tmp_path / "run.jsonl"
+    out.write_bytes(lines[0] + lines[1] + lines[2])  # the batch in flight (c3, c4) never reached the disk
+    report = regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
+    assert (report.already_done, report.written) == (3, 2)
+    _assert_complete(out, uninterrupted)
+
+
+def test_resume_drops_invalid_last_line(tiny_target, tmp_path, uninterrupted):
+    lines = uninterrupted.splitlines(keepends=True)
+    out = tmp_path / "run.jsonl"
+    out.write_bytes(b"".join(lines[:4]) + b'{"id": "c4", "mess\n')  # newline but not JSON
+    report = regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
+    assert (report.already_done, report.written) == (4, 1)
+    _assert_complete(out, uninterrupted)
+
+
+def test_finished_file_generates_nothing(tiny_target, tmp_path, uninterrupted, monkeypatch):
+    out = tmp_path / "run.jsonl"
+    out.write_bytes(uninterrupted)
+
+    def no_generate(*args, **kwargs):
+        raise AssertionError("generate called for a finished conversation")
+
+    monkeypatch.setattr(tiny_target.model, "generate", no_generate)
+    report = regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
+    assert (report.already_done, report.written, report.generated_tokens) == (N, 0, 0)
+    assert out.read_bytes() == uninterrupted
+    assert "0 conversations" in report.summary() and f"{N} already done" in report.summary()
+
+
+def test_creates_parent_dirs_and_skips_repeated_ids(tiny_target, tmp_path):
+    out = tmp_path / "new" / "dir" / "out.jsonl"
+    convs = conversations(2) + [Conversation("c0", [user("same id, other text")])]
+    report = regenerate(tiny_target, convs, out, RegenConfig(max_new_tokens=2, batch_size=4), progress=False)
+    assert [r["id"] for r in read_lines(out)] == ["c0", "c1"]
+    assert (report.written, report.duplicate_ids) == (2, 1)
+
+
+def test_corrupt_middle_line_is_refused(tiny_target, tmp_path, uninterrupted):
+    lines = uninterrupted.splitlines(keepends=True)
+    out = tmp_path / "run.jsonl"
+    out.write_bytes(lines[0] + b"not json\n" + lines[1])
+    with pytest.raises(UsageError, match=r"run\.jsonl:2: not a regenerated conversation"):
+        regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
+    assert out.read_bytes() == lines[0] + b"not json\n" + lines[1]  # nothing truncated
+
+
+def test_other_settings_are_refused(tiny_target, tmp_path, uninterrupted):
+    out = tmp_path / "run.jsonl"
+    out.write_bytes(uninterrupted)
+    with pytest.raises(UsageError, match=r"run\.jsonl:1: was regenerated with temperature 0\.0 \(this run: 0\.5\)"):
+        regenerate(tiny_target, _resume_convs(), out, RegenConfig(max_new_tokens=NEW, temperature=0.5),
+                   progress=False)
+
+
+def test_report_summary_is_one_line():
+    report = RegenReport(written=3, already_done=1, generated_tokens=120, seconds=2.0, hit_length_limit=2, turns=4)
+    text = report.summary()
+    assert "\n" not in text
+    assert "3 conversations" in text and "60.0 tokens/s" in text and "2 turns hit --max-new-tokens" in text
+
+
+def test_progress_bar_runs(tiny_target, tmp_path, capsys):
+    regenerate(tiny_target, conversations(1), tmp_path / "p.jsonl", RegenConfig(max_new_tokens=2), progress=True)
+    err = capsys.readouterr().err
+    assert "regenerate" in err and "tok_s" in err
+    assert torch.is_inference_mode_enabled() is False  # inference mode does not leak out

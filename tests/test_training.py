@@ -1,0 +1,157 @@
+"""The single-device trainer: exact resume, overfitting a tiny set, and the train command's guards."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.data.dataset import PreparedDataset, prepare_dataset
+from dflash_train.data.regenerate import RegenConfig, regenerate
+from dflash_train.data.sources import Conversation
+from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.eval.speculative import target_generate
+from dflash_train.models.checkpoint import load_drafter
+from dflash_train.models.factory import drafter_config_for, new_drafter
+from dflash_train.training.checkpoint import latest_checkpoint, load_state
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.trainer import Trainer
+
+PROMPTS = ["def add(a, b):", "count to five", "hello there", "sort a list", "what is 2+2", "name a color"]
+
+
+@pytest.fixture(scope="module")
+def regenerated(tiny_target, tmp_path_factory):
+    """Six conversations whose replies are the tiny target's own greedy outputs."""
+    root = tmp_path_factory.mktemp("data")
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)]
+    regenerate(tiny_target, convs, root / "regen.jsonl", RegenConfig(max_new_tokens=40, batch_size=6), progress=False)
+    rows = [json.loads(line) for line in (root / "regen.jsonl").read_text().splitlines()]
+    convs = [Conversation(r["id"], r["messages"]) for r in rows]
+    prepare_dataset(tiny_target.tokenizer, convs, root / "prepared", max_length=96)
+    return convs, PreparedDataset.open(root / "prepared")
+
+
+def _cfg(run_dir, **kw):
+    base = dict(run_dir=str(run_dir), target="random:tiny", max_length=96, token_budget=192, num_anchors=16,
+                block_size=4, log_every=1, checkpoint_every=3, keep_checkpoints=5, max_steps=6, lr=3e-3, seed=3)
+    return TrainConfig(**(base | kw))
+
+
+def _drafter(tiny_target, cfg):
+    d = new_drafter(drafter_config_for(tiny_target, num_layers=1, block_size=cfg.block_size, dtype="float32"), cfg.seed)
+    return d.float()
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_path):
+    _, data = regenerated
+    cfg_a = _cfg(tmp_path / "a")
+    Trainer(cfg_a, tiny_target, _drafter(tiny_target, cfg_a), data, tmp_path / "a", progress=False).train()
+    full = _losses(tmp_path / "a")
+    assert len(full) == 6
+
+    # Run b: the same run interrupted after step 3 (its step-3 checkpoint), then resumed.
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_0000003", tmp_path / "b" / "checkpoints" / "step_0000003")
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_0000003\n")
+    (tmp_path / "b" / "metrics.jsonl").write_text("".join(
+        line + "\n" for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:3]))
+    ckpt = latest_checkpoint(tmp_path / "b")
+    cfg_b = _cfg(tmp_path / "b")
+    drafter = load_drafter(ckpt / "drafter", dtype=torch.float32)
+    trainer = Trainer(cfg_b, tiny_target, drafter, data, tmp_path / "b", load_state(ckpt), progress=False)
+    assert trainer.step == 3
+    trainer.train()
+    resumed = _losses(tmp_path / "b")
+    assert resumed[:3] == full[:3]
+    torch.testing.assert_close(torch.tensor(resumed[3:]), torch.tensor(full[3:]), rtol=1e-6, atol=1e-6)
+
+
+class _Sequences:
+    """An in-memory dataset (the loader needs only lengths() and indexing)."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def lengths(self):
+        return np.array([len(ids) for ids, _ in self.pairs])
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+
+def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, tmp_path):
+    """Train on the target's own greedy continuations of six prompts, then decode those prompts."""
+    prompts = [tiny_target.render_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    pairs = []
+    for prompt in prompts:
+        reply = target_generate(tiny_target, prompt, 40).tokens
+        pairs.append((np.array(prompt + reply), np.array([0] * len(prompt) + [1] * len(reply))))
+    cfg = _cfg(tmp_path, max_steps=150, checkpoint_every=0, lr=5e-3, warmup_ratio=0.0, num_anchors=64, log_every=10)
+    drafter = _drafter(tiny_target, cfg)
+    before = evaluate(tiny_target, drafter.eval(), prompts, EvalConfig(max_new_tokens=24), progress=False)
+    Trainer(cfg, tiny_target, drafter, _Sequences(pairs), tmp_path, progress=False).train()
+    losses = _losses(tmp_path)
+    assert losses[-1] < losses[0] - 0.5  # the frozen random LM head has tiny logits: CE falls slowly
+    after = evaluate(tiny_target, drafter.eval(), prompts, EvalConfig(max_new_tokens=24), progress=False)
+    assert after.lossless and before.lossless
+    assert after.tau > before.tau + 0.5, (before.tau, after.tau)
+
+
+def test_run_dir_with_checkpoints_is_refused(tmp_path, capsys):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000001\n")
+    assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path), "--quiet"]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--num-anchors", "0"], "--num-anchors"),
+    (["--max-length", "4", "--block-size", "8"], "--max-length"),
+    (["--block-size", "1"], "--block-size"),
+    (["--lr", "-1"], "--lr"),
+    (["--on-bad", "ignore"], "--on-bad"),
+])
+def test_bad_train_options(tmp_path, capsys, argv, needle):
+    assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def test_toml_config_and_overrides(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('num_anchors = 0\n')
+    assert main(["train", "--config", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
+    assert "--num-anchors" in capsys.readouterr().err
+    cfg.write_text('num_ankors = 5\n')
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "unknown option 'num_ankors'" in capsys.readouterr().err
+    cfg.write_text('num_anchors = "many"\n')
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "num_anchors" in capsys.readouterr().err
+
+
+def test_train_command_end_to_end_on_tiny(tmp_path):
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"x{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
+    run = tmp_path / "run"
+    argv = ["train", "--target", "random:tiny", "--run-dir", str(run), "--data", str(data), "--num-conversations", "0",
+            "--regen-max-new-tokens", "24", "--max-length", "96", "--token-budget", "192", "--block-size", "4",
+            "--max-steps", "4", "--eval-limit", "1", "--eval-max-new-tokens", "8", "--eval-dataset", str(data), "--quiet"]
+    assert main(argv) == 0
+    assert (run / "drafter" / "model.safetensors").is_file() and (run / "config.toml").is_file()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 1
+    assert any((run / "tb").iterdir())
+    assert json.loads((run / "eval_after.json").read_text())["lossless"] is True
+    assert main(argv + ["--max-steps", "6", "--resume"]) == 0  # continues from step 4
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
