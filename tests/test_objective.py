@@ -121,7 +121,7 @@ def test_flex_block_mask_equals_dense_mask():
 def test_loss_weights_normalise_over_labelled_slots():
     torch.manual_seed(0)
     H, V, B = 8, 11, 3
-    head = torch.nn.Linear(H, V, bias=False)
+    head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
     hidden = torch.randn(2 * B, H)
     labels = torch.tensor([IGNORE, 3, 4, IGNORE, 5, IGNORE])
     w = slot_weights(B, 2.0).repeat(2) * (labels != IGNORE)
@@ -174,3 +174,24 @@ def test_flex_and_dense_give_the_same_gradients_on_cuda(tiny_target, make_drafte
     torch.testing.assert_close(grads["dense"][0], grads["flex"][0], rtol=1e-4, atol=1e-4)
     for gd, gf in zip(grads["dense"][1], grads["flex"][1]):
         torch.testing.assert_close(gd, gf, rtol=1e-3, atol=1e-4)
+
+
+def test_fused_head_loss_matches_autograd_reference():
+    """The chunked head+CE with its in-forward gradient equals plain autograd through F.cross_entropy."""
+    torch.manual_seed(1)
+    H, V, B, n = 16, 37, 4, 5
+    head = torch.nn.Linear(H, V, bias=True).requires_grad_(False)
+    hidden = torch.randn(n * B, H, requires_grad=True)
+    labels = torch.randint(0, V, (n * B,))
+    labels[::B] = IGNORE
+    w = slot_weights(B, 2.0).repeat(n) * (labels != IGNORE)
+    out = weighted_block_loss(hidden, labels, w, head, B, chunk_rows=3)
+    (out.loss * 2.5).backward()
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    ce = torch.nn.functional.cross_entropy(head(ref_h), labels.clamp_min(0), reduction="none")
+    ref = (ce * w).sum() / w.sum()
+    (ref * 2.5).backward()
+    torch.testing.assert_close(out.loss, ref)
+    torch.testing.assert_close(hidden.grad, ref_h.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(weighted_block_loss(hidden, labels, w, head, B).loss, ref)

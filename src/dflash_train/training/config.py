@@ -36,6 +36,7 @@ class TrainConfig:
     regen_temperature: float = _opt(0.0, "sampling temperature of regeneration (0 = greedy)")
     regen_batch_size: int = _opt(32, "conversations per regeneration batch")
     regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
+    regen_max_prompt_tokens: int = _opt(256, "skip conversations whose first prompt is longer (prefill cost)")
     max_length: int = _opt(512, "tokens per training sequence (longer ones are truncated)")
     on_bad: str = _opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
     # --- drafter ---------------------------------------------------------------------
@@ -49,6 +50,8 @@ class TrainConfig:
     attention: str = _opt("auto", "flex | dense | auto (flex on CUDA, dense elsewhere)")
     loss_chunk_rows: int = _opt(4096, "block tokens per LM-head + loss chunk")
     token_budget: int = _opt(2048, "context tokens packed into one step")
+    cache_features: bool | None = _opt(None, "compute each sequence's target features once and keep them in memory, "
+                                       "so the target runs only in the first epoch (small data; default: on for CPU)")
     # --- optimisation ----------------------------------------------------------------
     lr: float = _opt(6e-4, "peak learning rate (AdamW)")
     warmup_ratio: float = _opt(0.04, "fraction of steps of linear warm-up before the cosine decay")
@@ -68,7 +71,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "block_size", "num_anchors", "token_budget", "max_length", "log_every",
-                    "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns",
+                    "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns", "regen_max_prompt_tokens",
                     "eval_max_new_tokens", "loss_chunk_rows")
         for name in positive:
             if getattr(self, name) < 1:

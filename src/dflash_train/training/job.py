@@ -67,14 +67,14 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
     if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
         return PreparedDataset.open(cfg.data)
     limit = cfg.num_conversations or None
-    src_key = _key(cfg.data, limit, cfg.on_bad, target.spec)
+    src_key = _key(cfg.data, limit, cfg.on_bad, target.spec, cfg.regen_max_prompt_tokens if cfg.regenerate else None)
     data_dir = run_dir / f"data-{_key(src_key, cfg.regenerate, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns, cfg.max_length)}"
     if (data_dir / "meta.json").is_file():
         say(f"using the prepared data in {data_dir}")
         return PreparedDataset.open(data_dir)
     report = SourceReport()
-    convs = list(iter_conversations(cfg.data, split="train", on_bad=cfg.on_bad, limit=limit, report=report,
-                                    require_assistant=not cfg.regenerate))
+    convs = _select(iter_conversations(cfg.data, split="train", on_bad=cfg.on_bad, report=report,
+                                       require_assistant=not cfg.regenerate), target, cfg, report)
     say(f"data: {report.summary()}")
     if cfg.regenerate:
         regen_path = run_dir / f"regenerated-{_key(src_key, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns)}.jsonl"
@@ -88,6 +88,28 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
                            target_spec=target.spec, source_summary=report.summary, overwrite=True)
     say(f"prepare: {prep.summary()}")
     return PreparedDataset.open(data_dir)
+
+
+def _select(convs, target: Target, cfg: TrainConfig, report) -> list:
+    """The first --num-conversations conversations whose first prompt fits --regen-max-prompt-tokens.
+
+    Long prompts cost prefill time and leave no room for the reply within --max-length; they are
+    skipped and counted. Sorted by prompt length so regeneration batches carry little padding.
+    """
+    from dflash_train.data.conversations import first_prompt
+
+    picked: list[tuple[int, object]] = []
+    for conv in convs:
+        n = len(target.render_chat(first_prompt(conv.messages))) if cfg.regenerate else 0
+        if n > cfg.regen_max_prompt_tokens:
+            report.used -= 1
+            report.skip(conv.id, "prompt longer than --regen-max-prompt-tokens")
+            continue
+        picked.append((n, conv))
+        if cfg.num_conversations and len(picked) >= cfg.num_conversations:
+            break
+    picked.sort(key=lambda item: item[0])
+    return [conv for _, conv in picked]
 
 
 def _read_regenerated(path: Path, ids: list[str]):

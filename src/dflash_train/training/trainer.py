@@ -56,6 +56,10 @@ class _Window:
         self.block_tokens += out.block_tokens
 
 
+def _cache_features(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.cache_features if cfg.cache_features is not None else device.type == "cpu"
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,
                  resume_state: dict[str, Any] | None = None, progress: bool = True) -> None:
@@ -70,6 +74,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cosine_schedule(self.total_steps, cfg.warmup_ratio))
         self.update = DrafterUpdate(self.objective, self.optimizer, self.scheduler, cfg.grad_clip)
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.feature_cache: dict[int, torch.Tensor] | None = {} if _cache_features(cfg, self.device) else None
         self.step = 0
         if resume_state is not None:
             self._restore(resume_state)
@@ -111,12 +116,12 @@ class Trainer:
         window, last = _Window(self.drafter.block_size, self.device), None
         try:
             while self.step < self.total_steps:
-                batch_cpu, _ = self.loader.next()
+                batch_cpu, picked = self.loader.next()
                 anchors_cpu = sample_packed_anchors(batch_cpu, cfg.num_anchors, self.anchor_gen)
                 if anchors_cpu.numel() == 0:
                     continue  # no two consecutive assistant tokens in this pack: nothing to learn from
                 batch, anchors = batch_cpu.to(self.device), anchors_cpu.to(self.device)
-                features = packed_features(self.target, batch, layer_ids)
+                features = self._features(batch, picked, layer_ids)
                 window.add(self.update(batch, anchors, features))
                 self.step += 1
                 metrics.advance()
@@ -134,6 +139,18 @@ class Trainer:
         metrics.close()
         self.drafter.eval()
         return TrainResult(self.step, time.perf_counter() - t_start, last)
+
+    def _features(self, batch, picked: list[int], layer_ids: list[int]) -> torch.Tensor:
+        """Target features of the pack; with --cache-features each sequence's are computed once."""
+        if self.feature_cache is None:
+            return packed_features(self.target, batch, layer_ids)
+        if any(i not in self.feature_cache for i in picked):
+            feats = packed_features(self.target, batch, layer_ids)
+            lengths = torch.bincount(batch.seq_ids).tolist()  # host sync: once per new pack
+            for i, part in zip(picked, feats.split(lengths)):
+                self.feature_cache[i] = part
+            return feats
+        return torch.cat([self.feature_cache[i] for i in picked])
 
     def _record(self, w: _Window) -> dict[str, Any]:
         """One metrics record; reading the window back is the only host sync of the loop."""
