@@ -195,3 +195,25 @@ def test_fused_head_loss_matches_autograd_reference():
     torch.testing.assert_close(hidden.grad, ref_h.grad)
     with torch.no_grad():
         torch.testing.assert_close(weighted_block_loss(hidden, labels, w, head, B).loss, ref)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_segmented_mask_equals_dense_mask(window):
+    from dflash_train.objective.masks import segmented_mask
+
+    b = _packed()
+    anchors = sample_packed_anchors(b, 3, torch.Generator().manual_seed(4))
+    spec = MaskSpec(b.seq_ids, b.positions, anchors, 4, window)
+    assert torch.equal(segmented_mask(spec).to_dense(spec.num_queries), dense_mask(spec)[0, 0])
+
+
+def test_segmented_attention_equals_dense_attention():
+    from dflash_train.models.attention import attend
+    from dflash_train.objective.masks import segmented_mask
+
+    b = _packed()
+    anchors = sample_packed_anchors(b, 3, torch.Generator().manual_seed(4))
+    spec = MaskSpec(b.seq_ids, b.positions, anchors, 4)
+    n, m = spec.num_queries, spec.context_len + spec.num_queries
+    q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, m, 8), torch.randn(1, 2, m, 8)
+    torch.testing.assert_close(attend(q, k, v, segmented_mask(spec), 0.3), attend(q, k, v, dense_mask(spec), 0.3))

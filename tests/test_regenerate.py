@@ -232,7 +232,7 @@ def test_finished_file_generates_nothing(tiny_target, tmp_path, uninterrupted, m
     def no_generate(*args, **kwargs):
         raise AssertionError("generate called for a finished conversation")
 
-    monkeypatch.setattr(tiny_target.model, "generate", no_generate)
+    monkeypatch.setattr(regen, "_generate", no_generate)
     report = regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
     assert (report.already_done, report.written, report.generated_tokens) == (N, 0, 0)
     assert out.read_bytes() == uninterrupted

@@ -13,7 +13,7 @@ the target given the history *as regenerated so far*:
 Conditioning on the target's own earlier replies (not the originals) keeps every training
 context on the target's distribution, which is what it will see when the drafter serves it.
 The cost is that turn k needs turn k-1 first, so turns are generated in rounds: a batch of
-conversations does its first turn in one batched `generate`, then its second turn for the
+conversations does its first turn in one batched decode, then its second turn for the
 conversations that have one, and so on. `--max-turns` caps the rounds; a conversation is cut
 after its last regenerated reply, and user turns left without a reply are dropped.
 
@@ -50,13 +50,6 @@ from dflash_train.errors import UsageError
 from dflash_train.models.targets import Target
 
 Message = dict[str, str]
-
-# Decode from the target's plain (tempered) distribution, as eval/speculative.py does. A hub
-# model's generation_config.json may set penalties and top-k / top-p / min-p, which `generate`
-# would otherwise apply; the drafter must learn the unmodified target. The penalties act even
-# at T=0; the warpers act only when sampling (passing them at T=0 makes generate warn).
-_PLAIN_ALWAYS = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, use_cache=True)
-_PLAIN_SAMPLING = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,7 +131,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     done = _resume(out_path, header)
     stops = target.stop_token_ids()  # builds the vocabulary dict: once per run, not per turn
     report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
-    torch.manual_seed(cfg.seed)  # generate samples from torch's global generator
+    torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
     total = len(conversations) if hasattr(conversations, "__len__") else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
@@ -183,7 +176,7 @@ def _record(job: _Job, header: dict) -> dict:
 
 @torch.inference_mode()
 def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport) -> None:
-    """Fill every job's history, one batched `generate` per turn index."""
+    """Fill every job's history, one batched decode per turn index."""
     for k in range(max(len(j.segments) for j in jobs)):
         active = [j for j in jobs if k < len(j.segments)]
         for job in active:
@@ -198,23 +191,45 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
 
 
 def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
-    """One reply per prompt from a single left-padded batched `generate`."""
-    pad_id = _pad_id(target, stops)
-    input_ids, attention_mask = _left_pad(prompts, pad_id)
-    sampling = cfg.temperature > 0
-    decoding = {**_PLAIN_ALWAYS, **(dict(_PLAIN_SAMPLING, temperature=cfg.temperature) if sampling else {})}
-    # Position ids: generate derives them from the attention mask (cumsum - 1), so a left-padded
-    # row gets the positions of its unpadded prompt. Tests check the positions directly (RoPE's
-    # shift invariance would hide an offset) and batched == unbatched tokens at T=0.
-    out = target.model.generate(
-        input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device),
-        max_new_tokens=cfg.max_new_tokens, do_sample=sampling, eos_token_id=stops or None, pad_token_id=pad_id,
-        **decoding,
-    )
-    # Host sync: one copy of the new tokens per batched turn, needed to decode the text that
-    # the next turn's prompt is rendered from. (generate itself syncs every step to check stops.)
-    new_tokens = out[:, input_ids.shape[1]:].tolist()
-    return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in new_tokens]
+    """One reply per prompt from a single left-padded batch decoded with a KV cache.
+
+    A plain loop rather than HF `generate`: on 2 CPU cores generate's per-step overhead doubled
+    the step time (0.7 s vs 0.33 s for 32 rows of SmolLM2), and the loop applies no logits
+    processors, so T=0 is the target's argmax and T>0 samples the target's own distribution.
+    """
+    from transformers import DynamicCache
+
+    dev = target.device
+    input_ids, mask = _left_pad(prompts, _pad_id(target, stops))
+    input_ids, mask = input_ids.to(dev), mask.to(dev)
+    # A left-padded row's real tokens get positions 0.. as if unpadded (RoPE would hide an offset).
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    stop_ids = torch.tensor(stops or [-1], device=dev)
+    cache = DynamicCache(config=target.config)
+    out = target.model(input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+    tokens, done = [], torch.zeros(len(prompts), dtype=torch.bool, device=dev)
+    for step in range(cfg.max_new_tokens):
+        nxt = _pick_next(out.logits[:, -1], cfg.temperature)
+        tokens.append(nxt)
+        done |= torch.isin(nxt, stop_ids)
+        # Host sync: stop as soon as every row has ended (the common case saves most steps).
+        if step + 1 == cfg.max_new_tokens or bool(done.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = target.model(nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True)
+    # Host sync: one copy of the new tokens per batched turn, to decode the next prompt's text.
+    rows = torch.stack(tokens, dim=1).tolist()
+    return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in rows]
+
+
+def _pick_next(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1)[:, 0]  # torch's global generator, seeded once per run
 
 
 def _reply(target: Target, row: list[int], stops: set[int], max_new_tokens: int) -> _Reply:

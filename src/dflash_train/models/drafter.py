@@ -22,14 +22,7 @@ from torch import nn
 
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 
-try:  # FlexAttention exists from torch 2.5; the dense path below needs nothing of it.
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # pragma: no cover
-    BlockMask, flex_attention = None, None
-
-# An attention mask is either None (attend to every key), a dense boolean tensor
-# broadcastable to [batch, heads, queries, keys] (True = may attend), or a FlexAttention BlockMask.
-AttnMask = torch.Tensor | BlockMask | None
+from dflash_train.models.attention import AttnMask, attend
 
 
 class RMSNorm(nn.Module):
@@ -116,29 +109,6 @@ class ContextCache:
         keep = full_k.shape[2] - k.shape[2] + n_ctx
         self.keys[layer], self.values[layer] = full_k[:, :, :keep], full_v[:, :, :keep]
         return full_k, full_v
-
-
-_compiled_flex = None
-
-
-def _flex_attention(q: torch.Tensor):
-    """FlexAttention is only fast when compiled (CUDA); eager mode is an exact reference elsewhere."""
-    global _compiled_flex
-    if not q.is_cuda:
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float) -> torch.Tensor:
-    """q: [b, Hq, n, d], k/v: [b, Hkv, m, d] (GQA) -> [b, Hq, n, d]."""
-    if BlockMask is not None and isinstance(mask, BlockMask):
-        return _flex_attention(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    if q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class DrafterAttention(nn.Module):

@@ -8,8 +8,10 @@ A query in block j (anchor a_j) may attend to
 Sliding-window draft layers add: key position <= query position and within the window
 (the reference treats them as causal-within-window).
 
-`dense_mask` evaluates the predicate on the full grid (exact CPU path, used with SDPA);
-`flex_block_mask` hands the same predicate to FlexAttention, which skips empty tiles.
+`dense_mask` evaluates the predicate on the full grid; `segmented_mask` evaluates it only on
+each packed sequence's own [context | blocks] (the exact CPU path: everything outside is False
+by construction); `flex_block_mask` hands the same predicate to FlexAttention, which skips
+empty tiles.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.models.attention import Segment, SegmentedMask
 from dflash_train.objective.blocks import Blocks, PackedBatch
 
 
@@ -64,6 +67,24 @@ def dense_mask(spec: MaskSpec) -> torch.Tensor:
     q = torch.arange(spec.num_queries, device=dev)[:, None]
     kv = torch.arange(spec.context_len + spec.num_queries, device=dev)[None, :]
     return spec.allowed(q, kv)[None, None]
+
+
+def segmented_mask(spec: MaskSpec) -> SegmentedMask:
+    """Per packed sequence: the predicate on its block queries x [its context | its blocks]."""
+    B, S, dev = spec.block_size, spec.context_len, spec.seq_ids.device
+    seq_of_anchor = spec.seq_ids[spec.anchors]
+    # Host sync: segment boundaries decide tensor shapes (CPU path, where it costs nothing).
+    anchor_counts = torch.bincount(seq_of_anchor, minlength=int(spec.seq_ids[-1]) + 1).tolist()
+    ctx_counts = torch.bincount(spec.seq_ids).tolist()
+    segments, a0, c0 = [], 0, 0
+    for n_anchors, n_ctx in zip(anchor_counts, ctx_counts):
+        if n_anchors:
+            q = torch.arange(a0 * B, (a0 + n_anchors) * B, device=dev)[:, None]
+            kv = torch.cat([torch.arange(c0, c0 + n_ctx, device=dev), S + q[:, 0]])[None, :]
+            segments.append(Segment(slice(a0 * B, (a0 + n_anchors) * B), slice(c0, c0 + n_ctx),
+                                    spec.allowed(q, kv)))
+        a0, c0 = a0 + n_anchors, c0 + n_ctx
+    return SegmentedMask(S, segments)
 
 
 def flex_block_mask(spec: MaskSpec):

@@ -6,8 +6,8 @@
 
 The target side (features) and the drafter side (this module) are separate so a pipeline can
 run them in different processes; the math is the same on CPU and GPU. Attention runs through
-FlexAttention block masks (`attention="flex"`, the CUDA default) or an exact dense boolean mask
-with SDPA (`"dense"`, the CPU default).
+FlexAttention block masks (`attention="flex"`, the CUDA default) or the exact dense predicate
+evaluated per packed sequence with SDPA (`"dense"`, the CPU default).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.anchors import sample_anchors
 from dflash_train.objective.blocks import Blocks, PackedBatch, build_blocks, gamma_for
 from dflash_train.objective.loss import LossOutput, weighted_block_loss
-from dflash_train.objective.masks import MaskSpec, dense_mask, flex_block_mask
+from dflash_train.objective.masks import MaskSpec, flex_block_mask, segmented_mask
 
 ATTENTION_BACKENDS = ("auto", "flex", "dense")
 
@@ -81,7 +81,7 @@ class DFlashObjective(nn.Module):
         return self.cfg.attention
 
     def masks(self, batch: PackedBatch, blocks: Blocks) -> dict[str, object]:
-        build = flex_block_mask if self.backend(batch.input_ids.device) == "flex" else dense_mask
+        build = flex_block_mask if self.backend(batch.input_ids.device) == "flex" else segmented_mask
         cfg = self.drafter.config
         masks = {FULL_ATTENTION: build(MaskSpec.of(batch, blocks))}
         if SLIDING_ATTENTION in cfg.layer_types:

@@ -1,0 +1,82 @@
+"""Attention for the drafter: one entry point, three kinds of mask.
+
+    None                 attend to every key (decode time, full-attention layers)
+    a boolean tensor     broadcastable to [batch, heads, queries, keys], True = may attend (SDPA)
+    SegmentedMask        block-diagonal training masks on CPU: each packed sequence's block
+                         queries see only that sequence's context and blocks, so attention runs
+                         per sequence over [its context | its blocks] instead of the whole pack
+    BlockMask            FlexAttention's block-sparse mask (CUDA training; compiled there)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # FlexAttention exists from torch 2.5; nothing else here needs it.
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask, flex_attention = None, None
+
+
+@dataclass
+class Segment:
+    queries: slice  # rows of the block queries
+    context: slice  # columns of the context keys (the blocks' keys follow the context: S + queries)
+    mask: torch.Tensor  # [n_queries, n_context + n_queries] boolean
+
+
+@dataclass
+class SegmentedMask:
+    context_len: int  # S: block keys start at column S
+    segments: list[Segment]
+
+    def to_dense(self, num_queries: int) -> torch.Tensor:
+        """The equivalent [queries, S + queries] boolean mask (for tests)."""
+        dev = self.segments[0].mask.device
+        out = torch.zeros(num_queries, self.context_len + num_queries, dtype=torch.bool, device=dev)
+        S = self.context_len
+        for seg in self.segments:
+            n_ctx = seg.context.stop - seg.context.start
+            out[seg.queries, seg.context] = seg.mask[:, :n_ctx]
+            out[seg.queries, S + seg.queries.start:S + seg.queries.stop] = seg.mask[:, n_ctx:]
+        return out
+
+
+AttnMask = torch.Tensor | SegmentedMask | BlockMask | None
+
+_compiled_flex = None
+
+
+def _flex_attention(q: torch.Tensor):
+    """FlexAttention is only fast when compiled (CUDA); eager mode is an exact reference elsewhere."""
+    global _compiled_flex
+    if not q.is_cuda:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def _sdpa(q, k, v, mask, scale):
+    if q.shape[1] != k.shape[1]:  # GQA: expand K/V heads to the query heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float) -> torch.Tensor:
+    """q: [b, Hq, n, d], k/v: [b, Hkv, m, d] (GQA) -> [b, Hq, n, d]."""
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return _flex_attention(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if isinstance(mask, SegmentedMask):
+        S, parts = mask.context_len, []
+        for seg in mask.segments:
+            blk = slice(S + seg.queries.start, S + seg.queries.stop)
+            k_seg = torch.cat([k[:, :, seg.context], k[:, :, blk]], dim=2)
+            v_seg = torch.cat([v[:, :, seg.context], v[:, :, blk]], dim=2)
+            parts.append(_sdpa(q[:, :, seg.queries], k_seg, v_seg, seg.mask, scale))
+        return torch.cat(parts, dim=2)  # segments cover the queries in order
+    return _sdpa(q, k, v, mask, scale)
