@@ -159,18 +159,22 @@ def test_flex_and_dense_give_the_same_loss(tiny_target, make_drafter, sliding):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
-def test_flex_and_dense_give_the_same_gradients_on_cuda(tiny_target, make_drafter):
+def test_flex_and_dense_give_the_same_gradients_on_cuda():
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.models.targets import load_target
+
+    target = load_target("random:tiny", device="cuda", dtype=torch.float32)
+    cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32")
     b = _packed().to("cuda")
     anchors = sample_packed_anchors(_packed(), 4, torch.Generator().manual_seed(1)).cuda()
     feats = torch.randn(b.num_tokens, 3 * 64, device="cuda")
     grads = {}
     for backend in ("dense", "flex"):
-        obj = _objective(tiny_target.__class__(tiny_target.model.cuda(), tiny_target.tokenizer, "t"), make_drafter,
-                         backend)
-        obj.drafter.cuda()
+        drafter = new_drafter(cfg, seed=1).float().cuda()
+        obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=backend))
         loss = obj(b, anchors, feats).loss
         loss.backward()
-        grads[backend] = (loss.detach(), [p.grad for p in obj.drafter.parameters()])
+        grads[backend] = (loss.detach(), [p.grad for p in drafter.parameters()])
     torch.testing.assert_close(grads["dense"][0], grads["flex"][0], rtol=1e-4, atol=1e-4)
     for gd, gf in zip(grads["dense"][1], grads["flex"][1]):
         torch.testing.assert_close(gd, gf, rtol=1e-3, atol=1e-4)

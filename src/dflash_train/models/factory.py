@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from dflash_train.errors import UsageError
 from dflash_train.models.config import (FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig, check_against_target,
                                         default_target_layer_ids)
 from dflash_train.models.drafter import DFlashDrafter
@@ -68,3 +71,37 @@ def check_compatible(drafter: DFlashDrafter, target: Target, where: str = "--dra
 def to_device(drafter: DFlashDrafter, target: Target) -> DFlashDrafter:
     """Place the drafter beside the target, computing in the target's dtype."""
     return drafter.to(device=target.device, dtype=target.dtype)
+
+
+def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
+    """Copy the target's last decoder layers (and final norm) into the draft layers.
+
+    Same architecture, same shapes (drafter_config_for copies the target's layer shape), so a
+    draft layer starts as a trained attention + MLP block instead of noise: attention that
+    already locates recent tokens, and output scales the frozen LM head expects. Targets
+    without per-head q/k norms (Llama) leave q_norm/k_norm at one. The fusion `fc` has no
+    counterpart and keeps its random init.
+    """
+    layers = target.decoder.layers
+    n = len(drafter.layers)
+    if n > len(layers):
+        raise UsageError(f"--init-from-target: the drafter has {n} layers, the target only {len(layers)}")
+    with torch.no_grad():
+        for dst, src in zip(drafter.layers, list(layers)[-n:]):
+            pairs = [(dst.self_attn, src.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
+                     (dst.mlp, src.mlp, ("gate_proj", "up_proj", "down_proj")),
+                     (dst, src, ("input_layernorm", "post_attention_layernorm"))]
+            for dst_mod, src_mod, names in pairs:
+                for name in names:
+                    if hasattr(src_mod, name):
+                        _copy_module(getattr(dst_mod, name), getattr(src_mod, name), name)
+        _copy_module(drafter.norm, target.decoder.norm, "norm")
+
+
+def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str) -> None:
+    for pname, p in dst.named_parameters():
+        q = getattr(src, pname, None)
+        if q is None or q.shape != p.shape:
+            raise UsageError(f"--init-from-target: target {name}.{pname} has shape "
+                             f"{None if q is None else tuple(q.shape)}, the drafter {tuple(p.shape)}")
+        p.copy_(q.to(p.dtype))

@@ -43,7 +43,11 @@ class TrainConfig:
     num_layers: int = _opt(1, "draft layers")
     block_size: int = _opt(8, "block size B")
     num_features: int | None = _opt(None, "target feature layers (default 5, fewer for shallow targets)")
-    init_drafter: str | None = _opt(None, "start from this drafter directory instead of a random init")
+    init_drafter: str | None = _opt(None, "start from this drafter directory instead of a fresh init")
+    init_from_target: bool = _opt(True, "initialise the draft layers from the target's last layers and final norm "
+                                  "(else random); needs matching shapes")
+    sliding_layers: int = _opt(0, "draft layers (the first ones) with sliding-window attention")
+    sliding_window: int | None = _opt(None, "window of the sliding-window draft layers")
     # --- objective -------------------------------------------------------------------
     num_anchors: int = _opt(96, "anchors drawn per sequence each time it is seen")
     gamma: float | None = _opt(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
@@ -80,6 +84,10 @@ class TrainConfig:
                      "regen_temperature"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.sliding_layers < 0 or self.sliding_layers > self.num_layers:
+            raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
+        if self.sliding_layers and not (self.sliding_window or 0) >= 1:
+            raise UsageError("--sliding-window must be >= 1 when --sliding-layers > 0")
         if self.block_size < 2:
             raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
         if self.max_length < self.block_size:

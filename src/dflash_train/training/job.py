@@ -25,7 +25,7 @@ from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.checkpoint import load_drafter, parse_dtype, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter
+from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target, load_target
 from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, load_state
 from dflash_train.training.config import TrainConfig
@@ -131,8 +131,11 @@ def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> 
         drafter = load_drafter(cfg.init_drafter, dtype=torch.float32, flag="--init-drafter")
     else:
         dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                                  num_features=cfg.num_features, dtype=cfg.export_dtype)
+                                  num_features=cfg.num_features, dtype=cfg.export_dtype,
+                                  num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window)
         drafter = new_drafter(dcfg, cfg.seed)
+        if cfg.init_from_target:
+            init_from_target(drafter, target)
     check_compatible(drafter, target)
     return drafter.to(device=target.device, dtype=torch.float32)  # fp32 master weights
 
