@@ -86,3 +86,20 @@ def test_local_hf_directory_round_trip(tiny_target, tmp_path):
     ids = torch.randint(0, 256, (1, 6))
     torch.testing.assert_close(loaded.features(ids, [1, 2]), tiny_target.features(ids, [1, 2]))
     assert loaded.render_chat([{"role": "user", "content": "x"}]) == tiny_target.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_init_from_target_copies_the_last_layers(tiny_target):
+    from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
+
+    drafter = new_drafter(drafter_config_for(tiny_target, num_layers=2, block_size=4, dtype="float32")).float()
+    init_from_target(drafter, tiny_target)
+    src = tiny_target.decoder.layers
+    for dst, s in zip(drafter.layers, list(src)[-2:]):
+        torch.testing.assert_close(dst.self_attn.q_proj.weight, s.self_attn.q_proj.weight)
+        torch.testing.assert_close(dst.self_attn.k_norm.weight, s.self_attn.k_norm.weight)
+        torch.testing.assert_close(dst.mlp.down_proj.weight, s.mlp.down_proj.weight)
+        torch.testing.assert_close(dst.post_attention_layernorm.weight, s.post_attention_layernorm.weight)
+    torch.testing.assert_close(drafter.norm.weight, tiny_target.decoder.norm.weight)
+    too_deep = new_drafter(drafter_config_for(tiny_target, num_layers=7, block_size=4, dtype="float32"))
+    with pytest.raises(UsageError, match="--init-from-target"):
+        init_from_target(too_deep, tiny_target)

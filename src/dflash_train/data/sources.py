@@ -38,7 +38,8 @@ class Conversation:
 class SourceReport:
     read: int = 0
     used: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    skipped: dict[str, int] = field(default_factory=dict)  # bad record reason -> count
+    filtered: dict[str, int] = field(default_factory=dict)  # good records left out by a selection rule
     examples: list[str] = field(default_factory=list)  # first few "file:line: reason"
     notes: list[str] = field(default_factory=list)
 
@@ -48,11 +49,19 @@ class SourceReport:
         if len(self.examples) < 5:
             self.examples.append(f"{where}: {reason}")
 
+    def drop(self, reason: str) -> None:
+        """A usable record that a selection rule leaves out (counted apart from bad records)."""
+        self.used -= 1
+        self.filtered[reason] = self.filtered.get(reason, 0) + 1
+
     def summary(self) -> str:
         text = f"{self.used} conversations used of {self.read} read"
         if self.skipped:
             text += f"; skipped {sum(self.skipped.values())} bad records: " + ", ".join(
                 f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+        if self.filtered:
+            text += f"; left out {sum(self.filtered.values())}: " + ", ".join(
+                f"{n} {reason}" for reason, n in sorted(self.filtered.items()))
         return "; ".join([text, *self.notes])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import sys
 import time
@@ -67,7 +68,8 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
     if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
         return PreparedDataset.open(cfg.data)
     limit = cfg.num_conversations or None
-    src_key = _key(cfg.data, limit, cfg.on_bad, target.spec, cfg.regen_max_prompt_tokens if cfg.regenerate else None)
+    src_key = _key(cfg.data, limit, cfg.on_bad, target.spec, cfg.data_topic,
+                   cfg.regen_max_prompt_tokens if cfg.regenerate else None)
     data_dir = run_dir / f"data-{_key(src_key, cfg.regenerate, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns, cfg.max_length)}"
     if (data_dir / "meta.json").is_file():
         say(f"using the prepared data in {data_dir}")
@@ -90,6 +92,11 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
     return PreparedDataset.open(data_dir)
 
 
+# A first prompt "about code": a fence, a keyword of code or a language name.
+CODE_TOPIC = re.compile(r"```|\bdef |\bpython\b|\bfunction\b|\bcode\b|\bjavascript\b|\bclass\b|\bimport\b|"
+                        r"\bsql\b|\bscript\b|\bjava\b|\bc\+\+|\btypescript\b|\bregex\b", re.IGNORECASE)
+
+
 def _select(convs, target: Target, cfg: TrainConfig, report) -> list:
     """The first --num-conversations conversations whose first prompt fits --regen-max-prompt-tokens.
 
@@ -100,10 +107,12 @@ def _select(convs, target: Target, cfg: TrainConfig, report) -> list:
 
     picked: list[tuple[int, object]] = []
     for conv in convs:
+        if cfg.data_topic == "code" and not CODE_TOPIC.search(first_prompt(conv.messages)[-1]["content"]):
+            report.drop("not about code (--data-topic code)")
+            continue
         n = len(target.render_chat(first_prompt(conv.messages))) if cfg.regenerate else 0
         if n > cfg.regen_max_prompt_tokens:
-            report.used -= 1
-            report.skip(conv.id, "prompt longer than --regen-max-prompt-tokens")
+            report.drop("prompt longer than --regen-max-prompt-tokens")
             continue
         picked.append((n, conv))
         if cfg.num_conversations and len(picked) >= cfg.num_conversations:
@@ -141,10 +150,11 @@ def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> 
 
 
 def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: TrainConfig, name: str,
-             run_dir: Path, progress: bool) -> EvalReport:
+             run_dir: Path, progress: bool, baseline: bool = True) -> EvalReport:
+    """tau on the eval prompts; `baseline` adds target-only decoding (speedup + lossless check)."""
     drafter.eval()
-    rep = evaluate(target, drafter, prompts, EvalConfig(max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed),
-                   progress=progress)
+    rep = evaluate(target, drafter, prompts, EvalConfig(max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed,
+                                                        baseline=baseline), progress=progress)
     rep.to_json(run_dir / f"eval_{name}.json")
     return rep
 
@@ -165,7 +175,8 @@ def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, prog
         f"B={drafter.block_size}, target layers {drafter.config.target_layer_ids}")
     before = None
     if prompts and ckpt is None:
-        before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress)
+        # tau only: the untrained drafter's speedup and losslessness are not the question here
+        before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress, baseline=False)
         say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
     trainer = Trainer(cfg, target, drafter, dataset, run_dir, load_state(ckpt) if ckpt else None, progress)
     say(f"training {trainer.total_steps - trainer.step} steps on {len(dataset)} sequences"
