@@ -63,7 +63,7 @@ class TrainConfig:
     warmup_ratio: float = _opt(0.04, "fraction of steps of linear warm-up before the cosine decay")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     grad_clip: float = _opt(1.0, "gradient-norm clip (0 = off)")
-    epochs: float = _opt(6.0, "passes over the data (ignored when --max-steps > 0)")
+    epochs: float = _opt(5.0, "passes over the data (ignored when --max-steps > 0)")
     max_steps: int = _opt(0, "optimizer steps (0 = derive from --epochs)")
     # --- logging and checkpoints -----------------------------------------------------
     log_every: int = _opt(10, "steps between metric records")
