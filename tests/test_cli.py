@@ -118,3 +118,20 @@ def test_console_script_usage_error_exit_code(tmp_path):
                            "--target", "random:nope"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "random:nope" in proc.stderr
+
+
+def test_prepare_and_regenerate_commands(tmp_path, capsys):
+    data = tmp_path / "convs.jsonl"
+    good = {"id": "g1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]}
+    data.write_text(json.dumps(good) + "\n" + '{"messages": [\n' + json.dumps({"prompt": "no reply"}) + "\n")
+    base = ["--target", "random:tiny", "--data", str(data), "--split", "all"]
+    err = _error(["prepare", *base, "--max-length", "64", "--out", str(tmp_path / "p")], capsys)
+    assert "convs.jsonl:2: malformed JSON" in err and "--on-bad skip" in err
+    assert main(["prepare", *base, "--max-length", "64", "--out", str(tmp_path / "p"), "--on-bad", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 bad records" in out and "1 sequences" in out
+    assert (tmp_path / "p" / "meta.json").is_file()
+    assert main(["regenerate", *base, "--on-bad", "skip", "--max-new-tokens", "4", "--out", str(tmp_path / "r.jsonl"),
+                 "--quiet"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["g1", "convs.jsonl:3"] and rows[0]["messages"][-1]["role"] == "assistant"

@@ -8,7 +8,7 @@ vLLM read: `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_laye
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_train.errors import UsageError
@@ -176,9 +176,6 @@ class DFlashConfig:
             )
         except UsageError as e:
             raise UsageError(f"{source}: {e}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _field(d: dict[str, Any], name: str, source: str) -> Any:

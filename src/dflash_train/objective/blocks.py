@@ -44,10 +44,6 @@ class Blocks:
     weights: torch.Tensor  # [n*B] float32 loss weight of each slot (0 where ignored)
     block_size: int
 
-    @property
-    def num_anchors(self) -> int:
-        return self.anchors.numel()
-
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for slots k >= 1; slot 0 has weight 0 (it holds the known token)."""

@@ -30,13 +30,13 @@ class TrainConfig:
     seed: int = _opt(0, "seed for the drafter init, data order and anchors")
     # --- data ------------------------------------------------------------------------
     data: str = _opt("sharegpt", "conversations: sharegpt (embedded, train split) or a .json/.jsonl file")
-    num_conversations: int = _opt(192, "conversations to use from --data (0 = all)")
+    num_conversations: int = _opt(160, "conversations to use from --data (0 = all)")
     data_topic: str = _opt("code", "keep only conversations whose first prompt is about: code | any "
                            "(the embedded default evaluates on HumanEval, so it trains on ShareGPT's coding slice)")
     regenerate: bool = _opt(True, "let the target rewrite the assistant turns (cached in RUN_DIR/regenerated.jsonl)")
     regen_max_new_tokens: int = _opt(128, "max tokens per regenerated assistant turn")
     regen_temperature: float = _opt(0.0, "sampling temperature of regeneration (0 = greedy)")
-    regen_batch_size: int = _opt(64, "conversations per regeneration batch")
+    regen_batch_size: int = _opt(32, "conversations per regeneration batch")
     regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
     regen_max_prompt_tokens: int = _opt(256, "skip conversations whose first prompt is longer (prefill cost)")
     max_length: int = _opt(512, "tokens per training sequence (longer ones are truncated)")
