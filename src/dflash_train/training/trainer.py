@@ -146,7 +146,7 @@ class Trainer:
             return packed_features(self.target, batch, layer_ids)
         if any(i not in self.feature_cache for i in picked):
             feats = packed_features(self.target, batch, layer_ids)
-            lengths = torch.bincount(batch.seq_ids).tolist()  # host sync: once per new pack
+            lengths = [int(self.loader.lengths[i]) for i in picked]  # the loader's host-side lengths: no sync
             for i, part in zip(picked, feats.split(lengths)):
                 self.feature_cache[i] = part
             return feats
