@@ -17,7 +17,7 @@ from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
 from dflash_train.training.config import TrainConfig
-from dflash_train.training.trainer import Trainer
+from dflash_train.pipeline.local import train_local
 
 PROMPTS = ["def add(a, b):", "count to five", "hello there", "sort a list", "what is 2+2", "name a color"]
 
@@ -52,7 +52,7 @@ def _losses(run_dir):
 def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_path):
     _, data = regenerated
     cfg_a = _cfg(tmp_path / "a")
-    Trainer(cfg_a, tiny_target, _drafter(tiny_target, cfg_a), data, tmp_path / "a", progress=False).train()
+    train_local(cfg_a, tiny_target, _drafter(tiny_target, cfg_a), data, tmp_path / "a", progress=False)
     full = _losses(tmp_path / "a")
     assert len(full) == 6
 
@@ -65,9 +65,10 @@ def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_pa
     ckpt = latest_checkpoint(tmp_path / "b")
     cfg_b = _cfg(tmp_path / "b")
     drafter = load_drafter(ckpt / "drafter", dtype=torch.float32)
-    trainer = Trainer(cfg_b, tiny_target, drafter, data, tmp_path / "b", load_state(ckpt), progress=False)
-    assert trainer.step == 3
-    trainer.train()
+    state = load_state(ckpt)
+    assert state["step"] == 3
+    result = train_local(cfg_b, tiny_target, drafter, data, tmp_path / "b", state, progress=False)
+    assert result.steps == 6
     resumed = _losses(tmp_path / "b")
     assert resumed[:3] == full[:3]
     torch.testing.assert_close(torch.tensor(resumed[3:]), torch.tensor(full[3:]), rtol=1e-6, atol=1e-6)
@@ -99,7 +100,7 @@ def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, tmp_path):
     cfg = _cfg(tmp_path, max_steps=150, checkpoint_every=0, lr=5e-3, warmup_ratio=0.0, num_anchors=64, log_every=10)
     drafter = _drafter(tiny_target, cfg)
     before = evaluate(tiny_target, drafter.eval(), prompts, EvalConfig(max_new_tokens=24), progress=False)
-    Trainer(cfg, tiny_target, drafter, _Sequences(pairs), tmp_path, progress=False).train()
+    train_local(cfg, tiny_target, drafter, _Sequences(pairs), tmp_path, progress=False)
     losses = _losses(tmp_path)
     assert losses[-1] < losses[0] - 0.5  # the frozen random LM head has tiny logits: CE falls slowly
     after = evaluate(tiny_target, drafter.eval(), prompts, EvalConfig(max_new_tokens=24), progress=False)

@@ -93,10 +93,14 @@ class DFlashObjective(nn.Module):
 
     def forward(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor) -> LossOutput:
         """batch and anchors on the drafter's device; features [S, n*H] (no grad needed)."""
-        blocks = self.blocks(batch, anchors)
+        prof = self.drafter.profile
+        with prof.span("drafter.masks", device=True):
+            blocks = self.blocks(batch, anchors)
+            masks = self.masks(batch, blocks)
         dtype = next(self.drafter.parameters()).dtype
         embeds = F.embedding(blocks.input_ids, self.embed_weight).to(dtype)  # [n*B, H]
         positions = torch.cat([batch.positions, blocks.positions])[None]  # context, then blocks
-        hidden = self.drafter(embeds[None], features[None].to(dtype), positions, masks=self.masks(batch, blocks))
-        return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
-                                   self.cfg.loss_chunk_rows)
+        hidden = self.drafter(embeds[None], features[None].to(dtype), positions, masks=masks)
+        with prof.span("drafter.lm_head_loss", device=True):
+            return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
+                                       self.cfg.loss_chunk_rows)

@@ -65,6 +65,24 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "gradient-norm clip (0 = off)")
     epochs: float = _opt(5.0, "passes over the data (ignored when --max-steps > 0)")
     max_steps: int = _opt(0, "optimizer steps (0 = derive from --epochs)")
+    grad_accum: int = _opt(1, "packs per drafter worker per optimizer step (gradient accumulation)")
+    # --- pipeline --------------------------------------------------------------------
+    target_devices: str | None = _opt(None, "devices of the target workers, comma-separated (e.g. cuda:0); "
+                                      "with --drafter-devices: one process per device")
+    drafter_devices: str | None = _opt(None, "devices of the drafter workers, comma-separated (e.g. cuda:1,cuda:2); "
+                                       "several = data parallel")
+    overlap: bool | None = _opt(None, "one device: run the target on its own thread and CUDA stream so its forwards "
+                                "fill the drafter's gaps (default: on for CUDA, off for CPU)")
+    queue_depth: int = _opt(4, "depth of the batch queue and of the feature (hs) queue")
+    peer_timeout: float = _opt(600.0, "seconds without progress before a worker is reported stuck")
+    dist_port: int = _opt(0, "TCP port of the torch.distributed rendezvous on this host (0 = a free one)")
+    # --- profiling -------------------------------------------------------------------
+    profile_interval: float | None = _opt(None, "seconds between profile summaries (default $DFLASH_PROFILE_INTERVAL; "
+                                          "unset = off)")
+    profile_cuda_events: bool = _opt(False, "time GPU stages with CUDA events (device time, resolved lazily) "
+                                     "instead of host wall clock")
+    torch_profile: str | None = _opt(None, "START:END steps to record with torch.profiler (a Chrome trace per process "
+                                     "in RUN_DIR/traces)")
     # --- logging and checkpoints -----------------------------------------------------
     log_every: int = _opt(10, "steps between metric records")
     checkpoint_every: int = _opt(100, "steps between checkpoints (0 = only at the end)")
@@ -78,7 +96,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         positive = ("num_layers", "block_size", "num_anchors", "token_budget", "max_length", "log_every",
                     "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns", "regen_max_prompt_tokens",
-                    "eval_max_new_tokens", "loss_chunk_rows")
+                    "eval_max_new_tokens", "loss_chunk_rows", "grad_accum", "queue_depth")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -96,6 +114,14 @@ class TrainConfig:
             raise UsageError(f"--max-length {self.max_length} is shorter than a block (--block-size {self.block_size})")
         if self.token_budget < self.max_length:
             raise UsageError(f"--token-budget {self.token_budget} must hold one sequence (--max-length {self.max_length})")
+        if not self.peer_timeout > 0:
+            raise UsageError(f"--peer-timeout must be > 0 seconds, got {self.peer_timeout}")
+        if not 0 <= self.dist_port < 65536:
+            raise UsageError(f"--dist-port must be a TCP port (0 = any free one), got {self.dist_port}")
+        if (self.target_devices is None) != (self.drafter_devices is None):
+            raise UsageError("--target-devices and --drafter-devices go together (or leave both out and use --device)")
+        if self.torch_profile is not None:
+            self.torch_profile_steps()
         if not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
@@ -110,6 +136,16 @@ class TrainConfig:
             raise UsageError(f"--export-dtype must be float32 or bfloat16, got {self.export_dtype!r}")
         if self.attention not in ("auto", "flex", "dense"):
             raise UsageError(f"--attention must be auto, flex or dense, got {self.attention!r}")
+
+    def torch_profile_steps(self) -> tuple[int, int]:
+        start, sep, end = (self.torch_profile or "").partition(":")
+        try:
+            a, b = int(start), int(end)
+        except ValueError:
+            a = b = -1
+        if not sep or a < 0 or b <= a:
+            raise UsageError(f"--torch-profile must be START:END steps with 0 <= START < END, got {self.torch_profile!r}")
+        return a, b
 
     # --- files -----------------------------------------------------------------------
 

@@ -4,7 +4,8 @@
                 each stage cached in the run directory under a key of its settings
     2. drafter  a fresh drafter shaped for the target (or --init-drafter, or the checkpoint on --resume)
     3. tau      of the untrained drafter on held-out prompts
-    4. train    the single-device trainer (checkpoints, metrics.jsonl, TensorBoard)
+    4. train    one device (pipeline/local.py) or one process per device (pipeline/launcher.py):
+                checkpoints, metrics.jsonl, TensorBoard, profile summaries
     5. export   RUN_DIR/drafter/ in the reference format, and tau of the trained drafter
 """
 
@@ -30,9 +31,9 @@ from dflash_train.models.factory import check_compatible, drafter_config_for, in
 from dflash_train.models.targets import Target, load_target
 from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, load_state
 from dflash_train.training.config import TrainConfig
-from dflash_train.training.trainer import Trainer
 
-_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json")
+_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json",
+                "profile.jsonl", "traces", "init_drafter")
 
 
 def say(msg: str) -> None:
@@ -161,8 +162,9 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 
 def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> int:
     t0 = time.perf_counter()
+    roles = _roles(cfg)
     run_dir = prepare_run_dir(cfg, resume, overwrite)
-    device = resolve_device(cfg.device)
+    device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
     target = load_target(cfg.target, device=device)
     say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
@@ -178,10 +180,19 @@ def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, prog
         # tau only: the untrained drafter's speedup and losslessness are not the question here
         before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress, baseline=False)
         say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
-    trainer = Trainer(cfg, target, drafter, dataset, run_dir, load_state(ckpt) if ckpt else None, progress)
-    say(f"training {trainer.total_steps - trainer.step} steps on {len(dataset)} sequences"
-        + (f" (resuming at step {trainer.step})" if ckpt else ""))
-    result = trainer.train()
+    state = load_state(ckpt) if ckpt else None
+    if roles:
+        init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
+        del target, drafter  # the workers load their own; free this process's device memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress)
+        if code:
+            return code
+        target = load_target(cfg.target, device=device)  # released while the workers ran
+        drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
+    else:
+        steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress)
     export = save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))
     if prompts:
         after = eval_tau(target, load_drafter(export, device=device, dtype=target.dtype), prompts, cfg, "after",
@@ -190,6 +201,66 @@ def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, prog
         print(f"tau on {len(prompts)} held-out {cfg.eval_dataset} prompts: "
               f"untrained {before.tau:.3f} -> trained {after.tau:.3f}" if before else
               f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval_dataset} prompts: {after.tau:.3f}")
-    print(f"trained {result.steps} steps in {result.seconds:.0f} s (run {time.perf_counter() - t0:.0f} s); "
+    print(f"trained {steps} steps in {seconds:.0f} s (run {time.perf_counter() - t0:.0f} s); "
           f"drafter exported to {export}")
     return 0
+
+
+def _roles(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(role, device) per worker process, or [] for the one-device path."""
+    if cfg.target_devices is None:
+        return []
+    from dflash_train.pipeline.launcher import parse_devices
+
+    roles = [("target", d) for d in parse_devices(cfg.target_devices, "--target-devices")]
+    roles += [("drafter", d) for d in parse_devices(cfg.drafter_devices, "--drafter-devices")]
+    if len({torch.device(d).type for _, d in roles}) > 1:
+        raise UsageError("--target-devices and --drafter-devices must all be CUDA devices or all cpu "
+                         "(features travel over NCCL or gloo)")
+    return roles
+
+
+def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path, state,
+                progress: bool) -> tuple[int, float]:
+    """One device, one process; SIGTERM stops like Ctrl-C: after a checkpoint."""
+    import signal
+
+    from dflash_train.pipeline.drafter_loop import GracefulStop
+    from dflash_train.pipeline.local import train_local
+    from dflash_train.profiling.session import profile_session
+
+    def on_term(signum, frame):
+        raise GracefulStop()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with profile_session(cfg, run_dir, f"main/{target.device}") as session:
+            result = train_local(cfg, target, drafter, dataset, run_dir, state, progress, session.stats,
+                                 trace=session.trace)
+    except GracefulStop:
+        say("SIGTERM: stopped after writing a checkpoint")
+        raise SystemExit(143) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return result.steps, result.seconds
+
+
+def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: Path, ckpt: Path | None, state,
+                     progress: bool) -> tuple[int, int, float]:
+    from dflash_train.pipeline.launcher import Launcher, free_port
+    from dflash_train.pipeline.local import total_steps
+    from dflash_train.pipeline.worker import WorkerSpec
+
+    n_drafters = sum(1 for role, _ in roles if role == "drafter")
+    steps = total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state)
+    port = cfg.dist_port or free_port()
+    specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=str(run_dir),
+                        data_dir=str(dataset.path), drafter_dir=str(init_dir),
+                        resume_state_path=str(ckpt) if ckpt else None, total_steps=steps, port=port,
+                        progress=progress) for r, (role, dev) in enumerate(roles)]
+    start = state["step"] if state else 0
+    say(f"training {steps - start} steps through {len(roles)} processes: "
+        + ", ".join(f"{role} {dev}" for role, dev in roles))
+    t0 = time.perf_counter()
+    code = Launcher(specs).run(cfg.peer_timeout)
+    return code, steps, time.perf_counter() - t0

@@ -1,0 +1,215 @@
+"""The drafter side: DrafterTrainLoop takes packed features, runs forward, backward and the step.
+
+It owns the optimizer, the schedule, metrics and checkpoints. Where features come from is a
+`source` (computed inline, a local hand-off queue, or point-to-point from target processes);
+with several drafter workers the objective runs under DistributedDataParallel and rank 0
+writes metrics and checkpoints. Resume restores every piece of state, so an interrupted run
+continues with exactly the losses of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.objective.loss import expected_acceptance_length
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
+from dflash_train.pipeline.stream import StreamState
+from dflash_train.profiling.stats import NULL_LOOP
+from dflash_train.profiling.tools import NO_TRACE
+from dflash_train.training.checkpoint import save_checkpoint
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.metrics import MetricsLogger
+from dflash_train.training.step import DrafterUpdate, cosine_schedule, make_optimizer
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    last_record: dict[str, Any] | None
+
+
+class GracefulStop(Exception):
+    """A stop was requested (SIGINT/SIGTERM); the checkpoint of the current step is written."""
+
+
+@dataclass
+class DataParallel:
+    """This drafter worker's place among the D drafter workers."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the drafter ranks' process group (None: a single drafter worker)
+
+
+class _Window:
+    """Device-side sums between two log records (read back only when a record is written)."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        # [ce, w, grad_norm, target_tokens, block_tokens, target_busy_s, correct[B], labelled[B]]
+        self.sums = torch.zeros(6 + 2 * block_size, dtype=torch.float64, device=device)
+        self.B = block_size
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    def add_micro(self, out, target_tokens: int, block_tokens: int, busy) -> None:
+        s, B = self.sums, self.B
+        s[0] += out.weighted_ce_sum
+        s[1] += out.weight_sum
+        s[3] += target_tokens
+        s[4] += block_tokens
+        s[5] += busy
+        s[6:6 + B] += out.correct
+        s[6 + B:] += out.labelled
+
+    def add_step(self, grad_norm: torch.Tensor) -> None:
+        self.sums[2] += grad_norm.double()
+        self.steps += 1
+
+
+class DrafterTrainLoop:
+    def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torch.nn.Module,
+                 run_dir: Path, total_steps: int, *, dp: DataParallel | None = None,
+                 resume_state: dict[str, Any] | None = None, progress: bool = True, prof=NULL_LOOP,
+                 stop_requested: Callable[[int], bool] = lambda step: False,
+                 heartbeat: Callable[[int], None] = lambda step: None, target_workers: int = 1,
+                 trace=NO_TRACE) -> None:
+        self.cfg, self.drafter, self.run_dir, self.total_steps = cfg, drafter, Path(run_dir), total_steps
+        self.dp = dp or DataParallel()
+        self.progress, self.prof, self.stop_requested, self.heartbeat = progress, prof, stop_requested, heartbeat
+        self.target_workers, self.trace = target_workers, trace
+        self.device = next(drafter.parameters()).device
+        obj_cfg = ObjectiveConfig(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention=cfg.attention,
+                                  loss_chunk_rows=cfg.loss_chunk_rows)
+        self.objective = DFlashObjective(drafter, embed_weight, lm_head, obj_cfg)
+        drafter.profile = prof  # the drafter times its internals (fc, attention, MLP) into this loop's view
+        module = self.objective
+        if self.dp.size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # broadcast_buffers=False: the only buffers are the rotary tables, identical everywhere
+            # (newer torch renames the flag and warns; the meaning we rely on is unchanged).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                module = DDP(self.objective, process_group=self.dp.group, broadcast_buffers=False, device_ids=None)
+        self.optimizer = make_optimizer(drafter, cfg.lr, cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cosine_schedule(total_steps, cfg.warmup_ratio))
+        self.update = DrafterUpdate(self.objective, self.optimizer, self.scheduler, cfg.grad_clip, module, prof)
+        self.step, self.stream_state = 0, StreamState()
+        if resume_state is not None:
+            self._restore(resume_state)
+
+    @property
+    def writer(self) -> bool:
+        return self.dp.rank == 0
+
+    # --- state ---------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "stream": asdict(self.stream_state),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream_state = StreamState(**state["stream"])
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+    def checkpoint(self) -> Path | None:
+        if not self.writer:
+            return None
+        with self.prof.span("checkpoint"):
+            return save_checkpoint(self.run_dir, self.step, self.drafter, self.state(), self.cfg.keep_checkpoints)
+
+    # --- loop ----------------------------------------------------------------------------
+
+    def train(self, source) -> TrainResult:
+        """Run steps until total_steps, taking `grad_accum` packs per step from `source`."""
+        cfg, t_start = self.cfg, time.perf_counter()
+        accum = cfg.grad_accum
+        self.drafter.train()
+        metrics = MetricsLogger(self.run_dir, self.total_steps, self.step, self.progress) if self.writer else None
+        window, last = _Window(self.drafter.block_size, self.device), None
+        try:
+            while self.step < self.total_steps:
+                if self.stop_requested(self.step):
+                    raise GracefulStop()
+                self.trace.at(self.step)
+                for i in range(accum):
+                    item = source.get(self.prof)
+                    pack = item.pack
+                    batch, anchors = pack.batch.to(self.device), pack.anchors.to(self.device)
+                    out = self.update.micro(batch, anchors, item.features, 1.0 / accum, sync=i == accum - 1)
+                    window.add_micro(out, pack.num_tokens, pack.anchors.numel() * self.drafter.block_size,
+                                     item.target_busy_s)
+                    self.prof.count("tokens", pack.num_tokens)
+                window.add_step(self.update.step())
+                self.stream_state = pack.resume
+                self.step += 1
+                self.heartbeat(self.step)
+                if metrics is not None:
+                    metrics.advance()
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    with self.prof.span("metrics"):
+                        last = self._record(window)
+                    if metrics is not None:
+                        metrics.log(last)
+                    window = _Window(self.drafter.block_size, self.device)
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < self.total_steps:
+                    self.checkpoint()
+        except (KeyboardInterrupt, GracefulStop):
+            self.checkpoint()
+            if metrics is not None:
+                metrics.close()
+            raise
+        self.checkpoint()
+        if metrics is not None:
+            metrics.close()
+        self.drafter.eval()
+        return TrainResult(self.step, time.perf_counter() - t_start, last)
+
+    def _record(self, w: _Window) -> dict[str, Any]:
+        """One metrics record; reading the window back is the only host sync of the loop."""
+        sums = w.sums
+        if self.dp.size > 1:
+            sums = sums.clone()
+            dist.all_reduce(sums, group=self.dp.group)  # every drafter rank's packs count
+        sums = sums.cpu()  # host sync: only on logging steps
+        dt = max(time.perf_counter() - w.t0, 1e-9)
+        B = self.drafter.block_size
+        ce, wsum, grad_norm, t_tok, b_tok, busy = sums[:6].tolist()
+        correct, labelled = sums[6:6 + B], sums[6 + B:]
+        acc = (correct / labelled.clamp_min(1)).tolist()
+        return {
+            "step": self.step,
+            "epoch": self.stream_state.epoch,
+            "loss": ce / max(wsum, 1e-8),
+            "acc": [round(a, 4) for a in acc[1:]],
+            "expected_tau": float(expected_acceptance_length(correct, labelled)),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm / max(w.steps, 1),
+            "target_tokens_per_s": t_tok / dt,
+            "block_tokens_per_s": b_tok / dt,
+            # what the target role could deliver if it never waited: tokens per busy second, all target workers
+            "target_capacity_tokens_per_s": t_tok / busy * self.target_workers if busy > 0 else None,
+            "elapsed_s": dt,
+        }

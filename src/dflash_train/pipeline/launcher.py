@@ -1,0 +1,126 @@
+"""Start one process per device and watch them: the multi-process pipeline on one host.
+
+    dflash-train train --target-devices cuda:0 --drafter-devices cuda:1,cuda:2,cuda:3
+    dflash-train train --target random:tiny --target-devices cpu --drafter-devices cpu,cpu   # gloo, for tests
+
+The launcher stays out of the work: it starts the workers (spawn), then waits on them.
+    - a worker exits non-zero (an exception: its traceback is printed by the worker) or is
+      killed from outside (kill -9): every other worker is terminated, the run exits 1;
+    - no drafter step for --peer-timeout seconds: the stalest worker is named, the run exits 1;
+    - SIGINT/SIGTERM: drafters stop together at a step a little ahead of the furthest one,
+      rank 0 writes a checkpoint, the run exits 130/143 (a second signal kills at once).
+Workers die with the launcher (PR_SET_PDEATHSIG), so nothing is left behind even if it is killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import time
+
+from dflash_train.errors import UsageError
+from dflash_train.pipeline.worker import WorkerSpec, worker_main
+
+
+def parse_devices(text: str, flag: str) -> list[str]:
+    import torch
+
+    from dflash_train.devices import resolve_device
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise UsageError(f"{flag}: no device given")
+    out = []
+    for name in names:
+        dev = resolve_device(name, flag)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", 0)
+        if dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        out.append(str(dev))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def say(msg: str) -> None:
+    print(f"[dflash-train] {msg}", file=sys.stderr, flush=True)
+
+
+class Launcher:
+    GRACE_S = 10.0  # after the drafters finish, how long target workers get to exit on their own
+
+    def __init__(self, specs: list[WorkerSpec]) -> None:
+        self.specs = specs
+        ctx = mp.get_context("spawn")
+        n = len(specs)
+        self.heartbeats = ctx.Array("d", [time.time()] * n, lock=False)
+        self.steps = ctx.Array("q", [0] * n, lock=False)
+        self.stop_at = ctx.Value("q", -1, lock=False)
+        self.procs = [ctx.Process(target=worker_main, args=(s, self.heartbeats, self.steps, self.stop_at),
+                                  name=f"dflash-{s.role}-{s.rank}", daemon=False) for s in specs]
+        self.signal_code: int | None = None
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signal_code is not None:  # second signal: stop now
+            self.kill_all()
+            os._exit(128 + signum)
+        self.signal_code = 128 + signum
+        furthest = max(self.steps[s.rank] for s in self.specs if s.role == "drafter")
+        self.stop_at.value = furthest + 2  # every drafter is within a step of the furthest (lockstep all-reduce)
+        say(f"{signal.Signals(signum).name}: stopping after step {furthest + 2} with a checkpoint "
+            "(again to stop at once)")
+
+    def kill_all(self) -> None:
+        """SIGKILL: workers ignore SIGTERM (the launcher coordinates graceful stops)."""
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join()
+
+    def run(self, peer_timeout: float) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for p in self.procs:
+                p.start()
+            return self._watch(peer_timeout)
+        finally:
+            self.kill_all()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _watch(self, peer_timeout: float) -> int:
+        drafters = [i for i, s in enumerate(self.specs) if s.role == "drafter"]
+        drafters_done_at = None
+        while True:
+            alive = [p for p in self.procs if p.exitcode is None]
+            if alive:
+                multiprocessing.connection.wait([p.sentinel for p in alive], timeout=1.0)
+            for i, p in enumerate(self.procs):
+                if p.exitcode not in (None, 0):
+                    how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}")
+                    say(f"worker {self.specs[i].describe(i)} {how}; stopping the run")
+                    return 1
+            if all(self.procs[i].exitcode == 0 for i in drafters):
+                if self.signal_code is not None:
+                    return self.signal_code
+                drafters_done_at = drafters_done_at or time.time()
+                if all(p.exitcode == 0 for p in self.procs) or time.time() - drafters_done_at > self.GRACE_S:
+                    return 0
+                continue
+            now = time.time()
+            newest = max(self.heartbeats[i] for i in drafters)
+            if now - newest > peer_timeout:
+                stalest = min(range(len(self.specs)), key=lambda i: self.heartbeats[i])
+                say(f"no drafter progress for {now - newest:.0f} s (--peer-timeout {peer_timeout:g}); stalest worker: "
+                    f"{self.specs[stalest].describe(stalest)}, last seen {now - self.heartbeats[stalest]:.0f} s ago")
+                return 1

@@ -1,0 +1,118 @@
+"""One process, one device: the target and the drafter share it.
+
+    overlap off  InlineSource: each step computes the pack's features, then trains on them, strictly
+                 one after the other (the naive loop; on CPU it can cache features across epochs)
+    overlap on   a TargetForwardLoop thread on its own CUDA stream feeds a bounded LocalHandoff
+                 queue; target forwards run while the drafter computes, filling its gaps
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.targets import Target
+from dflash_train.pipeline.drafter_loop import DrafterTrainLoop, TrainResult
+from dflash_train.pipeline.handoff import Features, LocalHandoff
+from dflash_train.pipeline.stream import PackStream
+from dflash_train.pipeline.target_loop import BatchQueue, BusyTimer, TargetForwardLoop
+from dflash_train.profiling.stats import NULL_LOOP, NULL_PROFILE
+from dflash_train.profiling.tools import NO_TRACE
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.step import packed_features
+
+
+class InlineSource:
+    """Features computed on demand, on the drafter's thread (optionally cached per sequence)."""
+
+    def __init__(self, target: Target, packs, layer_ids: list[int], cache: bool, prof=NULL_LOOP) -> None:
+        self.target, self.packs, self.layer_ids, self.prof = target, iter(packs), layer_ids, prof
+        self.cache: dict[int, torch.Tensor] | None = {} if cache else None
+        self.timer = BusyTimer(target.device)
+
+    def get(self, prof=NULL_LOOP) -> Features:
+        pack = next(self.packs)
+        self.timer.start()
+        feats = self._features(pack)
+        busy = self.timer.stop()
+        self.prof.count("tokens", pack.num_tokens)
+        return Features(pack, feats, busy)
+
+    def _features(self, pack) -> torch.Tensor:
+        if self.cache is None:
+            return packed_features(self.target, pack.batch, self.layer_ids, self.prof)
+        if any(i not in self.cache for i in pack.sequence_ids):
+            feats = packed_features(self.target, pack.batch, self.layer_ids, self.prof)
+            lengths = torch.bincount(pack.batch.seq_ids).tolist()  # host tensor: no device sync
+            for i, part in zip(pack.sequence_ids, feats.split(lengths)):
+                self.cache[i] = part
+            return feats
+        return torch.cat([self.cache[i] for i in pack.sequence_ids])
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadedSource:
+    """A TargetForwardLoop thread (own CUDA stream) -> LocalHandoff -> the drafter loop."""
+
+    def __init__(self, target: Target, packs, layer_ids: list[int], depth: int, prof=NULL_LOOP, trace=NO_TRACE) -> None:
+        self.handoff = LocalHandoff(depth)
+        self.batches = BatchQueue(packs, depth, prof)
+        self.loop = TargetForwardLoop(target, layer_ids, prof, trace=trace)
+        self.thread = threading.Thread(target=self.loop.run_local, args=(self.batches, self.handoff),
+                                       name="target-forward", daemon=True)
+        self.thread.start()
+
+    def get(self, prof=NULL_LOOP) -> Features:
+        return self.handoff.get(prof)
+
+    def close(self) -> None:
+        self.handoff.close()
+        self.batches.close()
+        self.thread.join(timeout=30)
+
+
+def use_overlap(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.overlap if cfg.overlap is not None else device.type == "cuda"
+
+
+def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.cache_features if cfg.cache_features is not None else device.type == "cpu"
+
+
+def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:
+    """--max-steps, else the resumed run's total (its schedule), else --epochs over the data."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    if resume_state is not None:
+        return resume_state["total_steps"]
+    stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, packs_per_step)
+    return max(1, math.ceil(cfg.epochs * stream.steps_per_epoch()))
+
+
+def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,
+                resume_state: dict[str, Any] | None = None, progress: bool = True, stats=NULL_PROFILE,
+                trace=NO_TRACE, overlap: bool | None = None) -> TrainResult:
+    """Train on one device: the target's features inline, or from a target thread with overlap."""
+    steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
+    loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, run_dir, steps,
+                            resume_state=resume_state, progress=progress, prof=stats.loop("drafter"), trace=trace)
+    stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
+    packs = stream.packs(steps)
+    layer_ids = list(drafter.config.target_layer_ids)
+    overlap = use_overlap(cfg, target.device) if overlap is None else overlap
+    if overlap:
+        source = ThreadedSource(target, packs, layer_ids, cfg.queue_depth, stats.loop("target"), trace)
+    else:
+        source = InlineSource(target, packs, layer_ids, cache_features(cfg, target.device), stats.loop("target"))
+    try:
+        return loop.train(source)
+    finally:
+        source.close()
+

@@ -1,0 +1,159 @@
+"""The target side: a batch producer feeding a bounded batch queue, and the TargetForwardLoop.
+
+    BatchQueue          a thread iterating this worker's packs (host work: packing, anchors)
+                        into a queue of bounded depth
+    TargetForwardLoop   takes packs from it, runs the frozen target under inference mode on
+                        its own CUDA stream, gathers the packed features and hands them off
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from dflash_train.models.targets import Target
+from dflash_train.pipeline.handoff import Features, LocalHandoff, P2PSender, PipelineStopped
+from dflash_train.pipeline.stream import Pack
+from dflash_train.profiling.stats import NULL_LOOP
+from dflash_train.profiling.tools import NO_TRACE
+from dflash_train.training.step import packed_features
+
+_DONE = object()
+
+
+class BatchQueue:
+    """The batch producer thread and its bounded queue; iterating yields packs until the stream ends."""
+
+    def __init__(self, packs: Iterable[Pack], depth: int, prof=NULL_LOOP) -> None:
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.prof, self.depth = prof, depth
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(iter(packs),), name="batch-producer", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self, packs: Iterator[Pack]) -> None:
+        try:
+            for pack in packs:
+                if not self._put(pack):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # handed to the consumer, which raises it with its traceback
+            self._put(e)
+
+    def __iter__(self) -> Iterator[Pack]:
+        while True:
+            t0 = time.perf_counter()
+            item = self.q.get()
+            self.prof.add("batch_queue_wait", time.perf_counter() - t0)
+            self.prof.gauge("batch_queue_depth", self.q.qsize())
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
+
+
+class BusyTimer:
+    """Seconds the target spent per pack, without host syncs.
+
+    CPU: wall clock. CUDA: a pair of events per pack, read only once the GPU has passed them;
+    each call returns the time of the packs completed since the last call (so it lags a little).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: collections.deque = collections.deque()
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.pending.append([ev, None])
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.pending[-1][1] = ev
+        done = 0.0
+        while self.pending and self.pending[0][1].query():  # query() never blocks
+            start, end = self.pending.popleft()
+            done += start.elapsed_time(end) / 1e3
+        return done
+
+
+class TargetForwardLoop:
+    def __init__(self, target: Target, layer_ids: list[int], prof=NULL_LOOP, fault: Callable[[Pack], None] | None = None,
+                 trace=NO_TRACE) -> None:
+        self.target, self.layer_ids, self.prof, self.trace = target, layer_ids, prof, trace
+        self.device = target.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.timer = BusyTimer(self.device)
+        self.fault = fault or (lambda pack: None)
+
+    def compute(self, pack: Pack) -> tuple[torch.Tensor, float]:
+        """Features of one pack, on the target's stream, and the target's busy seconds."""
+        self.fault(pack)
+        self.trace.at(pack.step)
+        self.timer.start()
+        feats = packed_features(self.target, pack.batch, self.layer_ids, self.prof)
+        busy = self.timer.stop()
+        self.prof.count("tokens", pack.num_tokens)
+        return feats, busy
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def run_local(self, batches: BatchQueue, handoff: LocalHandoff) -> None:
+        """Thread body (one process, shared device): features into the local hand-off queue."""
+        try:
+            with self._on_stream():
+                for pack in batches:
+                    feats, busy = self.compute(pack)
+                    event = None
+                    if self.stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                    handoff.put(Features(pack, feats, busy), event, self.prof)
+        except PipelineStopped:
+            pass
+        except BaseException as e:  # the drafter loop re-raises it with this traceback
+            handoff.fail(e)
+        finally:
+            batches.close()
+
+    def run_p2p(self, batches: BatchQueue, sender: P2PSender, drafter_rank_of: Callable[[Pack], int],
+                heartbeat: Callable[[], None]) -> None:
+        """Process body: features to the drafter rank that trains on each pack."""
+        try:
+            with self._on_stream():
+                for pack in batches:
+                    feats, busy = self.compute(pack)
+                    sender.send(pack.index, drafter_rank_of(pack), feats, busy, self.prof)
+                    heartbeat()
+                sender.flush()
+        finally:
+            batches.close()
+

@@ -1,0 +1,193 @@
+"""The body of one worker process of a multi-process run (started by pipeline/launcher.py).
+
+Ranks 0..T-1 are target workers, T..T+D-1 drafter workers. Every process joins one
+torch.distributed group (NCCL on GPU, gloo on CPU); the drafter ranks also form the group
+their DistributedDataParallel all-reduces over. Pack p is computed by target rank p % T and
+trained on by drafter rank T + p % D.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.pipeline.drafter_loop import DataParallel, DrafterTrainLoop, GracefulStop
+from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
+from dflash_train.pipeline.stream import Pack, PackStream, StreamState
+from dflash_train.pipeline.target_loop import BatchQueue, TargetForwardLoop
+from dflash_train.profiling.session import profile_session
+from dflash_train.training.config import TrainConfig
+
+FAULT_ENV = "DFLASH_TRAIN_FAULT"  # testing aid: "target:P" / "drafter:P" raises at pack P in that role
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    role: str  # "target" | "drafter"
+    device: str
+    devices: list[tuple[str, str]]  # (role, device) of every rank
+    cfg: TrainConfig
+    run_dir: str
+    data_dir: str
+    drafter_dir: str  # initial weights (fresh init or the checkpoint resumed from)
+    resume_state_path: str | None
+    total_steps: int
+    port: int
+    progress: bool
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return [r for r, (role, _) in enumerate(self.devices) if role == "target"]
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return [r for r, (role, _) in enumerate(self.devices) if role == "drafter"]
+
+    def describe(self, rank: int) -> str:
+        role, device = self.devices[rank]
+        return f"rank {rank} ({role}, {device})"
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process if the launcher dies (even by kill -9)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _fault(role: str):
+    want_role, _, at = os.environ.get(FAULT_ENV, "").partition(":")
+    if want_role != role or not at:
+        return None
+    at_pack = int(at)
+
+    def check(pack: Pack) -> None:
+        if pack.index == at_pack:
+            raise RuntimeError(f"injected fault in the {role} loop at pack {at_pack} ({FAULT_ENV})")
+    return check
+
+
+def worker_main(spec: WorkerSpec, heartbeats, steps, stop_at) -> None:
+    _die_with_parent()
+    # The launcher coordinates Ctrl-C and SIGTERM (a terminal or a scheduler signals the whole group);
+    # it ends workers with SIGKILL when it has to.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("DFLASH_TRAIN_DEBUG_STACKS"):
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["DFLASH_TRAIN_DEBUG_STACKS"]), exit=False)
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: os._exit below would leak its semaphore
+    code = 0
+    try:
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # share the host's cores between the worker processes
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(spec.devices)))
+        heartbeats[spec.rank] = time.time()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
+                                world_size=len(spec.devices), timeout=timedelta(seconds=spec.cfg.peer_timeout))
+        group = dist.new_group(spec.drafter_ranks)  # every rank takes part in creating it
+        with profile_session(spec.cfg, Path(spec.run_dir), f"rank{spec.rank}/{spec.role}/{spec.device}") as session:
+            if spec.role == "target":
+                _run_target(spec, device, session, heartbeats)
+            else:
+                _run_drafter(spec, device, session, group, heartbeats, steps, stop_at)
+    except GracefulStop:
+        code = 0
+    except BaseException:
+        print(f"[dflash-train] worker {spec.describe(spec.rank)} failed:", file=sys.stderr)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No destroy_process_group: with a peer gone it can block; the process is ending anyway.
+    os._exit(code)
+
+
+def _stream(spec: WorkerSpec, state: StreamState, dataset) -> PackStream:
+    cfg = spec.cfg
+    return PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed,
+                      len(spec.drafter_ranks) * cfg.grad_accum, state)
+
+
+def _resume_state(spec: WorkerSpec):
+    if spec.resume_state_path is None:
+        return None
+    from dflash_train.training.checkpoint import load_state
+
+    return load_state(Path(spec.resume_state_path))
+
+
+def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> None:
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.models.checkpoint import load_config
+    from dflash_train.models.targets import load_target
+
+    cfg = spec.cfg
+    target = load_target(cfg.target, device=device)
+    layer_ids = list(load_config(spec.drafter_dir).target_layer_ids)
+    state = _resume_state(spec)
+    stream = _stream(spec, StreamState(**state["stream"]) if state else StreamState(), PreparedDataset.open(spec.data_dir))
+    t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
+    me = t_ranks.index(spec.rank)
+    packs = stream.packs(spec.total_steps, keep=lambda p: p.index % len(t_ranks) == me)
+    prof = session.stats.loop("target")
+    loop = TargetForwardLoop(target, layer_ids, prof, _fault("target"), session.trace)
+    sender = P2PSender(cfg.queue_depth, cfg.peer_timeout, spec.describe)
+
+    def beat() -> None:
+        heartbeats[spec.rank] = time.time()
+
+    loop.run_p2p(BatchQueue(packs, cfg.queue_depth, prof), sender, lambda p: d_ranks[p.index % len(d_ranks)], beat)
+
+
+def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbeats, steps, stop_at) -> None:
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.models.checkpoint import load_drafter
+    from dflash_train.models.targets import load_target
+
+    cfg = spec.cfg
+    target = load_target(cfg.target, device=device)  # for the frozen embedding and LM head
+    drafter = load_drafter(spec.drafter_dir, dtype=torch.float32).to(device)
+    t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
+    me = d_ranks.index(spec.rank)
+    prof = session.stats.loop("drafter")
+
+    def beat(step: int) -> None:
+        heartbeats[spec.rank] = time.time()
+        steps[spec.rank] = step
+
+    def stop_requested(step: int) -> bool:
+        return 0 <= stop_at.value <= step
+
+    loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, Path(spec.run_dir), spec.total_steps,
+                            dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
+                            resume_state=_resume_state(spec), progress=spec.progress and me == 0, prof=prof,
+                            stop_requested=stop_requested, heartbeat=beat, target_workers=len(t_ranks),
+                            trace=session.trace)
+    fault = _fault("drafter")
+    stream = _stream(spec, loop.stream_state, PreparedDataset.open(spec.data_dir))
+    packs = stream.packs(spec.total_steps, keep=lambda p: p.index % len(d_ranks) == me)
+    if fault is not None:
+        packs = (fault(p) or p for p in packs)
+    width = len(drafter.config.target_layer_ids) * target.hidden_size
+    receiver = P2PReceiver(packs, lambda p: t_ranks[p.index % len(t_ranks)], width, cfg.token_budget, target.dtype,
+                           device, cfg.queue_depth, cfg.peer_timeout, spec.describe)
+    loop.train(receiver)

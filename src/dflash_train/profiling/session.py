@@ -1,0 +1,34 @@
+"""One process's profiling set-up: ProfileStats (or the no-op), its reporter, the torch.profiler window."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.profiling.reporter import ProfileReporter, resolve_interval
+from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
+from dflash_train.profiling.tools import NoTrace, TraceWindow, oom_snapshot
+
+
+@dataclass
+class Session:
+    stats: ProfileStats | object
+    trace: TraceWindow | NoTrace
+    reporter: ProfileReporter | None
+
+
+@contextlib.contextmanager
+def profile_session(cfg, run_dir: Path, process: str) -> Iterator[Session]:
+    interval = resolve_interval(cfg.profile_interval)
+    stats = ProfileStats(process, cuda_events=cfg.profile_cuda_events) if interval else NULL_PROFILE
+    reporter = ProfileReporter(stats, interval, run_dir).start() if interval else None
+    trace = TraceWindow(*cfg.torch_profile_steps(), run_dir, process) if cfg.torch_profile else NoTrace()
+    try:
+        with oom_snapshot(run_dir, process, cfg):
+            yield Session(stats, trace, reporter)
+    finally:
+        trace.close()
+        if reporter is not None:
+            reporter.stop()
