@@ -63,6 +63,15 @@ def cmd_init_drafter(args) -> int:
     return 0
 
 
+def cmd_profile_report(args) -> int:
+    from dflash_train.profiling.report import report
+
+    text, png = report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(text)
+    print(f"wrote {png}")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from dflash_train.eval.evaluate import EvalConfig, evaluate
     from dflash_train.eval.prompts import load_prompts
@@ -188,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("profile-report", help="summary table, verdict history and a PNG from RUN_DIR/profile.jsonl")
+    p.add_argument("run_dir", help="a run directory trained with --profile-interval (or DFLASH_PROFILE_INTERVAL)")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/profile.png)")
+    p.set_defaults(func=cmd_profile_report)
 
     p = sub.add_parser("prepare", help="tokenize conversations with the target's chat template (loss on assistant turns)")
     _add_target_args(p)

@@ -98,6 +98,17 @@ class Launcher:
             for s, h in old.items():
                 signal.signal(s, h)
 
+    def _report(self, failed: list[int]) -> None:
+        """Name the likeliest cause first: a worker killed by a signal takes its peers down with it."""
+        failed.sort(key=lambda i: (self.procs[i].exitcode >= 0, i))
+
+        def how(i: int) -> str:
+            code = self.procs[i].exitcode
+            return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        first, rest = failed[0], failed[1:]
+        also = f" (also ended: {', '.join(f'{self.specs[i].describe(i)} {how(i)}' for i in rest)})" if rest else ""
+        say(f"worker {self.specs[first].describe(first)} {how(first)}; stopping the run{also}")
+
     def _watch(self, peer_timeout: float) -> int:
         drafters = [i for i, s in enumerate(self.specs) if s.role == "drafter"]
         drafters_done_at = None
@@ -105,11 +116,10 @@ class Launcher:
             alive = [p for p in self.procs if p.exitcode is None]
             if alive:
                 multiprocessing.connection.wait([p.sentinel for p in alive], timeout=1.0)
-            for i, p in enumerate(self.procs):
-                if p.exitcode not in (None, 0):
-                    how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}")
-                    say(f"worker {self.specs[i].describe(i)} {how}; stopping the run")
-                    return 1
+            failed = [i for i, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+            if failed:
+                self._report(failed)
+                return 1
             if all(self.procs[i].exitcode == 0 for i in drafters):
                 if self.signal_code is not None:
                     return self.signal_code

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,14 @@ class InlineSource:
         self.timer = BusyTimer(target.device)
 
     def get(self, prof=NULL_LOOP) -> Features:
+        """The drafter's `hs_queue_wait` here is the whole inline target step: it waits for it."""
+        t0 = time.perf_counter()
         pack = next(self.packs)
         self.timer.start()
         feats = self._features(pack)
         busy = self.timer.stop()
         self.prof.count("tokens", pack.num_tokens)
+        prof.add("hs_queue_wait", time.perf_counter() - t0)
         return Features(pack, feats, busy)
 
     def _features(self, pack) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""The multi-process pipeline on CPU (gloo): equivalence with one device, queue bounds, failures, stops."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.data.dataset import prepare_dataset
+from dflash_train.data.sources import Conversation
+
+BASE = ["train", "--target", "random:tiny", "--max-length", "96", "--token-budget", "192", "--num-anchors", "16",
+        "--block-size", "4", "--eval-limit", "0", "--log-every", "1", "--quiet", "--seed", "3"]
+THREE = ["--target-devices", "cpu", "--drafter-devices", "cpu,cpu"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": f"question {i}: " + "abc " * (i % 5 + 1)},
+                                    {"role": "assistant", "content": f"answer {i} " * (3 + i % 7)}])
+             for i in range(24)]
+    prepare_dataset(tiny_target.tokenizer, convs, root / "data", max_length=96)
+    return str(root / "data")
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_three_processes_reproduce_the_single_device_losses(prepared, tmp_path, monkeypatch):
+    monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
+    one, three = tmp_path / "one", tmp_path / "three"
+    # One device with 2 packs per step == 2 drafter workers with 1 pack each (DDP averages their gradients).
+    assert main([*BASE, "--data", prepared, "--run-dir", str(one), "--device", "cpu", "--grad-accum", "2",
+                 "--max-steps", "8"]) == 0
+    assert main([*BASE, "--data", prepared, "--run-dir", str(three), *THREE, "--max-steps", "8",
+                 "--queue-depth", "2", "--profile-interval", "0.5"]) == 0
+    a, b = _records(one / "metrics.jsonl"), _records(three / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 9))
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]),
+                               rtol=1e-4, atol=1e-5)
+    assert all(r["target_tokens_per_s"] > 0 and r["block_tokens_per_s"] > 0 for r in b)
+    assert (three / "drafter" / "model.safetensors").is_file()
+
+    # Every process profiled; no queue ever held more than --queue-depth items.
+    profiles = _records(three / "profile.jsonl")
+    assert {p["process"] for p in profiles} == {"rank0/target/cpu", "rank1/drafter/cpu", "rank2/drafter/cpu"}
+    depths = [g["max"] for p in profiles for loop in p["loops"].values() for k, g in loop["gauges"].items()
+              if k.endswith("_depth")]
+    assert depths and max(depths) <= 2
+
+
+def _start(args: list[str], **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash_train.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=os.environ | env)
+
+
+def _workers(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
+    return sorted(int(x) for x in out.split())
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has finished
+
+
+def _wait_for_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 120) -> list[int]:
+    """The worker pids, once the first metrics record exists."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and metrics.read_text().strip():
+            workers = _workers(proc.pid)
+            assert len(workers) == 3
+            return workers
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("training did not start")
+
+
+def test_raising_in_a_target_worker_ends_the_run(prepared, tmp_path):
+    proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000"],
+                  DFLASH_TRAIN_FAULT="target:30")
+    workers = _wait_for_training(proc, tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "injected fault in the target loop at pack 30" in err  # the worker's own traceback
+    assert "rank 0 (target, cpu) exited with code 1" in err
+    assert not any(_running(p) for p in workers)
+
+
+def test_kill_9_of_a_drafter_worker_ends_the_run_within_30s(prepared, tmp_path):
+    proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000"])
+    workers = _wait_for_training(proc, tmp_path)
+    os.kill(workers[-1], signal.SIGKILL)  # ranks start in order: the last is drafter rank 2
+    t0 = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - t0 < 30
+    assert proc.returncode != 0
+    assert "rank 2 (drafter, cpu) was killed by signal 9" in err
+    time.sleep(0.5)
+    assert not any(_running(p) for p in workers)
+
+
+def test_sigterm_stops_after_a_checkpoint(prepared, tmp_path):
+    proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000",
+                   "--checkpoint-every", "0"])
+    workers = _wait_for_training(proc, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.removeprefix("step_")) >= 1
+    assert not any(_running(p) for p in workers)
+
+    # ... and the run resumes from it.
+    assert main([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--resume",
+                 "--max-steps", str(int(latest.removeprefix("step_")) + 2)]) == 0
