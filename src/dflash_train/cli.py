@@ -17,6 +17,8 @@ from pathlib import Path
 
 from dflash_train.errors import UsageError
 
+_LAUNCH = __import__("time").perf_counter()  # "time to first step" counts from here (imports of torch come after)
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit code 2 (no usage dump)."""
@@ -60,6 +62,37 @@ def cmd_init_drafter(args) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"wrote untrained drafter ({n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, "
           f"B={cfg.block_size}, target layers {cfg.target_layer_ids}, mask token {cfg.mask_token_id}) to {out}")
+    return 0
+
+
+def _add_bench_args(p) -> None:
+    from dataclasses import fields
+
+    from dflash_train.bench.run import BenchConfig
+
+    for f in fields(BenchConfig):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                       help=f"(default: {f.default})")
+    p.add_argument("--json", default=None, help="write the results here (with --command recorded)")
+
+
+def cmd_bench(args) -> int:
+    import json
+    import shlex
+    import time
+    from dataclasses import fields
+
+    from dflash_train.bench.run import BenchConfig, run_bench
+
+    cfg = BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)})
+    result = run_bench(cfg, _LAUNCH)
+    result["date"] = time.strftime("%Y-%m-%d")
+    result["command"] = "dflash-train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
     return 0
 
 
@@ -197,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("bench", help="measure the training pipeline on a random target of real shapes "
+                       "(tokens/s, MFU, overlap vs sequential, profiling overhead)")
+    _add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("profile-report", help="summary table, verdict history and a PNG from RUN_DIR/profile.jsonl")
     p.add_argument("run_dir", help="a run directory trained with --profile-interval (or DFLASH_PROFILE_INTERVAL)")

@@ -82,11 +82,12 @@ class DrafterTrainLoop:
                  resume_state: dict[str, Any] | None = None, progress: bool = True, prof=NULL_LOOP,
                  stop_requested: Callable[[int], bool] = lambda step: False,
                  heartbeat: Callable[[int], None] = lambda step: None, target_workers: int = 1,
-                 trace=NO_TRACE) -> None:
+                 trace=NO_TRACE, checkpoints: bool = True) -> None:
         self.cfg, self.drafter, self.run_dir, self.total_steps = cfg, drafter, Path(run_dir), total_steps
         self.dp = dp or DataParallel()
         self.progress, self.prof, self.stop_requested, self.heartbeat = progress, prof, stop_requested, heartbeat
-        self.target_workers, self.trace = target_workers, trace
+        self.target_workers, self.trace, self.checkpoints = target_workers, trace, checkpoints
+        self.first_step_at: float | None = None  # perf_counter when the first optimizer step had finished
         self.device = next(drafter.parameters()).device
         obj_cfg = ObjectiveConfig(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention=cfg.attention,
                                   loss_chunk_rows=cfg.loss_chunk_rows)
@@ -135,7 +136,7 @@ class DrafterTrainLoop:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
     def checkpoint(self) -> Path | None:
-        if not self.writer:
+        if not (self.writer and self.checkpoints):
             return None
         with self.prof.span("checkpoint"):
             return save_checkpoint(self.run_dir, self.step, self.drafter, self.state(), self.cfg.keep_checkpoints)
@@ -165,6 +166,10 @@ class DrafterTrainLoop:
                 window.add_step(self.update.step())
                 self.stream_state = pack.resume
                 self.step += 1
+                if self.first_step_at is None:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)  # host sync: once, to time the first step honestly
+                    self.first_step_at = time.perf_counter()
                 self.heartbeat(self.step)
                 if metrics is not None:
                     metrics.advance()

@@ -1,0 +1,210 @@
+"""`dflash-train bench`: the real training pipeline on a random target of real shapes, measured.
+
+    dflash-train bench --target random:qwen3-8b --num-layers 5 --block-size 16 --num-anchors 512 \\
+        --seq-len 3072 --steps 10 --json benchmarks/results/h200-qwen3-8b.json
+
+Each variant trains a fresh copy of the same drafter on the same packs (synthetic sequences of
+--seq-len tokens, the loss on all but the first 10%) for 2 x --steps optimizer steps: the first
+--steps are warm-up (compilation, allocator), the second --steps are timed (one host sync at each
+end). Variants:
+
+    sequential    target forward, then drafter step, strictly one after the other (the naive loop)
+    overlap       the target on its own thread and CUDA stream, feeding a bounded queue
+    overlap+wall  the same with profiling on (wall clock, --profile-interval 10)
+    overlap+cuda  the same with profiling on (CUDA events)
+
+MFU = model FLOPs of the timed steps (bench/flops.py) / (seconds x peak), peak 989 TFLOP/s
+(H200 dense BF16) on CUDA; on CPU no MFU is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_train.bench.flops import drafter_flops, shape_of, target_flops
+from dflash_train.errors import UsageError
+
+PEAK_BF16 = 989e12
+VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda")
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    target: str = "random:qwen3-8b"
+    device: str = "auto"
+    num_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = 512
+    seq_len: int = 3072
+    steps: int = 10
+    variants: str = ",".join(VARIANTS)
+    attention: str = "auto"
+    loss_chunk_rows: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_anchors", "seq_len", "steps", "loss_chunk_rows"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
+        bad = [v for v in self.variant_list if v not in VARIANTS]
+        if bad:
+            raise UsageError(f"--variants: unknown {bad} (choose from {', '.join(VARIANTS)})")
+
+    @property
+    def variant_list(self) -> list[str]:
+        return [v.strip() for v in self.variants.split(",") if v.strip()]
+
+
+class SyntheticSequences:
+    """Random token sequences of one length; loss on all but the first 10% (the 'prompt')."""
+
+    def __init__(self, n: int, length: int, vocab: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.ids = rng.integers(0, vocab, size=(n, length), dtype=np.int64)
+        self.mask = np.ones(length, dtype=np.int64)
+        self.mask[: length // 10] = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def lengths(self) -> np.ndarray:
+        return np.full(len(self.ids), self.ids.shape[1])
+
+    def __getitem__(self, i: int):
+        return self.ids[i], self.mask
+
+
+def _train_cfg(cfg: BenchConfig, run_dir: Path, variant: str, total: int):
+    from dflash_train.training.config import TrainConfig
+
+    return TrainConfig(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
+                       block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
+                       max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
+                       max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=False,
+                       overlap=variant != "sequential", profile_interval=10.0 if "+" in variant else None,
+                       profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0)
+
+
+def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int) -> float:
+    """Model FLOPs of steps [first, last) from the very packs the stream yields (deterministic)."""
+    from dflash_train.pipeline.stream import PackStream
+
+    tshape, dshape = shape_of(target.model.config), shape_of(drafter.config)
+    t_layers = max(drafter.config.target_layer_ids) + 1
+    stream = PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, 1)
+    total = 0.0
+    for pack in stream.packs(last):
+        if pack.step < first:
+            continue
+        lengths = torch.bincount(pack.batch.seq_ids).tolist()
+        total += target_flops(tshape, t_layers, lengths)
+        total += drafter_flops(dshape, drafter.config.num_hidden_layers, len(drafter.config.target_layer_ids),
+                               target.vocab_size, cfg.block_size, pack.num_tokens, pack.batch.positions[pack.anchors])
+    return total
+
+
+def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
+    from dflash_train.devices import resolve_device
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.models.targets import load_target
+    from dflash_train.pipeline.local import train_local
+    from dflash_train.profiling.reporter import ProfileReporter
+    from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
+
+    device = resolve_device(cfg.device)
+    cuda = device.type == "cuda"
+    target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if cuda else torch.float32, seed=cfg.seed)
+    dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16")
+    init = new_drafter(dcfg, cfg.seed).state_dict()
+    total = 2 * cfg.steps
+    dataset = SyntheticSequences(total + 4, cfg.seq_len, target.vocab_size, cfg.seed)
+    flops = None
+    results: dict[str, Any] = {}
+    for variant in cfg.variant_list:
+        drafter = new_drafter(dcfg, cfg.seed)
+        drafter.load_state_dict(init)
+        drafter = drafter.to(device=device, dtype=torch.float32)
+        if flops is None:
+            flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+            tcfg = _train_cfg(cfg, Path(tmp), variant, total)
+            stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events) if "+" in variant else NULL_PROFILE
+            reporter = ProfileReporter(stats, 10.0, None, log=lambda text: None, tensorboard=False).start() \
+                if "+" in variant else None
+            loops = []
+            t0 = time.perf_counter()
+            train_local(tcfg, target, drafter, dataset, Path(tmp), progress=False, stats=stats, checkpoints=False,
+                        on_loop=loops.append)
+            last_profile = reporter.emit() if reporter else None
+            if reporter:
+                reporter.stop()
+            records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        timed = records[-1]
+        seconds = timed["elapsed_s"]
+        res = {
+            "tokens_per_s": timed["target_tokens_per_s"],
+            "block_tokens_per_s": timed["block_tokens_per_s"],
+            "step_s": seconds / cfg.steps,
+            "model_tflop_per_step": flops / cfg.steps / 1e12,
+            "mfu": flops / seconds / PEAK_BF16 if cuda else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "first_step_s": loops[0].first_step_at - t0,
+            "loss_last": timed["loss"],
+        }
+        if variant == cfg.variant_list[0]:
+            res["time_to_first_step_s"] = loops[0].first_step_at - t_launch
+        if last_profile is not None:
+            res["profile"] = {loop: {k: {"share": v["share"], "p95_ms": v["p95_ms"]} for k, v in d["stages"].items()}
+                              for loop, d in last_profile["loops"].items()}
+        results[variant] = res
+        mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
+        log(f"{variant:<14} {res['tokens_per_s']:>10,.0f} tokens/s  {res['block_tokens_per_s']:>10,.0f} block tokens/s"
+            f"  {res['step_s'] * 1e3:8.1f} ms/step{mfu}")
+        del drafter
+    return _summary(cfg, device, results, flops, target)
+
+
+def _summary(cfg: BenchConfig, device: torch.device, results: dict, flops: float, target) -> dict[str, Any]:
+    import transformers
+
+    best = max(results, key=lambda v: results[v]["tokens_per_s"])
+    out: dict[str, Any] = {
+        "tokens_per_s": results[best]["tokens_per_s"],
+        "block_tokens_per_s": results[best]["block_tokens_per_s"],
+        "mfu": results[best]["mfu"],
+        "best_variant": best,
+        "peak_memory_gb": results[best]["peak_memory_gb"],
+        "time_to_first_step_s": results[cfg.variant_list[0]].get("time_to_first_step_s"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "config": asdict(cfg),
+        "model_tflop_per_step": flops / cfg.steps / 1e12,
+        "variants": results,
+    }
+    if "sequential" in results and "overlap" in results:
+        out["vs_sequential"] = results["overlap"]["tokens_per_s"] / results["sequential"]["tokens_per_s"]
+    if "overlap" in results:
+        for v in ("overlap+wall", "overlap+cuda"):
+            if v in results:
+                out[f"profile_overhead_{v.split('+')[1]}"] = 1 - results[v]["tokens_per_s"] / results["overlap"]["tokens_per_s"]
+    return out
+
+
+def finite(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
