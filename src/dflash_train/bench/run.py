@@ -12,6 +12,9 @@ end). Variants:
     overlap       the target on its own thread and CUDA stream, feeding a bounded queue
     overlap+wall  the same with profiling on (wall clock, --profile-interval 10)
     overlap+cuda  the same with profiling on (CUDA events)
+    target-only   only the target forwards of the timed packs (what the target role costs alone)
+    drafter-only  only the drafter steps: features cached during warm-up (the data has --steps sequences,
+                  so the timed steps revisit them with new anchors)
 
 MFU = model FLOPs of the timed steps (bench/flops.py) / (seconds x peak), peak 989 TFLOP/s
 (H200 dense BF16) on CUDA; on CPU no MFU is reported.
@@ -20,7 +23,6 @@ MFU = model FLOPs of the timed steps (bench/flops.py) / (seconds x peak), peak 9
 from __future__ import annotations
 
 import json
-import math
 import platform
 import tempfile
 import time
@@ -35,7 +37,7 @@ from dflash_train.bench.flops import drafter_flops, shape_of, target_flops
 from dflash_train.errors import UsageError
 
 PEAK_BF16 = 989e12
-VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda")
+VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-only", "drafter-only")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,27 +94,49 @@ def _train_cfg(cfg: BenchConfig, run_dir: Path, variant: str, total: int):
     return TrainConfig(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
                        block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
                        max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
-                       max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=False,
-                       overlap=variant != "sequential", profile_interval=10.0 if "+" in variant else None,
+                       max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
+                       overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
                        profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0)
 
 
-def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int) -> float:
+def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int) -> tuple[float, float]:
     """Model FLOPs of steps [first, last) from the very packs the stream yields (deterministic)."""
     from dflash_train.pipeline.stream import PackStream
 
     tshape, dshape = shape_of(target.model.config), shape_of(drafter.config)
     t_layers = max(drafter.config.target_layer_ids) + 1
     stream = PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, 1)
-    total = 0.0
+    t_total = d_total = 0.0
     for pack in stream.packs(last):
         if pack.step < first:
             continue
         lengths = torch.bincount(pack.batch.seq_ids).tolist()
-        total += target_flops(tshape, t_layers, lengths)
-        total += drafter_flops(dshape, drafter.config.num_hidden_layers, len(drafter.config.target_layer_ids),
+        t_total += target_flops(tshape, t_layers, lengths)
+        d_total += drafter_flops(dshape, drafter.config.num_hidden_layers, len(drafter.config.target_layer_ids),
                                target.vocab_size, cfg.block_size, pack.num_tokens, pack.batch.positions[pack.anchors])
-    return total
+    return t_total, d_total
+
+
+def _target_only(cfg: BenchConfig, target, drafter, dataset, total: int, device: torch.device) -> dict[str, Any]:
+    """The target forwards of the timed packs alone, after the warm-up packs."""
+    from dflash_train.pipeline.stream import PackStream
+    from dflash_train.training.step import packed_features
+
+    layer_ids = list(drafter.config.target_layer_ids)
+    packs = list(PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, 1).packs(total))
+    tokens, t0 = 0, 0.0
+    for i, pack in enumerate(packs):
+        if i == cfg.steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # host sync: the timed window starts here
+            t0 = time.perf_counter()
+        packed_features(target, pack.batch, layer_ids)
+        tokens += pack.num_tokens if i >= cfg.steps else 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / seconds, "step_s": seconds / cfg.steps,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
 def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
@@ -131,7 +155,7 @@ def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
     first = new_drafter(dcfg, cfg.seed)  # initialised once (a CPU generator: seconds for 1B parameters)
     init = {k: v.clone() for k, v in first.state_dict().items()}
     total = 2 * cfg.steps
-    dataset = SyntheticSequences(total + 4, cfg.seq_len, target.vocab_size, cfg.seed)
+    dataset = SyntheticSequences(cfg.steps, cfg.seq_len, target.vocab_size, cfg.seed)
     flops = None
     results: dict[str, Any] = {}
     for variant in cfg.variant_list:
@@ -143,10 +167,16 @@ def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
         drafter.load_state_dict(init)
         drafter = drafter.to(device=device, dtype=torch.float32)
         if flops is None:
-            flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)
+            t_flops, d_flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)
+            flops = t_flops + d_flops
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+        if variant == "target-only":
+            results[variant] = _target_only(cfg, target, drafter, dataset, total, device)
+            results[variant]["mfu"] = t_flops / (results[variant]["step_s"] * cfg.steps) / PEAK_BF16 if cuda else None
+            log(f"{variant:<14} {results[variant]['tokens_per_s']:>10,.0f} tokens/s")
+            continue
         with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
             tcfg = _train_cfg(cfg, Path(tmp), variant, total)
             stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events) if "+" in variant else NULL_PROFILE
@@ -162,17 +192,18 @@ def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
             records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         timed = records[-1]
         seconds = timed["elapsed_s"]
+        work = d_flops if variant == "drafter-only" else flops
         res = {
             "tokens_per_s": timed["target_tokens_per_s"],
             "block_tokens_per_s": timed["block_tokens_per_s"],
             "step_s": seconds / cfg.steps,
-            "model_tflop_per_step": flops / cfg.steps / 1e12,
-            "mfu": flops / seconds / PEAK_BF16 if cuda else None,
+            "model_tflop_per_step": work / cfg.steps / 1e12,
+            "mfu": work / seconds / PEAK_BF16 if cuda else None,
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "first_step_s": loops[0].first_step_at - t0,
             "loss_last": timed["loss"],
         }
-        if variant == cfg.variant_list[0]:
+        if not any("time_to_first_step_s" in r for r in results.values()):
             res["time_to_first_step_s"] = loops[0].first_step_at - t_launch
         if last_profile is not None:
             res["profile"] = {loop: {k: {"share": v["share"], "p95_ms": v["p95_ms"]} for k, v in d["stages"].items()}
@@ -183,25 +214,27 @@ def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
             f"  {res['step_s'] * 1e3:8.1f} ms/step{mfu}")
         del drafter
         first = None
-    return _summary(cfg, device, results, flops, target)
+    return _summary(cfg, device, results, flops, t_flops)
 
 
-def _summary(cfg: BenchConfig, device: torch.device, results: dict, flops: float, target) -> dict[str, Any]:
+def _summary(cfg: BenchConfig, device: torch.device, results: dict, flops: float, t_flops: float) -> dict[str, Any]:
     import transformers
 
-    best = max(results, key=lambda v: results[v]["tokens_per_s"])
+    trained = [v for v in results if not v.endswith("-only")]  # the -only variants do half the work
+    best = max(trained, key=lambda v: results[v]["tokens_per_s"])
     out: dict[str, Any] = {
         "tokens_per_s": results[best]["tokens_per_s"],
         "block_tokens_per_s": results[best]["block_tokens_per_s"],
         "mfu": results[best]["mfu"],
         "best_variant": best,
         "peak_memory_gb": results[best]["peak_memory_gb"],
-        "time_to_first_step_s": results[cfg.variant_list[0]].get("time_to_first_step_s"),
+        "time_to_first_step_s": next((r["time_to_first_step_s"] for r in results.values() if "time_to_first_step_s" in r), None),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "config": asdict(cfg),
         "model_tflop_per_step": flops / cfg.steps / 1e12,
+        "target_tflop_per_step": t_flops / cfg.steps / 1e12,
         "variants": results,
     }
     if "sequential" in results and "overlap" in results:
@@ -212,6 +245,3 @@ def _summary(cfg: BenchConfig, device: torch.device, results: dict, flops: float
                 out[f"profile_overhead_{v.split('+')[1]}"] = 1 - results[v]["tokens_per_s"] / results["overlap"]["tokens_per_s"]
     return out
 
-
-def finite(x: Any) -> Any:
-    return None if isinstance(x, float) and not math.isfinite(x) else x

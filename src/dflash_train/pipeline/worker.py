@@ -41,10 +41,10 @@ class WorkerSpec:
     cfg: TrainConfig
     run_dir: str
     data_dir: str
-    drafter_dir: str  # initial weights (fresh init or the checkpoint resumed from)
+    drafter_dir: str | None  # initial weights (fresh init or the checkpoint resumed from); None = a fresh init here
     resume_state_path: str | None
     total_steps: int
-    port: int
+    init_method: str  # torch.distributed rendezvous: tcp://127.0.0.1:PORT (launcher) or env:// (torchrun)
     progress: bool
 
     @property
@@ -94,21 +94,7 @@ def worker_main(spec: WorkerSpec, heartbeats, steps, stop_at) -> None:
     tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: os._exit below would leak its semaphore
     code = 0
     try:
-        device = torch.device(spec.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:  # share the host's cores between the worker processes
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(spec.devices)))
-        heartbeats[spec.rank] = time.time()
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=spec.rank,
-                                world_size=len(spec.devices), timeout=timedelta(seconds=spec.cfg.peer_timeout))
-        group = dist.new_group(spec.drafter_ranks)  # every rank takes part in creating it
-        with profile_session(spec.cfg, Path(spec.run_dir), f"rank{spec.rank}/{spec.role}/{spec.device}") as session:
-            if spec.role == "target":
-                _run_target(spec, device, session, heartbeats)
-            else:
-                _run_drafter(spec, device, session, group, heartbeats, steps, stop_at)
+        run_worker(spec, heartbeats, steps, stop_at)
     except GracefulStop:
         code = 0
     except BaseException:
@@ -119,6 +105,25 @@ def worker_main(spec: WorkerSpec, heartbeats, steps, stop_at) -> None:
     sys.stderr.flush()
     # No destroy_process_group: with a peer gone it can block; the process is ending anyway.
     os._exit(code)
+
+
+def run_worker(spec: WorkerSpec, heartbeats, steps, stop_at):
+    """Join the process group and run this rank's loop; a drafter rank returns its trained drafter."""
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # share the host's cores between the worker processes
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", len(spec.devices)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    heartbeats[spec.rank] = time.time()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank, world_size=len(spec.devices),
+                            timeout=timedelta(seconds=spec.cfg.peer_timeout))
+    group = dist.new_group(spec.drafter_ranks)  # every rank takes part in creating it
+    with profile_session(spec.cfg, Path(spec.run_dir), f"rank{spec.rank}/{spec.role}/{spec.device}") as session:
+        if spec.role == "target":
+            return _run_target(spec, device, session, heartbeats)
+        return _run_drafter(spec, device, session, group, heartbeats, steps, stop_at)
 
 
 def _stream(spec: WorkerSpec, state: StreamState, dataset) -> PackStream:
@@ -142,7 +147,12 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
 
     cfg = spec.cfg
     target = load_target(cfg.target, device=device)
-    layer_ids = list(load_config(spec.drafter_dir).target_layer_ids)
+    if spec.drafter_dir is not None:
+        layer_ids = list(load_config(spec.drafter_dir).target_layer_ids)
+    else:
+        from dflash_train.training.job import drafter_config
+
+        layer_ids = list(drafter_config(cfg, target).target_layer_ids)
     state = _resume_state(spec)
     stream = _stream(spec, StreamState(**state["stream"]) if state else StreamState(), PreparedDataset.open(spec.data_dir))
     t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
@@ -165,7 +175,12 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
 
     cfg = spec.cfg
     target = load_target(cfg.target, device=device)  # for the frozen embedding and LM head
-    drafter = load_drafter(spec.drafter_dir, dtype=torch.float32).to(device)
+    if spec.drafter_dir is not None:
+        drafter = load_drafter(spec.drafter_dir, dtype=torch.float32).to(device)
+    else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
+        from dflash_train.training.job import make_drafter
+
+        drafter = make_drafter(cfg, target, None)
     t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
     me = d_ranks.index(spec.rank)
     prof = session.stats.loop("drafter")
@@ -191,3 +206,4 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
     receiver = P2PReceiver(packs, lambda p: t_ranks[p.index % len(t_ranks)], width, cfg.token_budget, target.dtype,
                            device, cfg.queue_depth, cfg.peer_timeout, spec.describe)
     loop.train(receiver)
+    return drafter

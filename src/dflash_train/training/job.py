@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -134,16 +135,19 @@ def _read_regenerated(path: Path, ids: list[str]):
     return [by_id[i] for i in ids if i in by_id]
 
 
+def drafter_config(cfg: TrainConfig, target: Target):
+    return drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                              num_features=cfg.num_features, dtype=cfg.export_dtype,
+                              num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window)
+
+
 def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashDrafter:
     if resume_ckpt is not None:
         drafter = load_drafter(resume_ckpt / "drafter", dtype=torch.float32)
     elif cfg.init_drafter:
         drafter = load_drafter(cfg.init_drafter, dtype=torch.float32, flag="--init-drafter")
     else:
-        dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                                  num_features=cfg.num_features, dtype=cfg.export_dtype,
-                                  num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window)
-        drafter = new_drafter(dcfg, cfg.seed)
+        drafter = new_drafter(drafter_config(cfg, target), cfg.seed)
         if cfg.init_from_target:
             init_from_target(drafter, target)
     check_compatible(drafter, target)
@@ -163,6 +167,8 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> int:
     t0 = time.perf_counter()
     roles = _roles(cfg)
+    if roles and under_torchrun():
+        return run_torchrun_worker(cfg, roles, resume, progress)
     run_dir = prepare_run_dir(cfg, resume, overwrite)
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
     target = load_target(cfg.target, device=device)
@@ -256,7 +262,8 @@ def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: 
     port = cfg.dist_port or free_port()
     specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=str(run_dir),
                         data_dir=str(dataset.path), drafter_dir=str(init_dir),
-                        resume_state_path=str(ckpt) if ckpt else None, total_steps=steps, port=port,
+                        resume_state_path=str(ckpt) if ckpt else None, total_steps=steps,
+                        init_method=f"tcp://127.0.0.1:{port}",
                         progress=progress) for r, (role, dev) in enumerate(roles)]
     start = state["step"] if state else 0
     say(f"training {steps - start} steps through {len(roles)} processes: "
@@ -264,3 +271,56 @@ def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: 
     t0 = time.perf_counter()
     code = Launcher(specs).run(cfg.peer_timeout)
     return code, steps, time.perf_counter() - t0
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -> int:
+    """One rank of a torchrun launch: the role split of --target/--drafter-devices, repeated per node.
+
+    torchrun starts the processes on every node and ends them all when one fails; this rank
+    takes (role, device) = roles[LOCAL_RANK]. The data must be prepared beforehand (a prepared
+    dataset directory in --data) and the run directory shared by the nodes.
+    """
+    from dflash_train.pipeline.local import total_steps
+    from dflash_train.pipeline.worker import WorkerSpec, run_worker
+
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", len(roles)))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if local_world != len(roles):
+        raise UsageError(f"torchrun --nproc-per-node must be {len(roles)} (one process per device of "
+                         f"--target-devices and --drafter-devices), got {local_world}")
+    from dflash_train.data.dataset import PreparedDataset
+
+    if not (Path(cfg.data) / "meta.json").is_file():
+        raise UsageError(f"--data {cfg.data}: under torchrun give a prepared dataset directory "
+                         "(dflash-train prepare / regenerate first)")
+    dataset = PreparedDataset.open(cfg.data)
+    run_dir = Path(cfg.run_dir)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    state = load_state(ckpt) if ckpt else None
+    devices = roles * (world // local_world)
+    n_drafters = sum(1 for role, _ in devices if role == "drafter")
+    spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices, cfg=cfg,
+                      run_dir=str(run_dir), data_dir=str(dataset.path),
+                      drafter_dir=str(ckpt / "drafter") if ckpt else cfg.init_drafter,
+                      resume_state_path=str(ckpt) if ckpt else None,
+                      total_steps=total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state),
+                      init_method="env://", progress=progress)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+    n = len(devices)
+    drafter = run_worker(spec, [0.0] * n, [0] * n, _NoStop())
+    if drafter is not None and rank == spec.drafter_ranks[0]:
+        export = save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))
+        print(f"drafter exported to {export}; measure it with `dflash-train eval --drafter {export}`")
+    return 0
+
+
+class _NoStop:
+    """Under torchrun there is no launcher to coordinate a graceful stop; checkpoints are periodic."""
+
+    value = -1

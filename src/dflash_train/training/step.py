@@ -37,7 +37,10 @@ def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP) -> torch.Tensor:
     """Target features [S, n*H] of the packed context tokens (sequences kept apart), on the target's device."""
-    padded, attn, flat = (t.to(target.device, non_blocking=True) for t in pad_packed(batch))
+    padded, attn, flat = pad_packed(batch)
+    # No padding (one sequence, or equal lengths): no mask, so attention takes the causal fast path.
+    attn = None if bool(attn.all()) else attn.to(target.device, non_blocking=True)  # host tensor: no sync
+    padded, flat = padded.to(target.device, non_blocking=True), flat.to(target.device, non_blocking=True)
     with prof.span("target_forward", device=True):
         feats = target.features(padded, layer_ids, attention_mask=attn)  # runs under inference mode
     with prof.span("pack_hidden", device=True):
