@@ -220,6 +220,10 @@ def _roles(cfg: TrainConfig) -> list[tuple[str, str]]:
 
     roles = [("target", d) for d in parse_devices(cfg.target_devices, "--target-devices")]
     roles += [("drafter", d) for d in parse_devices(cfg.drafter_devices, "--drafter-devices")]
+    cuda = [d for _, d in roles if d.startswith("cuda")]
+    if len(set(cuda)) < len(cuda):
+        raise UsageError("--target-devices/--drafter-devices: a CUDA device can hold one worker process (NCCL); "
+                         "for target and drafter sharing one GPU leave both out and use --device cuda:N")
     if len({torch.device(d).type for _, d in roles}) > 1:
         raise UsageError("--target-devices and --drafter-devices must all be CUDA devices or all cpu "
                          "(features travel over NCCL or gloo)")
