@@ -128,3 +128,20 @@ def test_sigterm_stops_after_a_checkpoint(prepared, tmp_path):
     # ... and the run resumes from it.
     assert main([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--resume",
                  "--max-steps", str(int(latest.removeprefix("step_")) + 2)]) == 0
+
+
+def test_torchrun_launch_trains_with_the_same_role_split(prepared, tmp_path):
+    """Under torchrun each process takes (role, device) = the lists' entry at LOCAL_RANK."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "dflash_train.cli", *BASE, "--data", prepared, "--run-dir", str(run), *THREE, "--max-steps", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in _records(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert (run / "drafter" / "model.safetensors").is_file()
+
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dflash_train.cli", *BASE, "--data", prepared, "--run-dir", str(tmp_path / "bad"),
+                          *THREE], capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0
+    assert "--nproc-per-node must be 3" in bad.stderr

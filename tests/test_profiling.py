@@ -144,3 +144,19 @@ def test_format_limits_lines():
         _timed(prof, clock, key, 0.01)
     text = format_record(attach_verdict(window_record(stats, stats.take_window())), limit=2)
     assert text.count("\n") == 4  # header, column line, 2 stages, verdict
+
+
+def test_torch_profile_window_writes_a_trace(tmp_path):
+    from dflash_train.cli import main
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                     {"role": "assistant", "content": f"answer number {i} " * 4}]})
+                            + "\n" for i in range(6)))
+    run = tmp_path / "run"
+    assert main(["train", "--target", "random:tiny", "--data", str(data), "--no-regenerate", "--num-conversations", "0",
+                 "--data-topic", "any", "--max-length", "96", "--token-budget", "192", "--max-steps", "4",
+                 "--eval-limit", "0", "--run-dir", str(run), "--quiet", "--torch-profile", "1:3"]) == 0
+    (trace,) = (run / "traces").iterdir()
+    assert trace.suffix == ".json" and "traceEvents" in trace.read_text()[:2000]
+    assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "x"), "--torch-profile", "3:1"]) == 2

@@ -51,6 +51,23 @@ class DataParallel:
     group: Any = None  # the drafter ranks' process group (None: a single drafter worker)
 
 
+def _timed_allreduce(state, bucket):
+    """DDP's all-reduce of one gradient bucket, timed from launch to completion as `grad_sync`.
+
+    The buckets are reduced while backward still runs, so grad_sync overlaps `backward`.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    prof, group = state
+    t0 = time.perf_counter()
+
+    def done(fut):
+        prof.add("grad_sync", time.perf_counter() - t0)
+        return fut.value()
+
+    return default_hooks.allreduce_hook(group, bucket).then(done)
+
+
 class _Window:
     """Device-side sums between two log records (read back only when a record is written)."""
 
@@ -59,6 +76,7 @@ class _Window:
         self.sums = torch.zeros(6 + 2 * block_size, dtype=torch.float64, device=device)
         self.B = block_size
         self.steps = 0
+        self.wait_s = 0.0  # host seconds this rank waited for features
         self.t0 = time.perf_counter()
 
     def add_micro(self, out, target_tokens: int, block_tokens: int, busy) -> None:
@@ -102,6 +120,8 @@ class DrafterTrainLoop:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 module = DDP(self.objective, process_group=self.dp.group, broadcast_buffers=False, device_ids=None)
+            if prof.enabled:
+                module.register_comm_hook((prof, self.dp.group), _timed_allreduce)
         self.optimizer = make_optimizer(drafter, cfg.lr, cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cosine_schedule(total_steps, cfg.warmup_ratio))
         self.update = DrafterUpdate(self.objective, self.optimizer, self.scheduler, cfg.grad_clip, module, prof)
@@ -156,7 +176,9 @@ class DrafterTrainLoop:
                     raise GracefulStop()
                 self.trace.at(self.step)
                 for i in range(accum):
+                    t_get = time.perf_counter()
                     item = source.get(self.prof)
+                    window.wait_s += time.perf_counter() - t_get
                     pack = item.pack
                     batch, anchors = pack.batch.to(self.device), pack.anchors.to(self.device)
                     out = self.update.micro(batch, anchors, item.features, 1.0 / accum, sync=i == accum - 1)
@@ -216,5 +238,7 @@ class DrafterTrainLoop:
             "block_tokens_per_s": b_tok / dt,
             # what the target role could deliver if it never waited: tokens per busy second, all target workers
             "target_capacity_tokens_per_s": t_tok / busy * self.target_workers if busy > 0 else None,
+            # ... and the drafter role if it never waited for features (rank 0's waits stand for all ranks)
+            "drafter_capacity_tokens_per_s": t_tok / (dt - w.wait_s) if dt > w.wait_s else None,
             "elapsed_s": dt,
         }
