@@ -233,7 +233,7 @@ class DrafterTrainLoop:
             "acc": [round(a, 4) for a in acc[1:]],
             "expected_tau": float(expected_acceptance_length(correct, labelled)),
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm / max(w.steps, 1),
+            "grad_norm": grad_norm / max(w.steps, 1) / self.dp.size,  # identical on every rank, summed by the all-reduce
             "target_tokens_per_s": t_tok / dt,
             "block_tokens_per_s": b_tok / dt,
             # what the target role could deliver if it never waited: tokens per busy second, all target workers

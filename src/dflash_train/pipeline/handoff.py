@@ -136,8 +136,9 @@ class P2PSender:
             self.inflight.popleft()
         prof.add("hs_queue_full_wait", time.perf_counter() - t0)
         with prof.span("handoff"):
-            meta = torch.tensor([float(pack_index), 0.0], dtype=torch.float64)
-            meta = meta.to(features.device)
+            # Filled on the device by kernels: a host tensor copied over would sync (pageable memory).
+            meta = torch.empty(2, dtype=torch.float64, device=features.device)
+            meta[0] = float(pack_index)
             meta[1] = busy_s
             works = [dist.isend(features.contiguous(), dst), dist.isend(meta, dst)]
         self.inflight.append((dst, works, (features, meta)))  # keep tensors alive until sent
