@@ -145,3 +145,23 @@ def test_torchrun_launch_trains_with_the_same_role_split(prepared, tmp_path):
                           *THREE], capture_output=True, text=True, timeout=180)
     assert bad.returncode != 0
     assert "--nproc-per-node must be 3" in bad.stderr
+
+
+def test_data_without_any_anchor_is_a_usage_error():
+    import numpy as np
+
+    from dflash_train.errors import UsageError
+    from dflash_train.pipeline.stream import PackStream
+
+    class NoAssistant:
+        def __len__(self):
+            return 3
+
+        def lengths(self):
+            return np.array([10, 10, 10])
+
+        def __getitem__(self, i):
+            return np.arange(10), np.zeros(10, dtype=np.int64)
+
+    with pytest.raises(UsageError, match="two consecutive"):
+        PackStream(NoAssistant(), 20, 4, 0, 1).next_step()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_train.errors import UsageError
 from dflash_train.objective.blocks import PackedBatch
 from dflash_train.objective.objective import sample_packed_anchors
 from dflash_train.training.loader import LoaderState, PackedLoader
@@ -68,11 +69,16 @@ class PackStream:
         return self.loader.steps_in_epoch(0) / self.packs_per_step
 
     def _next_pack(self) -> tuple[PackedBatch, torch.Tensor, list[int]]:
+        skipped = 0
         while True:
             batch, picked = self.loader.next()
             anchors = sample_packed_anchors(batch, self.num_anchors, anchor_generator(self.seed, self.next_pack))
             if anchors.numel():
                 return batch, anchors, picked
+            skipped += len(picked)
+            if skipped > len(self.loader.lengths):  # a whole epoch without one anchor
+                raise UsageError("no training sequence has two consecutive loss-masked (assistant) tokens, "
+                                 "so there is nothing to learn: check --data and --max-length")
 
     def next_step(self) -> list[Pack]:
         """The packs of the next optimizer step, in pack order."""
