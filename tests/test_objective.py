@@ -8,7 +8,7 @@ import torch
 from dflash_train.objective.anchors import eligible_anchors, sample_anchors
 from dflash_train.objective.blocks import IGNORE, PackedBatch, build_blocks, gamma_for, slot_weights
 from dflash_train.objective.loss import expected_acceptance_length, weighted_block_loss
-from dflash_train.objective.masks import MaskSpec, dense_mask, flex_block_mask
+from dflash_train.objective.masks import MaskSpec, dense_mask, flex_block_mask, structured_block_mask
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, sample_packed_anchors
 
 
@@ -116,6 +116,48 @@ def test_flex_block_mask_equals_dense_mask():
     q = torch.arange(spec.num_queries)[:, None]
     kv = torch.arange(spec.context_len + spec.num_queries)[None, :]
     torch.testing.assert_close(bm.mask_mod(0, 0, q, kv), dense_mask(spec)[0, 0])
+
+
+def _four_sequences():
+    lens = [37, 5, 60, 22]
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    gen = torch.Generator().manual_seed(0)
+    return PackedBatch(torch.randint(0, 50, (seq.numel(),), generator=gen),
+                       (torch.rand(seq.numel(), generator=gen) > 0.2).long(), seq, pos)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("tile", [8, 16, 128])
+def test_structured_block_mask_covers_the_predicate_and_full_tiles_are_full(window, tile):
+    b = _four_sequences()
+    spec = MaskSpec(b.seq_ids, b.positions, sample_packed_anchors(b, 9, torch.Generator().manual_seed(3)), 4, window)
+    bm = structured_block_mask(spec, tile)
+    dense = dense_mask(spec)[0, 0]
+    used = bm.to_dense()[0, 0]  # partial or full tiles
+    q, k = torch.nonzero(dense, as_tuple=True)
+    assert used[q // tile, k // tile].all()  # no allowed pair falls in a skipped tile
+    n_full, full = bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0]
+    for i in range(n_full.numel()):  # a full tile skips mask_mod: every pair in it must be allowed
+        for j in full[i, :n_full[i]].tolist():
+            assert dense[i * tile:(i + 1) * tile, j * tile:(j + 1) * tile].all()
+    if window is None and tile == 8:
+        assert n_full.sum() > 0  # the test exercises full tiles too
+    torch.testing.assert_close(bm.mask_mod(0, 0, torch.arange(spec.num_queries)[:, None],
+                                           torch.arange(dense.shape[1])[None, :]), dense)
+
+
+def test_structured_and_evaluated_block_masks_give_the_same_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    b = _four_sequences()
+    spec = MaskSpec(b.seq_ids, b.positions, sample_packed_anchors(b, 9, torch.Generator().manual_seed(3)), 4)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, spec.num_queries, 16, generator=gen)
+    kv = torch.randn(2, 1, 2, spec.context_len + spec.num_queries, 16, generator=gen)
+    out = [flex_attention(q, kv[0], kv[1], block_mask=m) for m in (structured_block_mask(spec, 16),
+                                                                   flex_block_mask(spec))]
+    torch.testing.assert_close(out[0], out[1])
 
 
 def test_loss_weights_normalise_over_labelled_slots():

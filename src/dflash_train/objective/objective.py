@@ -24,7 +24,7 @@ from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.anchors import sample_anchors
 from dflash_train.objective.blocks import Blocks, PackedBatch, build_blocks, gamma_for
 from dflash_train.objective.loss import LossOutput, weighted_block_loss
-from dflash_train.objective.masks import MaskSpec, flex_block_mask, segmented_mask
+from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
 
 ATTENTION_BACKENDS = ("auto", "flex", "dense")
 
@@ -81,7 +81,7 @@ class DFlashObjective(nn.Module):
         return self.cfg.attention
 
     def masks(self, batch: PackedBatch, blocks: Blocks) -> dict[str, object]:
-        build = flex_block_mask if self.backend(batch.input_ids.device) == "flex" else segmented_mask
+        build = structured_block_mask if self.backend(batch.input_ids.device) == "flex" else segmented_mask
         cfg = self.drafter.config
         masks = {FULL_ATTENTION: build(MaskSpec.of(batch, blocks))}
         if SLIDING_ATTENTION in cfg.layer_types:
