@@ -73,7 +73,11 @@ def test_hf_directory_without_config(tmp_path):
 
 
 def test_unreachable_hub_id_is_one_line(monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable at import time; without this the test waits ~45 s on the network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UsageError) as err:
         load_target("no-such-org/no-such-model")
     assert "--target" in str(err.value) and "\n" not in str(err.value)
