@@ -53,7 +53,6 @@ class LocalHandoff:
     _POLL = 0.1  # seconds between checks of the stop flag while blocked
 
     def __init__(self, depth: int) -> None:
-        self.depth = depth
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.closed = threading.Event()
         self.error: BaseException | None = None
@@ -104,20 +103,20 @@ class LocalHandoff:
 
 def _wait(work, timeout: float, what: str) -> None:
     """Block the host until `work` completed, or fail naming the peer after `timeout` seconds."""
+    stuck = PeerTimeout(f"{what}: nothing for {timeout:.0f} s (--peer-timeout); that worker is stuck or gone")
     if dist.get_backend() == "gloo":
         # gloo's send/recv works only report completion through wait(), which takes a timeout.
         try:
             work.wait(timedelta(seconds=timeout))
         except RuntimeError as e:
             if "imeout" in str(e) or "imed out" in str(e):
-                raise PeerTimeout(f"{what}: nothing for {timeout:.0f} s (--peer-timeout); "
-                                  "that worker is stuck or gone") from None
+                raise stuck from None
             raise
         return
     deadline = time.monotonic() + timeout  # NCCL: poll the work's CUDA event, then order the stream
     while not work.is_completed():
         if time.monotonic() > deadline:
-            raise PeerTimeout(f"{what}: nothing for {timeout:.0f} s (--peer-timeout); that worker is stuck or gone")
+            raise stuck
         time.sleep(0.0002)
     work.wait()
 
@@ -158,7 +157,7 @@ class P2PReceiver:
                  depth: int, timeout: float, describe) -> None:
         self.packs, self.source_of, self.timeout, self.describe = iter(packs), source_of, timeout, describe
         # depth buffers in flight + one held by the step that is using it
-        self.free = [torch.empty(budget, width, dtype=dtype, device=device) for _ in range(depth + 1)]
+        self.buffers = [torch.empty(budget, width, dtype=dtype, device=device) for _ in range(depth + 1)]
         self.metas = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(depth + 1)]
         self.pending: collections.deque = collections.deque()
         self.held: list[int] = []
@@ -174,7 +173,7 @@ class P2PReceiver:
                 return
             slot = self.slots.pop()
             src = self.source_of(pack)
-            buf = self.free[slot][: pack.num_tokens]
+            buf = self.buffers[slot][: pack.num_tokens]
             works = [dist.irecv(buf, src), dist.irecv(self.metas[slot], src)]
             self.pending.append((pack, slot, src, works))
 
@@ -195,7 +194,7 @@ class P2PReceiver:
                                f"got {int(meta[0])}")
         self.held.append(slot)
         busy = float(meta[1]) if self.check_order else meta[1].clone()
-        return Features(pack, self.free[slot][: pack.num_tokens], busy)
+        return Features(pack, self.buffers[slot][: pack.num_tokens], busy)
 
     def release(self) -> None:
         """The step is done with the buffers it got: post receives into them."""

@@ -32,7 +32,7 @@ class BatchQueue:
 
     def __init__(self, packs: Iterable[Pack], depth: int, prof=NULL_LOOP) -> None:
         self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.prof, self.depth = prof, depth
+        self.prof = prof
         self.stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(iter(packs),), name="batch-producer", daemon=True)
         self._thread.start()

@@ -42,7 +42,8 @@ class WorkerSpec:
     run_dir: str
     data_dir: str
     drafter_dir: str | None  # initial weights (fresh init or the checkpoint resumed from); None = a fresh init here
-    resume_state_path: str | None
+    resume_state_path: str | None  # drafter ranks restore optimizer, schedule and RNGs from it
+    stream: StreamState  # where the run's pack stream starts (a resumed run's position)
     total_steps: int
     init_method: str  # torch.distributed rendezvous: tcp://127.0.0.1:PORT (launcher) or env:// (torchrun)
     progress: bool
@@ -153,8 +154,7 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
         from dflash_train.training.job import drafter_config
 
         layer_ids = list(drafter_config(cfg, target).target_layer_ids)
-    state = _resume_state(spec)
-    stream = _stream(spec, StreamState(**state["stream"]) if state else StreamState(), PreparedDataset.open(spec.data_dir))
+    stream = _stream(spec, spec.stream, PreparedDataset.open(spec.data_dir))
     t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
     me = t_ranks.index(spec.rank)
     packs = stream.packs(spec.total_steps, keep=lambda p: p.index % len(t_ranks) == me)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import threading
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from dflash_train.errors import UsageError
 from dflash_train.profiling.stats import ProfileStats
 from dflash_train.profiling.summary import format_record, window_record
+from dflash_train.profiling.tools import file_label
 from dflash_train.profiling.verdict import attach_verdict
 
 ENV_INTERVAL = "DFLASH_PROFILE_INTERVAL"
@@ -59,8 +59,7 @@ class ProfileReporter:
         if run_dir and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", stats.process)
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb" / f"profile-{safe}"))
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb" / f"profile-{file_label(stats.process)}"))
         self.records = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"profile-{stats.process}", daemon=True)

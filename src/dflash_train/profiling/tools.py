@@ -12,13 +12,17 @@ import torch
 from dflash_train.errors import UsageError
 
 
+def file_label(process: str) -> str:
+    """A process label ("rank1/drafter/cuda:1") as a file-name part ("rank1_drafter_cuda_1")."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", process)
+
+
 class TraceWindow:
     """torch.profiler over steps [start, end): a Chrome trace per process in RUN_DIR/traces/."""
 
     def __init__(self, start: int, end: int, run_dir: Path, process: str) -> None:
         self.start, self.end = start, end
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", process)
-        self.path = Path(run_dir) / "traces" / f"{safe}.json"
+        self.path = Path(run_dir) / "traces" / f"{file_label(process)}.json"
         self.prof = None
 
     def at(self, step: int) -> None:
@@ -61,8 +65,7 @@ def oom_snapshot(run_dir: Path, process: str, cfg):
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", process)
-        path = Path(run_dir) / f"oom-{safe}.pickle"
+        path = Path(run_dir) / f"oom-{file_label(process)}.pickle"
         try:
             torch.cuda.memory._dump_snapshot(str(path))  # segments; stack traces need _record_memory_history
         except Exception:  # noqa: BLE001 - the snapshot is best effort; the hint matters more

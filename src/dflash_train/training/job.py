@@ -266,8 +266,8 @@ def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: 
     port = cfg.dist_port or free_port()
     specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=str(run_dir),
                         data_dir=str(dataset.path), drafter_dir=str(init_dir),
-                        resume_state_path=str(ckpt) if ckpt else None, total_steps=steps,
-                        init_method=f"tcp://127.0.0.1:{port}",
+                        resume_state_path=str(ckpt) if ckpt else None, stream=_stream_state(state),
+                        total_steps=steps, init_method=f"tcp://127.0.0.1:{port}",
                         progress=progress) for r, (role, dev) in enumerate(roles)]
     start = state["step"] if state else 0
     say(f"training {steps - start} steps through {len(roles)} processes: "
@@ -275,6 +275,12 @@ def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: 
     t0 = time.perf_counter()
     code = Launcher(specs).run(cfg.peer_timeout)
     return code, steps, time.perf_counter() - t0
+
+
+def _stream_state(state):
+    from dflash_train.pipeline.stream import StreamState
+
+    return StreamState(**state["stream"]) if state else StreamState()
 
 
 def under_torchrun() -> bool:
@@ -310,7 +316,7 @@ def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -
     spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices, cfg=cfg,
                       run_dir=str(run_dir), data_dir=str(dataset.path),
                       drafter_dir=str(ckpt / "drafter") if ckpt else cfg.init_drafter,
-                      resume_state_path=str(ckpt) if ckpt else None,
+                      resume_state_path=str(ckpt) if ckpt else None, stream=_stream_state(state),
                       total_steps=total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state),
                       init_method="env://", progress=progress)
     if rank == 0:
