@@ -46,3 +46,26 @@ def test_bench_command_on_cpu(tmp_path):
                                     "drafter-only"}
     assert res["tokens_per_s"] > 0 and res["model_tflop_per_step"] > 0
     assert "drafter_forward" in res["variants"]["overlap+wall"]["profile"]["drafter"]
+
+
+def test_bench_splits_run_the_multi_process_pipeline_on_cpu(tmp_path):
+    """--splits: T+D processes over gloo and xN whole pipelines, with verdicts and scaling against one device."""
+    out = tmp_path / "multi.json"
+    assert main(["bench", "--target", "random:tiny", "--device", "cpu", "--num-layers", "1", "--block-size", "4",
+                 "--num-anchors", "8", "--seq-len", "64", "--steps", "2", "--variants", "overlap",
+                 "--splits", "1+2,x2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in ("gpus", "split", "tokens_per_s", "mfu", "scaling_efficiency", "device", "date", "command"):
+        assert key in res
+    assert set(res["splits"]) == {"1+2", "x2"}
+    assert res["splits"]["1+2"]["gpus"] == 3 and res["splits"]["x2"]["gpus"] == 2
+    assert all(r["tokens_per_s"] > 0 and r["verdict"] for r in res["splits"].values())
+    assert set(res["by_gpus"]) == {"2", "3"} and res["gpus"] == 3
+    assert res["scaling_efficiency"] == res["tokens_per_s"] / (3 * res["one_gpu"]["tokens_per_s"])
+
+
+def test_bench_split_errors_name_the_flag(capsys):
+    for split, why in (("2-1", "is not T+D"), ("0+1", "is not T+D"), ("1+1", "on CPU equal lists")):
+        assert main(["bench", "--target", "random:tiny", "--device", "cpu", "--splits", split]) == 2
+        err = capsys.readouterr().err
+        assert "--splits" in err and why in err

@@ -57,6 +57,23 @@ def test_three_processes_reproduce_the_single_device_losses(prepared, tmp_path, 
     assert depths and max(depths) <= 2
 
 
+def test_a_pipeline_per_device_reproduces_the_single_device_losses(prepared, tmp_path, monkeypatch):
+    """The same list to both flags: each process holds a target and a drafter; only gradients cross."""
+    monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
+    one, both = tmp_path / "one", tmp_path / "both"
+    assert main([*BASE, "--data", prepared, "--run-dir", str(one), "--device", "cpu", "--grad-accum", "2",
+                 "--max-steps", "6"]) == 0
+    assert main([*BASE, "--data", prepared, "--run-dir", str(both), "--target-devices", "cpu,cpu",
+                 "--drafter-devices", "cpu,cpu", "--max-steps", "6", "--profile-interval", "0.5"]) == 0
+    a, b = _records(one / "metrics.jsonl"), _records(both / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]),
+                               rtol=1e-4, atol=1e-5)
+    profiles = _records(both / "profile.jsonl")
+    assert {p["process"] for p in profiles} == {"rank0/both/cpu", "rank1/both/cpu"}
+    assert all(set(p["loops"]) <= {"target", "drafter"} for p in profiles)
+    assert any("target_forward" in p["loops"].get("target", {}).get("stages", {}) for p in profiles)
+
+
 def _start(args: list[str], **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dflash_train.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=os.environ | env)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from dflash_train.bench.flops import drafter_flops, shape_of, target_flops
+from dflash_train.bench.multi import check_gpus, parse_splits
 from dflash_train.errors import UsageError
 
 PEAK_BF16 = 989e12
@@ -53,6 +54,7 @@ class BenchConfig:
     attention: str = "auto"
     loss_chunk_rows: int = 4096
     seed: int = 0
+    splits: str = ""  # several GPUs: e.g. "1+1,x2" (bench/multi.py)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_anchors", "seq_len", "steps", "loss_chunk_rows"):
@@ -60,6 +62,9 @@ class BenchConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
+        from dflash_train.bench.multi import parse_splits
+
+        parse_splits(self.splits)  # a bad split fails here, before any model is loaded
         bad = [v for v in self.variant_list if v not in VARIANTS]
         if bad:
             raise UsageError(f"--variants: unknown {bad} (choose from {', '.join(VARIANTS)})")
@@ -88,24 +93,26 @@ class SyntheticSequences:
         return self.ids[i], self.mask
 
 
-def _train_cfg(cfg: BenchConfig, run_dir: Path, variant: str, total: int):
+def _train_cfg(cfg: BenchConfig, run_dir: Path, variant: str, total: int, **extra):
     from dflash_train.training.config import TrainConfig
 
-    return TrainConfig(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
-                       block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
-                       max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
-                       max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
-                       overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
-                       profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0)
+    base = dict(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
+                block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
+                max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
+                max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
+                overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
+                profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0)
+    return TrainConfig(**(base | extra))
 
 
-def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int) -> tuple[float, float]:
+def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int,
+                packs_per_step: int = 1) -> tuple[float, float]:
     """Model FLOPs of steps [first, last) from the very packs the stream yields (deterministic)."""
     from dflash_train.pipeline.stream import PackStream
 
     tshape, dshape = shape_of(target.model.config), shape_of(drafter.config)
     t_layers = max(drafter.config.target_layer_ids) + 1
-    stream = PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, 1)
+    stream = PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, packs_per_step)
     t_total = d_total = 0.0
     for pack in stream.packs(last):
         if pack.step < first:
@@ -156,7 +163,12 @@ def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
     init = {k: v.clone() for k, v in first.state_dict().items()}
     total = 2 * cfg.steps
     dataset = SyntheticSequences(cfg.steps, cfg.seq_len, target.vocab_size, cfg.seed)
-    flops = None
+    splits = parse_splits(cfg.splits)
+    check_gpus(splits, device)
+    t_flops, d_flops = _step_flops(cfg, target, first, dataset, cfg.steps, total)
+    flops = t_flops + d_flops
+    split_flops = {s.name: sum(_step_flops(cfg, target, first, dataset, cfg.steps, total, s.drafters)) for s in splits}
+    width = len(dcfg.target_layer_ids) * target.hidden_size
     results: dict[str, Any] = {}
     for variant in cfg.variant_list:
         if variant == cfg.variant_list[0]:
@@ -166,9 +178,6 @@ def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
                 drafter = DFlashDrafter(dcfg)
         drafter.load_state_dict(init)
         drafter = drafter.to(device=device, dtype=torch.float32)
-        if flops is None:
-            t_flops, d_flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)
-            flops = t_flops + d_flops
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -214,7 +223,55 @@ def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
             f"  {res['step_s'] * 1e3:8.1f} ms/step{mfu}")
         del drafter
         first = None
-    return _summary(cfg, device, results, flops, t_flops)
+    out = _summary(cfg, device, results, flops, t_flops)
+    if splits:
+        del target, first  # the workers load their own: free this process's GPU memory
+        if cuda:
+            torch.cuda.empty_cache()
+        out = _multi_summary(out, _run_splits(cfg, splits, device.type, split_flops, dataset, width, log))
+    return out
+
+
+def _run_splits(cfg: BenchConfig, splits, kind: str, split_flops: dict[str, float], dataset, width: int,
+                log) -> dict[str, Any]:
+    from dflash_train.bench.multi import link_bandwidth, run_split, write_dataset
+
+    link = None
+    if kind == "cuda" and any(not s.colocated for s in splits):
+        link = link_bandwidth(width, cfg.seq_len, depth=4)
+        log(f"link GPU0->GPU1: device copy {link['device_copy_bytes_per_s'] / 1e9:.0f} GB/s, NCCL send/recv "
+            f"{link['nccl_send_recv_bytes_per_s'] / 1e9:.0f} GB/s, hand-off {link['handoff_bytes_per_s'] / 1e9:.0f} GB/s "
+            f"({link['handoff_message_bytes'] / 1e6:.0f} MB per pack, {link['handoff_message_ms']:.2f} ms)")
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-data-") as tmp:
+        data_dir = write_dataset(dataset, Path(tmp) / "data")
+        results = {s.name: run_split(cfg, s, kind, data_dir, split_flops[s.name], log) for s in splits}
+    return {"splits": results, "link": link}
+
+
+def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
+    """The several-GPU record: the best split on the most GPUs, scaling against one GPU's best variant."""
+    from dflash_train.bench.multi import scaling
+
+    trained = {v: r for v, r in one["variants"].items() if not v.endswith("-only")}
+    one_best = max(trained, key=lambda v: trained[v]["tokens_per_s"]) if trained else None
+    one_tps = trained[one_best]["tokens_per_s"] if one_best else None
+    by_gpus = scaling(one_tps, multi["splits"])
+    top = by_gpus[max(by_gpus, key=int)]
+    return {
+        "gpus": max(int(n) for n in by_gpus),
+        "split": top["split"],
+        "tokens_per_s": top["tokens_per_s"],
+        "mfu": top["mfu"],
+        "scaling_efficiency": top["scaling_efficiency"],
+        "one_gpu": {"variant": one_best, "tokens_per_s": one_tps, "mfu": trained[one_best]["mfu"] if one_best else None},
+        "by_gpus": by_gpus,
+        "splits": multi["splits"],
+        "link": multi["link"],
+        "device": f"{torch.cuda.device_count()} x {one['device']}" if torch.cuda.is_available() else one["device"],
+        "versions": one["versions"],
+        "config": one["config"],
+        "one_gpu_variants": one["variants"],
+    }
 
 
 def _summary(cfg: BenchConfig, device: torch.device, results: dict, flops: float, t_flops: float) -> dict[str, Any]:

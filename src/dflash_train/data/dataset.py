@@ -103,32 +103,36 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
     if not conv_ids:
         why = f" (skipped: {'; '.join(report.examples)})" if report.examples else ""
         raise UsageError(f"--data: no usable record to prepare{why}")
-    lengths = np.array([len(a) for a in seq_ids], dtype=np.int64)
     report.sequences = len(conv_ids)
-    report.tokens = int(lengths.sum())
+    report.tokens = sum(len(a) for a in seq_ids)
     report.loss_tokens = int(sum(int(m.sum()) for m in seq_masks))
     meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
         "target": target_spec,
         "tokenizer": getattr(tokenizer, "name_or_path", ""),
         "chat_template_sha256": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
         "end_of_turn_ids": sorted(stops),
         "max_length": max_length,
-        "sequences": report.sequences,
         "tokens": report.tokens,
         "loss_tokens": report.loss_tokens,
         "truncated": report.truncated,
         "skipped": report.skipped,
         "source": source_summary() if source_summary is not None else "",
     }
+    write_sequences(out, seq_ids, seq_masks, conv_ids, meta, overwrite)
+    return report
+
+
+def write_sequences(out: Path, ids: list[np.ndarray], masks: list[np.ndarray], conv_ids: list[str], meta: dict,
+                    overwrite: bool = False) -> None:
+    """Store token sequences and their loss masks as a prepared dataset (`meta` adds to the format fields)."""
+    lengths = np.array([len(a) for a in ids], dtype=np.int64)
     arrays = {
-        "input_ids.npy": np.concatenate(seq_ids),
-        "loss_mask.npy": np.concatenate(seq_masks),
+        "input_ids.npy": np.concatenate(ids).astype(np.int32),
+        "loss_mask.npy": np.concatenate(masks).astype(np.uint8),
         "offsets.npy": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
     }
-    _write_atomically(out, arrays, conv_ids, meta, overwrite)
-    return report
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "sequences": len(conv_ids), **meta}
+    _write_atomically(Path(out), arrays, conv_ids, meta, overwrite)
 
 
 def _check_matches_template(tokenizer, conv: Conversation, ids: list[int], target_spec: str) -> None:

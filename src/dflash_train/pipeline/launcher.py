@@ -1,6 +1,7 @@
 """Start one process per device and watch them: the multi-process pipeline on one host.
 
     dflash-train train --target-devices cuda:0 --drafter-devices cuda:1,cuda:2,cuda:3
+    dflash-train train --target-devices cuda:0,cuda:1 --drafter-devices cuda:0,cuda:1   # a pipeline per GPU
     dflash-train train --target random:tiny --target-devices cpu --drafter-devices cpu,cpu   # gloo, for tests
 
 The launcher stays out of the work: it starts the workers (spawn), then waits on them.
@@ -74,7 +75,7 @@ class Launcher:
             self.kill_all()
             os._exit(128 + signum)
         self.signal_code = 128 + signum
-        furthest = max(self.steps[s.rank] for s in self.specs if s.role == "drafter")
+        furthest = max(self.steps[s.rank] for s in self.specs if s.trains)
         self.stop_at.value = furthest + 2  # every drafter is within a step of the furthest (lockstep all-reduce)
         say(f"{signal.Signals(signum).name}: stopping after step {furthest + 2} with a checkpoint "
             "(again to stop at once)")
@@ -110,7 +111,7 @@ class Launcher:
         say(f"worker {self.specs[first].describe(first)} {how(first)}; stopping the run{also}")
 
     def _watch(self, peer_timeout: float) -> int:
-        drafters = [i for i, s in enumerate(self.specs) if s.role == "drafter"]
+        drafters = [i for i, s in enumerate(self.specs) if s.trains]
         drafters_done_at = None
         while True:
             alive = [p for p in self.procs if p.exitcode is None]

@@ -128,6 +128,8 @@ class TargetForwardLoop:
 
     def run_local(self, batches: BatchQueue, handoff: LocalHandoff) -> None:
         """Thread body (one process, shared device): features into the local hand-off queue."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread; a new one starts on cuda:0
         try:
             with self._on_stream():
                 for pack in batches:

@@ -4,6 +4,9 @@ Ranks 0..T-1 are target workers, T..T+D-1 drafter workers. Every process joins o
 torch.distributed group (NCCL on GPU, gloo on CPU); the drafter ranks also form the group
 their DistributedDataParallel all-reduces over. Pack p is computed by target rank p % T and
 trained on by drafter rank T + p % D.
+
+A "both" rank holds a whole pipeline on its device (the same device list given to both flags):
+its target thread feeds its drafter through a local queue, and only gradients cross devices.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ FAULT_ENV = "DFLASH_TRAIN_FAULT"  # testing aid: "target:P" / "drafter:P" raises
 @dataclass
 class WorkerSpec:
     rank: int
-    role: str  # "target" | "drafter"
+    role: str  # "target" | "drafter" | "both" (a target thread feeding this process's drafter)
     device: str
     devices: list[tuple[str, str]]  # (role, device) of every rank
     cfg: TrainConfig
@@ -47,14 +50,19 @@ class WorkerSpec:
     total_steps: int
     init_method: str  # torch.distributed rendezvous: tcp://127.0.0.1:PORT (launcher) or env:// (torchrun)
     progress: bool
+    checkpoints: bool = True  # False: no checkpoint files at all (the benchmark's runs)
+
+    @property
+    def trains(self) -> bool:
+        return self.role != "target"
 
     @property
     def target_ranks(self) -> list[int]:
-        return [r for r, (role, _) in enumerate(self.devices) if role == "target"]
+        return [r for r, (role, _) in enumerate(self.devices) if role != "drafter"]
 
     @property
     def drafter_ranks(self) -> list[int]:
-        return [r for r, (role, _) in enumerate(self.devices) if role == "drafter"]
+        return [r for r, (role, _) in enumerate(self.devices) if role != "target"]
 
     def describe(self, rank: int) -> str:
         role, device = self.devices[rank]
@@ -168,13 +176,13 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
     loop.run_p2p(BatchQueue(packs, cfg.queue_depth, prof), sender, lambda p: d_ranks[p.index % len(d_ranks)], beat)
 
 
-def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbeats, steps, stop_at) -> None:
+def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbeats, steps, stop_at):
     from dflash_train.data.dataset import PreparedDataset
     from dflash_train.models.checkpoint import load_drafter
     from dflash_train.models.targets import load_target
 
     cfg = spec.cfg
-    target = load_target(cfg.target, device=device)  # for the frozen embedding and LM head
+    target = load_target(cfg.target, device=device)  # the frozen embedding and LM head (and, for "both", features)
     if spec.drafter_dir is not None:
         drafter = load_drafter(spec.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
@@ -196,14 +204,30 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
                             dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
                             resume_state=_resume_state(spec), progress=spec.progress and me == 0, prof=prof,
                             stop_requested=stop_requested, heartbeat=beat, target_workers=len(t_ranks),
-                            trace=session.trace)
+                            trace=session.trace, checkpoints=spec.checkpoints)
     fault = _fault("drafter")
     stream = _stream(spec, loop.stream_state, PreparedDataset.open(spec.data_dir))
     packs = stream.packs(spec.total_steps, keep=lambda p: p.index % len(d_ranks) == me)
     if fault is not None:
         packs = (fault(p) or p for p in packs)
-    width = len(drafter.config.target_layer_ids) * target.hidden_size
-    receiver = P2PReceiver(packs, lambda p: t_ranks[p.index % len(t_ranks)], width, cfg.token_budget, target.dtype,
-                           device, cfg.queue_depth, cfg.peer_timeout, spec.describe)
-    loop.train(receiver)
+    if spec.role == "both":
+        source = _local_source(cfg, target, packs, list(drafter.config.target_layer_ids), session)
+    else:
+        width = len(drafter.config.target_layer_ids) * target.hidden_size
+        source = P2PReceiver(packs, lambda p: t_ranks[p.index % len(t_ranks)], width, cfg.token_budget, target.dtype,
+                             device, cfg.queue_depth, cfg.peer_timeout, spec.describe)
+    try:
+        loop.train(source)
+    finally:
+        source.close()
     return drafter
+
+
+def _local_source(cfg: TrainConfig, target, packs, layer_ids: list[int], session):
+    """This process's own target: a thread on its own CUDA stream (--overlap), or inline."""
+    from dflash_train.pipeline.local import InlineSource, ThreadedSource, cache_features, use_overlap
+
+    prof = session.stats.loop("target")
+    if use_overlap(cfg, target.device):
+        return ThreadedSource(target, packs, layer_ids, cfg.queue_depth, prof, session.trace)
+    return InlineSource(target, packs, layer_ids, cache_features(cfg, target.device), prof)

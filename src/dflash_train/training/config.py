@@ -70,8 +70,9 @@ class TrainConfig:
     target_devices: str | None = _opt(None, "devices of the target workers, comma-separated (e.g. cuda:0); "
                                       "with --drafter-devices: one process per device")
     drafter_devices: str | None = _opt(None, "devices of the drafter workers, comma-separated (e.g. cuda:1,cuda:2); "
-                                       "several = data parallel")
-    overlap: bool | None = _opt(None, "one device: run the target on its own thread and CUDA stream so its forwards "
+                                       "several = data parallel; the same list as --target-devices = a target and a "
+                                       "drafter on every device (whole pipelines, data parallel)")
+    overlap: bool | None = _opt(None, "a device holding both roles: run the target on its own thread and CUDA stream so its forwards "
                                 "fill the drafter's gaps (default: on for CUDA, off for CPU)")
     queue_depth: int = _opt(4, "depth of the batch queue and of the feature (hs) queue")
     peer_timeout: float = _opt(600.0, "seconds without progress before a worker is reported stuck")

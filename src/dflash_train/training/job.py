@@ -218,12 +218,16 @@ def _roles(cfg: TrainConfig) -> list[tuple[str, str]]:
         return []
     from dflash_train.pipeline.launcher import parse_devices
 
-    roles = [("target", d) for d in parse_devices(cfg.target_devices, "--target-devices")]
-    roles += [("drafter", d) for d in parse_devices(cfg.drafter_devices, "--drafter-devices")]
+    targets = parse_devices(cfg.target_devices, "--target-devices")
+    drafters = parse_devices(cfg.drafter_devices, "--drafter-devices")
+    if targets == drafters:  # every device runs a whole pipeline; the drafters are data parallel
+        roles = [("both", d) for d in targets]
+    else:
+        roles = [("target", d) for d in targets] + [("drafter", d) for d in drafters]
     cuda = [d for _, d in roles if d.startswith("cuda")]
     if len(set(cuda)) < len(cuda):
         raise UsageError("--target-devices/--drafter-devices: a CUDA device can hold one worker process (NCCL); "
-                         "for target and drafter sharing one GPU leave both out and use --device cuda:N")
+                         "to put a target and a drafter on every GPU give both flags the same list")
     if len({torch.device(d).type for _, d in roles}) > 1:
         raise UsageError("--target-devices and --drafter-devices must all be CUDA devices or all cpu "
                          "(features travel over NCCL or gloo)")
@@ -261,7 +265,7 @@ def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: 
     from dflash_train.pipeline.local import total_steps
     from dflash_train.pipeline.worker import WorkerSpec
 
-    n_drafters = sum(1 for role, _ in roles if role == "drafter")
+    n_drafters = sum(1 for role, _ in roles if role != "target")
     steps = total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state)
     port = cfg.dist_port or free_port()
     specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=str(run_dir),
@@ -312,7 +316,7 @@ def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -
     ckpt = latest_checkpoint(run_dir) if resume else None
     state = load_state(ckpt) if ckpt else None
     devices = roles * (world // local_world)
-    n_drafters = sum(1 for role, _ in devices if role == "drafter")
+    n_drafters = sum(1 for role, _ in devices if role != "target")
     spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices, cfg=cfg,
                       run_dir=str(run_dir), data_dir=str(dataset.path),
                       drafter_dir=str(ckpt / "drafter") if ckpt else cfg.init_drafter,

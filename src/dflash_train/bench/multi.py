@@ -1,0 +1,257 @@
+"""Several GPUs of one host: role splits through the real multi-process pipeline, and the link.
+
+    --splits 1+1,x2       on two GPUs; 1+3,2+2,x4 on four
+        T+D   T target GPUs and D other drafter GPUs: features cross GPUs over NCCL point-to-point
+        xN    N GPUs that each hold a target and a drafter (whole pipelines); only gradients cross
+
+Each split trains the bench's drafter on the bench's synthetic sequences (written as a prepared
+dataset) through `Launcher` and the worker processes a `dflash-train train --target-devices ...
+--drafter-devices ...` run would start, for 2 x --steps steps with --steps packs per drafter
+worker timed (metrics record of the last --steps steps). Profiling is on (wall clock, 1 s
+windows) so each split reports the verdicts its processes printed.
+
+The link is measured in the same run: a device-to-device copy between GPU 0 and GPU 1 in one
+process, NCCL send/recv of 1 GiB between two processes, and the hand-off itself (P2PSender ->
+P2PReceiver) with feature messages of the benchmark's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import re
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from dflash_train.errors import UsageError
+
+_SPLIT = re.compile(r"^(\d+)\+(\d+)$|^x(\d+)$")
+
+
+@dataclass(frozen=True)
+class Split:
+    name: str
+    targets: int
+    drafters: int
+    colocated: bool  # every GPU holds both roles
+
+    @classmethod
+    def parse(cls, text: str) -> Split:
+        m = _SPLIT.match(text)
+        if not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(1) and min(int(m.group(1)), int(m.group(2))) < 1):
+            raise UsageError(f"--splits: {text!r} is not T+D (T target GPUs, D drafter GPUs, both >= 1) "
+                             "or xN (N GPUs each holding a target and a drafter)")
+        if m.group(3):
+            n = int(m.group(3))
+            return cls(text, n, n, True)
+        return cls(text, int(m.group(1)), int(m.group(2)), False)
+
+    @property
+    def gpus(self) -> int:
+        return self.targets if self.colocated else self.targets + self.drafters
+
+    def devices(self, kind: str = "cuda") -> tuple[str, str]:
+        """--target-devices, --drafter-devices (on CPU: gloo processes sharing the host's cores)."""
+        names = [f"cuda:{i}" for i in range(self.gpus)] if kind == "cuda" else ["cpu"] * self.gpus
+        if self.colocated:
+            return ",".join(names), ",".join(names)
+        if kind != "cuda" and self.targets == self.drafters:
+            raise UsageError(f"--splits {self.name}: on CPU equal lists mean colocated workers; use x{self.targets}")
+        return ",".join(names[: self.targets]), ",".join(names[self.targets:])
+
+
+def parse_splits(text: str) -> list[Split]:
+    return [Split.parse(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def check_gpus(splits: list[Split], device: torch.device) -> None:
+    have = torch.cuda.device_count() if device.type == "cuda" else None
+    for s in splits:
+        if have is not None and s.gpus > have:
+            raise UsageError(f"--splits {s.name}: needs {s.gpus} GPUs, this machine has {have}")
+        s.devices(device.type)  # the CPU ambiguity, before anything runs
+
+
+def write_dataset(sequences, out: Path) -> Path:
+    """The bench's synthetic sequences as a prepared dataset, for the worker processes to open."""
+    from dflash_train.data.dataset import write_sequences
+
+    ids = [sequences[i][0] for i in range(len(sequences))]
+    masks = [sequences[i][1] for i in range(len(sequences))]
+    write_sequences(out, ids, masks, [f"synthetic-{i}" for i in range(len(ids))], {"source": "dflash-train bench"})
+    return out
+
+
+def _steady_verdicts(profile_path: Path) -> dict[str, list[str]]:
+    """Each process's verdict per profile window, without its first window (warm-up, compiles)."""
+    by_process: dict[str, list[str]] = {}
+    if not profile_path.is_file():
+        return by_process
+    for line in profile_path.read_text().splitlines():
+        rec = json.loads(line)
+        by_process.setdefault(rec["process"], []).append(rec["verdict"]["kind"])
+    return {p: kinds[1:] or kinds for p, kinds in sorted(by_process.items())}
+
+
+def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: float, log=print) -> dict[str, Any]:
+    """One split's run on `kind` devices; timed_flops = model FLOPs of its timed steps (bench/run.py)."""
+    from dflash_train.bench.run import PEAK_BF16, _train_cfg
+    from dflash_train.pipeline.launcher import Launcher, free_port
+    from dflash_train.pipeline.stream import StreamState
+    from dflash_train.pipeline.worker import WorkerSpec
+    from dflash_train.training.job import _roles
+
+    total = 2 * bench_cfg.steps
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-split-") as tmp:
+        t_dev, d_dev = split.devices(kind)
+        cfg = _train_cfg(bench_cfg, Path(tmp), "overlap", total, data=str(data_dir), target_devices=t_dev,
+                         drafter_devices=d_dev, profile_interval=1.0)
+        roles = _roles(cfg)
+        port = free_port()
+        specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=tmp, data_dir=str(data_dir),
+                            drafter_dir=None, resume_state_path=None, stream=StreamState(), total_steps=total,
+                            init_method=f"tcp://127.0.0.1:{port}", progress=False, checkpoints=False)
+                 for r, (role, dev) in enumerate(roles)]
+        t0 = time.perf_counter()
+        code = Launcher(specs).run(cfg.peer_timeout)
+        if code:
+            raise RuntimeError(f"--splits {split.name}: the worker processes failed (exit {code}); see above")
+        wall = time.perf_counter() - t0
+        timed = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()][-1]
+        verdicts = _steady_verdicts(Path(tmp) / "profile.jsonl")
+    seconds = timed["elapsed_s"]
+    kinds = Counter(k for ks in verdicts.values() for k in ks if k != "idle")
+    res = {
+        "gpus": split.gpus,
+        "target_devices": t_dev,
+        "drafter_devices": d_dev,
+        "tokens_per_s": timed["target_tokens_per_s"],
+        "block_tokens_per_s": timed["block_tokens_per_s"],
+        "step_s": seconds / bench_cfg.steps,
+        "mfu": timed_flops / seconds / (PEAK_BF16 * split.gpus) if kind == "cuda" else None,
+        "target_capacity_tokens_per_s": timed["target_capacity_tokens_per_s"],
+        "drafter_capacity_tokens_per_s": timed["drafter_capacity_tokens_per_s"],
+        "verdict": kinds.most_common(1)[0][0] if kinds else "idle",
+        "verdicts": verdicts,
+        "wall_s": wall,
+        "loss_last": timed["loss"],
+    }
+    mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
+    log(f"split {split.name:<6} {res['tokens_per_s']:>10,.0f} tokens/s on {split.gpus} device(s)  "
+        f"{res['step_s'] * 1e3:8.1f} ms/step{mfu}, verdict {res['verdict']}")
+    return res
+
+
+# --- the link ---------------------------------------------------------------------------------
+
+
+def device_copy_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes/s of one copy from GPU 0 to GPU 1 in one process (peer access where the host allows it)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    return nbytes * repeats / (time.perf_counter() - t0)
+
+
+def _timed(rank: int, fn, repeats: int) -> float:
+    import torch.distributed as dist
+
+    fn()  # warm-up: NCCL connects on first use
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _link_worker(rank: int, port: int, width: int, budget: int, depth: int, messages: int, out) -> None:
+    import torch.distributed as dist
+
+    from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=dev)
+    big = torch.empty(2**30, dtype=torch.uint8, device=dev)
+
+    def raw() -> None:
+        dist.send(big, 1) if rank == 0 else dist.recv(big, 0)
+    raw_s = _timed(rank, raw, 5)
+
+    packs = [SimpleNamespace(index=i, num_tokens=budget) for i in range(messages + 2)]
+    describe = str
+    if rank == 0:
+        feats = torch.randn(budget, width, dtype=torch.bfloat16, device=dev)
+        sender = P2PSender(depth, 120, describe)
+        for p in packs:
+            sender.send(p.index, 1, feats, 0.0)
+        sender.flush()
+    else:
+        receiver = P2PReceiver(iter(packs), lambda p: 0, width, budget, torch.bfloat16, dev, depth, 120, describe)
+        for _ in range(2):  # warm-up messages
+            receiver.get()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(messages):
+            receiver.get()
+        torch.cuda.synchronize()
+        handoff_s = time.perf_counter() - t0
+        out.put({"nccl_send_recv_bytes_per_s": big.numel() * 5 / raw_s,
+                 "handoff_bytes_per_s": budget * width * 2 * messages / handoff_s,
+                 "handoff_message_bytes": budget * width * 2,
+                 "handoff_message_ms": handoff_s / messages * 1e3})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def link_bandwidth(width: int, budget: int, depth: int, messages: int = 20) -> dict[str, Any]:
+    """GPU 0 -> GPU 1: a device copy, NCCL send/recv of 1 GiB, and the pipeline's hand-off of features."""
+    from dflash_train.pipeline.launcher import free_port
+
+    result: dict[str, Any] = {"device_copy_bytes_per_s": device_copy_bandwidth()}
+    torch.cuda.empty_cache()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_link_worker, args=(r, port, width, budget, depth, messages, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        result.update(out.get(timeout=300))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:
+                p.kill()
+    return result
+
+
+def scaling(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per GPU count: the best split and its efficiency against N x the best one-GPU figure."""
+    by_n: dict[int, tuple[str, dict]] = {}
+    for name, res in splits.items():
+        n = res["gpus"]
+        if n not in by_n or res["tokens_per_s"] > by_n[n][1]["tokens_per_s"]:
+            by_n[n] = (name, res)
+    out = {}
+    for n, (name, res) in sorted(by_n.items()):
+        eff = res["tokens_per_s"] / (n * one_gpu_tokens_per_s) if one_gpu_tokens_per_s else None
+        out[str(n)] = {"split": name, "tokens_per_s": res["tokens_per_s"], "mfu": res["mfu"],
+                       "scaling_efficiency": eff}
+    return out
