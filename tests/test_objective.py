@@ -243,6 +243,36 @@ def test_fused_head_loss_matches_autograd_reference():
         torch.testing.assert_close(weighted_block_loss(hidden, labels, w, head, B).loss, ref)
 
 
+def _chunk_inputs(device="cpu", dtype=torch.bfloat16):
+    torch.manual_seed(2)
+    logits = (torch.randn(9, 301) * 4).to(device=device, dtype=dtype)
+    bias = torch.randn(301, device=device, dtype=dtype)
+    labels = torch.randint(0, 301, (9,), device=device)
+    labels[::4] = IGNORE
+    return logits, bias, labels, torch.rand(9, device=device) * (labels != IGNORE)
+
+
+def test_fused_chunk_math_equals_the_in_place_chunk():
+    """The function compiled on CUDA computes what the CPU's in-place code computes."""
+    from dflash_train.objective.loss import _chunk_ce, _eager_chunk_ce
+
+    args = _chunk_inputs()
+    for a, b in zip(_chunk_ce(*args), _eager_chunk_ce(*args, need_grad=True)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on CUDA")
+def test_compiled_chunk_equals_the_eager_chunk_on_cuda():
+    from dflash_train.objective.loss import _eager_chunk_ce, _fused_chunk_ce
+
+    args = _chunk_inputs("cuda")
+    ce, correct, grad = _fused_chunk_ce()(*args)
+    ref_ce, ref_correct, ref_grad = _eager_chunk_ce(*args, need_grad=True)
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-5)
+    assert torch.equal(correct, ref_correct)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_segmented_mask_equals_dense_mask(window):
     from dflash_train.objective.masks import segmented_mask

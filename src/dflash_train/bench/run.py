@@ -3,10 +3,11 @@
     dflash-train bench --target random:qwen3-8b --num-layers 5 --block-size 16 --num-anchors 512 \\
         --seq-len 3072 --steps 10 --json benchmarks/results/h200-qwen3-8b.json
 
-Each variant trains a fresh copy of the same drafter on the same packs (synthetic sequences of
---seq-len tokens, the loss on all but the first 10%) for 2 x --steps optimizer steps: the first
---steps are warm-up (compilation, allocator), the second --steps are timed (one host sync at each
-end). Variants:
+Each variant runs in a fresh process (as a `dflash-train train` run does) and trains the same
+freshly initialised drafter on the same packs (synthetic sequences of --seq-len tokens, the loss
+on all but the first 10%) for 2 x --steps optimizer steps: the first --steps are warm-up
+(compilation, allocator), the second --steps are timed (one host sync at each end); its time to
+the first optimizer step counts from its process start. Variants:
 
     sequential    target forward, then drafter step, strictly one after the other (the naive loop)
     overlap       the target on its own thread and CUDA stream, feeding a bounded queue
@@ -17,7 +18,7 @@ end). Variants:
                   so the timed steps revisit them with new anchors)
 
 MFU = model FLOPs of the timed steps (bench/flops.py) / (seconds x peak), peak 989 TFLOP/s
-(H200 dense BF16) on CUDA; on CPU no MFU is reported.
+(H200 dense BF16) on CUDA; on CPU no MFU is reported. --splits adds several-GPU runs (bench/multi.py).
 """
 
 from __future__ import annotations
@@ -146,105 +147,160 @@ def _target_only(cfg: BenchConfig, target, drafter, dataset, total: int, device:
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
-def run_bench(cfg: BenchConfig, t_launch: float, log=print) -> dict[str, Any]:
+def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
+    """Each variant in a fresh process, as a `dflash-train train` run would be; then the splits."""
     from dflash_train.devices import resolve_device
-    from dflash_train.models.drafter import DFlashDrafter
+
+    device = resolve_device(cfg.device)
+    splits = parse_splits(cfg.splits)
+    check_gpus(splits, device)
+    results: dict[str, Any] = {}
+    plan = None
+    for variant in cfg.variant_list:
+        # A second training loop in one process ran the overlapped pipeline ~12% slower than the
+        # first on the H200 (not a recompile, not the allocator, not GC; docs/performance.md), so
+        # no variant inherits another's process.
+        # time to first step: from this variant's process start (a `train` launch), whatever ran before
+        res, plan = _in_fresh_process(_run_variant, cfg, variant, str(device), time.perf_counter())
+        results[variant] = res
+        mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
+        blocks = f"  {res['block_tokens_per_s']:>10,.0f} block tokens/s" if "block_tokens_per_s" in res else ""
+        log(f"{variant:<14} {res['tokens_per_s']:>10,.0f} tokens/s{blocks}  {res['step_s'] * 1e3:8.1f} ms/step{mfu}")
+    if plan is None:
+        plan = _in_fresh_process(_plan_only, cfg, str(device))
+    out = _summary(cfg, plan, results)
+    if splits:
+        out = _multi_summary(out, _run_splits(cfg, splits, device.type, plan, log))
+    return out
+
+
+def _in_fresh_process(fn, *args):
+    """fn(*args) in a spawned process; its exception is re-raised here with the child's traceback."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(q, fn, args), name=f"dflash-bench-{fn.__name__}")
+    proc.start()
+    try:
+        while True:
+            try:
+                status, value = q.get(timeout=1.0)
+                break
+            except Exception:  # queue.Empty: check that the child is still alive
+                if proc.exitcode is not None and q.empty():
+                    raise RuntimeError(f"bench process {fn.__name__}{args[1:2]} died (exit {proc.exitcode})") from None
+    finally:
+        proc.join(timeout=60)
+        if proc.exitcode is None:
+            proc.kill()
+    if status == "error":
+        raise RuntimeError(f"bench {fn.__name__}{args[1:2]} failed:\n{value}")
+    return value
+
+
+def _child(q, fn, args) -> None:
+    import traceback
+
+    try:
+        q.put(("ok", fn(*args)))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def _setup(cfg: BenchConfig, device_name: str):
+    """The target, a freshly initialised drafter, the synthetic data and the FLOP plan (same in every process)."""
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.models.targets import load_target
+
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
+    target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if cuda else torch.float32, seed=cfg.seed)
+    dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16")
+    drafter = new_drafter(dcfg, cfg.seed)  # a CPU generator: the same weights in every process
+    dataset = SyntheticSequences(cfg.steps, cfg.seq_len, target.vocab_size, cfg.seed)
+    total = 2 * cfg.steps
+    t_flops, d_flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)
+    plan = {
+        "t_flops": t_flops, "d_flops": d_flops, "flops": t_flops + d_flops,
+        "split_flops": {s.name: sum(_step_flops(cfg, target, drafter, dataset, cfg.steps, total, s.drafters))
+                        for s in parse_splits(cfg.splits)},
+        "width": len(dcfg.target_layer_ids) * target.hidden_size,
+        "vocab": target.vocab_size,
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+    }
+    return target, drafter.to(device=device, dtype=torch.float32), dataset, plan
+
+
+def _plan_only(cfg: BenchConfig, device_name: str) -> dict[str, Any]:
+    return _setup(cfg, device_name)[3]
+
+
+def _run_variant(cfg: BenchConfig, variant: str, device_name: str, t_launch: float):
+    target, drafter, dataset, plan = _setup(cfg, device_name)
+    device = target.device
+    cuda = device.type == "cuda"
+    total = 2 * cfg.steps
+    if variant == "target-only":
+        res = _target_only(cfg, target, drafter, dataset, total, device)
+        res["mfu"] = plan["t_flops"] / (res["step_s"] * cfg.steps) / PEAK_BF16 if cuda else None
+        return res, plan
+    return _train_variant(cfg, variant, target, drafter, dataset, plan, t_launch), plan
+
+
+def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, plan, t_launch) -> dict[str, Any]:
     from dflash_train.pipeline.local import train_local
     from dflash_train.profiling.reporter import ProfileReporter
     from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
 
-    device = resolve_device(cfg.device)
+    device = target.device
     cuda = device.type == "cuda"
-    target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if cuda else torch.float32, seed=cfg.seed)
-    dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16")
-    first = new_drafter(dcfg, cfg.seed)  # initialised once (a CPU generator: seconds for 1B parameters)
-    init = {k: v.clone() for k, v in first.state_dict().items()}
-    total = 2 * cfg.steps
-    dataset = SyntheticSequences(cfg.steps, cfg.seq_len, target.vocab_size, cfg.seed)
-    splits = parse_splits(cfg.splits)
-    check_gpus(splits, device)
-    t_flops, d_flops = _step_flops(cfg, target, first, dataset, cfg.steps, total)
-    flops = t_flops + d_flops
-    split_flops = {s.name: sum(_step_flops(cfg, target, first, dataset, cfg.steps, total, s.drafters)) for s in splits}
-    width = len(dcfg.target_layer_ids) * target.hidden_size
-    results: dict[str, Any] = {}
-    for variant in cfg.variant_list:
-        if variant == cfg.variant_list[0]:
-            drafter = first
-        else:
-            with torch.device(device):  # constructed where it runs: no second CPU initialisation
-                drafter = DFlashDrafter(dcfg)
-        drafter.load_state_dict(init)
-        drafter = drafter.to(device=device, dtype=torch.float32)
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        if variant == "target-only":
-            results[variant] = _target_only(cfg, target, drafter, dataset, total, device)
-            results[variant]["mfu"] = t_flops / (results[variant]["step_s"] * cfg.steps) / PEAK_BF16 if cuda else None
-            log(f"{variant:<14} {results[variant]['tokens_per_s']:>10,.0f} tokens/s")
-            continue
-        with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
-            tcfg = _train_cfg(cfg, Path(tmp), variant, total)
-            stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events) if "+" in variant else NULL_PROFILE
-            reporter = ProfileReporter(stats, 10.0, None, log=lambda text: None, tensorboard=False).start() \
-                if "+" in variant else None
-            loops = []
-            t0 = time.perf_counter()
-            train_local(tcfg, target, drafter, dataset, Path(tmp), progress=False, stats=stats, checkpoints=False,
-                        on_loop=loops.append)
-            last_profile = reporter.emit() if reporter else None
-            if reporter:
-                reporter.stop()
-            records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        timed = records[-1]
-        seconds = timed["elapsed_s"]
-        work = d_flops if variant == "drafter-only" else flops
-        res = {
-            "tokens_per_s": timed["target_tokens_per_s"],
-            "block_tokens_per_s": timed["block_tokens_per_s"],
-            "step_s": seconds / cfg.steps,
-            "model_tflop_per_step": work / cfg.steps / 1e12,
-            "mfu": work / seconds / PEAK_BF16 if cuda else None,
-            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-            "first_step_s": loops[0].first_step_at - t0,
-            "loss_last": timed["loss"],
-        }
-        if not any("time_to_first_step_s" in r for r in results.values()):
-            res["time_to_first_step_s"] = loops[0].first_step_at - t_launch
-        if last_profile is not None:
-            res["profile"] = {loop: {k: {"share": v["share"], "p95_ms": v["p95_ms"]} for k, v in d["stages"].items()}
-                              for loop, d in last_profile["loops"].items()}
-        results[variant] = res
-        mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
-        log(f"{variant:<14} {res['tokens_per_s']:>10,.0f} tokens/s  {res['block_tokens_per_s']:>10,.0f} block tokens/s"
-            f"  {res['step_s'] * 1e3:8.1f} ms/step{mfu}")
-        del drafter
-        first = None
-    out = _summary(cfg, device, results, flops, t_flops)
-    if splits:
-        del target, first  # the workers load their own: free this process's GPU memory
-        if cuda:
-            torch.cuda.empty_cache()
-        out = _multi_summary(out, _run_splits(cfg, splits, device.type, split_flops, dataset, width, log))
-    return out
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+        tcfg = _train_cfg(cfg, Path(tmp), variant, 2 * cfg.steps)
+        profiled = "+" in variant
+        stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events) if profiled else NULL_PROFILE
+        reporter = ProfileReporter(stats, 10.0, None, log=lambda text: None, tensorboard=False).start() \
+            if profiled else None
+        loops = []
+        t0 = time.perf_counter()
+        train_local(tcfg, target, drafter, dataset, Path(tmp), progress=False, stats=stats, checkpoints=False,
+                    on_loop=loops.append)
+        last_profile = reporter.emit() if reporter else None
+        if reporter:
+            reporter.stop()
+        records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    timed = records[-1]
+    seconds = timed["elapsed_s"]
+    work = plan["d_flops"] if variant == "drafter-only" else plan["flops"]
+    res = {
+        "tokens_per_s": timed["target_tokens_per_s"],
+        "block_tokens_per_s": timed["block_tokens_per_s"],
+        "step_s": seconds / cfg.steps,
+        "model_tflop_per_step": work / cfg.steps / 1e12,
+        "mfu": work / seconds / PEAK_BF16 if cuda else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "first_step_s": loops[0].first_step_at - t0,
+        "loss_last": timed["loss"],
+    }
+    res["time_to_first_step_s"] = loops[0].first_step_at - t_launch  # CLOCK_MONOTONIC: same in every process
+    if last_profile is not None:
+        res["profile"] = {loop: {k: {"share": v["share"], "p95_ms": v["p95_ms"]} for k, v in d["stages"].items()}
+                          for loop, d in last_profile["loops"].items()}
+    return res
 
 
-def _run_splits(cfg: BenchConfig, splits, kind: str, split_flops: dict[str, float], dataset, width: int,
-                log) -> dict[str, Any]:
+def _run_splits(cfg: BenchConfig, splits, kind: str, plan: dict[str, Any], log) -> dict[str, Any]:
     from dflash_train.bench.multi import link_bandwidth, run_split, write_dataset
 
     link = None
     if kind == "cuda" and any(not s.colocated for s in splits):
-        link = link_bandwidth(width, cfg.seq_len, depth=4)
+        link = link_bandwidth(plan["width"], cfg.seq_len, depth=4)
         log(f"link GPU0->GPU1: device copy {link['device_copy_bytes_per_s'] / 1e9:.0f} GB/s, NCCL send/recv "
             f"{link['nccl_send_recv_bytes_per_s'] / 1e9:.0f} GB/s, hand-off {link['handoff_bytes_per_s'] / 1e9:.0f} GB/s "
             f"({link['handoff_message_bytes'] / 1e6:.0f} MB per pack, {link['handoff_message_ms']:.2f} ms)")
     with tempfile.TemporaryDirectory(prefix="dflash-bench-data-") as tmp:
-        data_dir = write_dataset(dataset, Path(tmp) / "data")
-        results = {s.name: run_split(cfg, s, kind, data_dir, split_flops[s.name], log) for s in splits}
+        data_dir = write_dataset(SyntheticSequences(cfg.steps, cfg.seq_len, plan["vocab"], cfg.seed), Path(tmp) / "data")
+        results = {s.name: run_split(cfg, s, kind, data_dir, plan["split_flops"][s.name], log) for s in splits}
     return {"splits": results, "link": link}
 
 
@@ -274,24 +330,25 @@ def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def _summary(cfg: BenchConfig, device: torch.device, results: dict, flops: float, t_flops: float) -> dict[str, Any]:
+def _summary(cfg: BenchConfig, plan: dict[str, Any], results: dict) -> dict[str, Any]:
     import transformers
 
     trained = [v for v in results if not v.endswith("-only")]  # the -only variants do half the work
-    best = max(trained, key=lambda v: results[v]["tokens_per_s"])
+    best = max(trained, key=lambda v: results[v]["tokens_per_s"]) if trained else None
+    top = results[best] if best else {}
     out: dict[str, Any] = {
-        "tokens_per_s": results[best]["tokens_per_s"],
-        "block_tokens_per_s": results[best]["block_tokens_per_s"],
-        "mfu": results[best]["mfu"],
+        "tokens_per_s": top.get("tokens_per_s"),
+        "block_tokens_per_s": top.get("block_tokens_per_s"),
+        "mfu": top.get("mfu"),
         "best_variant": best,
-        "peak_memory_gb": results[best]["peak_memory_gb"],
-        "time_to_first_step_s": next((r["time_to_first_step_s"] for r in results.values() if "time_to_first_step_s" in r), None),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "peak_memory_gb": top.get("peak_memory_gb"),
+        "time_to_first_step_s": top.get("time_to_first_step_s"),
+        "device": plan["device"],
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "config": asdict(cfg),
-        "model_tflop_per_step": flops / cfg.steps / 1e12,
-        "target_tflop_per_step": t_flops / cfg.steps / 1e12,
+        "model_tflop_per_step": plan["flops"] / cfg.steps / 1e12,
+        "target_tflop_per_step": plan["t_flops"] / cfg.steps / 1e12,
         "variants": results,
     }
     if "sequential" in results and "overlap" in results:

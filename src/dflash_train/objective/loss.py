@@ -30,29 +30,69 @@ class LossOutput:
     labelled: torch.Tensor  # [B] labelled counts per slot
 
 
+def _chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor):
+    """One chunk: sum w*CE, argmax == label per row, and w * (softmax - onehot) in the logits' dtype.
+
+    Pure elementwise + row reductions over [c, V], written for torch.compile: on CUDA it becomes a
+    reduction kernel (logsumexp, argmax, target logit) and one pointwise kernel (the gradient), so
+    the fp32 logits are never written out; the eager code below makes ~8 passes over them.
+    """
+    x = logits.float() if bias is None else logits.float() + bias.float()
+    y = labels.clamp_min(0)
+    lse = torch.logsumexp(x, dim=-1)
+    ce = ((lse - x.gather(1, y[:, None])[:, 0]) * weights).sum()
+    correct = (x.argmax(-1) == labels) & (labels != IGNORE)
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
+    grad = (torch.exp(x - lse[:, None]) - onehot.to(x.dtype)) * weights[:, None]
+    return ce, correct, grad.to(logits.dtype)
+
+
+_compiled_chunk_ce = None
+
+
+def _fused_chunk_ce():
+    global _compiled_chunk_ce
+    if _compiled_chunk_ce is None:
+        _compiled_chunk_ce = torch.compile(_chunk_ce)  # compiled on first CUDA use (not at import)
+    return _compiled_chunk_ce
+
+
+def _eager_chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor,
+                    need_grad: bool):
+    """The same math as _chunk_ce, in place over one fp32 buffer (CPU: no compiler needed, least memory)."""
+    x = logits.float() if bias is None else logits.float() + bias.float()
+    y = labels.clamp_min(0)
+    lse = torch.logsumexp(x, dim=-1)
+    ce = ((lse - x.gather(1, y[:, None])[:, 0]) * weights).sum()
+    correct = (x.argmax(-1) == labels) & (labels != IGNORE)
+    if not need_grad:
+        return ce, correct, None
+    probs = torch.exp(x.sub_(lse[:, None]))  # softmax, in place of the logits
+    probs[torch.arange(len(y), device=y.device), y] -= 1.0
+    probs.mul_(weights[:, None])
+    return ce, correct, probs.to(logits.dtype)
+
+
 class _FusedHeadCE(torch.autograd.Function):
     """sum_i w_i CE(W h_i + b, y_i) over row chunks, with d/dh computed in forward (W frozen)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, weights, chunk_rows: int):
         need_grad = ctx.needs_input_grad[0]
+        fused = hidden.is_cuda and need_grad
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
-            logits = (hidden[sl].to(weight.dtype) @ weight.T).float()  # [c, V]
-            if bias is not None:
-                logits += bias.float()
-            y, w = labels[sl].clamp_min(0), weights[sl]
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, y[:, None])[:, 0]) * w).sum()
-            correct[sl] = (logits.argmax(-1) == labels[sl]) & (labels[sl] != IGNORE)
+            logits = hidden[sl].to(weight.dtype) @ weight.T  # [c, V] in the head's dtype
+            if fused:
+                ce, correct[sl], g = _fused_chunk_ce()(logits, bias, labels[sl], weights[sl])
+            else:
+                ce, correct[sl], g = _eager_chunk_ce(logits, bias, labels[sl], weights[sl], need_grad)
+            total += ce
             if need_grad:
-                probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the logits
-                probs[torch.arange(len(y), device=y.device), y] -= 1.0
-                probs.mul_(w[:, None])
-                grad[sl] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad[sl] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
         if need_grad:
             ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
