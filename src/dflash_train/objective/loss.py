@@ -30,6 +30,19 @@ class LossOutput:
     labelled: torch.Tensor  # [B] labelled counts per slot
 
 
+def _fp32_logits(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return logits.float() if bias is None else logits.float() + bias.float()
+
+
+def _ce_and_correct(x: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """Clamped labels, logsumexp, sum w*CE and argmax == label of fp32 logits x [c, V]."""
+    y = labels.clamp_min(0)
+    lse = torch.logsumexp(x, dim=-1)
+    ce = ((lse - x.gather(1, y[:, None])[:, 0]) * weights).sum()
+    correct = (x.argmax(-1) == labels) & (labels != IGNORE)
+    return y, lse, ce, correct
+
+
 def _chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor):
     """One chunk: sum w*CE, argmax == label per row, and w * (softmax - onehot) in the logits' dtype.
 
@@ -37,11 +50,8 @@ def _chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Ten
     reduction kernel (logsumexp, argmax, target logit) and one pointwise kernel (the gradient), so
     the fp32 logits are never written out; the eager code below makes ~8 passes over them.
     """
-    x = logits.float() if bias is None else logits.float() + bias.float()
-    y = labels.clamp_min(0)
-    lse = torch.logsumexp(x, dim=-1)
-    ce = ((lse - x.gather(1, y[:, None])[:, 0]) * weights).sum()
-    correct = (x.argmax(-1) == labels) & (labels != IGNORE)
+    x = _fp32_logits(logits, bias)
+    y, lse, ce, correct = _ce_and_correct(x, labels, weights)
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
     grad = (torch.exp(x - lse[:, None]) - onehot.to(x.dtype)) * weights[:, None]
     return ce, correct, grad.to(logits.dtype)
@@ -60,11 +70,8 @@ def _fused_chunk_ce():
 def _eager_chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor,
                     need_grad: bool):
     """The same math as _chunk_ce, in place over one fp32 buffer (CPU: no compiler needed, least memory)."""
-    x = logits.float() if bias is None else logits.float() + bias.float()
-    y = labels.clamp_min(0)
-    lse = torch.logsumexp(x, dim=-1)
-    ce = ((lse - x.gather(1, y[:, None])[:, 0]) * weights).sum()
-    correct = (x.argmax(-1) == labels) & (labels != IGNORE)
+    x = _fp32_logits(logits, bias)
+    y, lse, ce, correct = _ce_and_correct(x, labels, weights)
     if not need_grad:
         return ce, correct, None
     probs = torch.exp(x.sub_(lse[:, None]))  # softmax, in place of the logits
