@@ -107,3 +107,21 @@ def test_init_from_target_copies_the_last_layers(tiny_target):
     too_deep = new_drafter(drafter_config_for(tiny_target, num_layers=7, block_size=4, dtype="float32"))
     with pytest.raises(UsageError, match="--init-from-target"):
         init_from_target(too_deep, tiny_target)
+
+
+def test_compiled_layers_give_the_same_features_with_one_graph_for_all_layers():
+    """--compile-target: hooks stay outside the graph, the layers share it, eager again afterwards."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    target = load_target("random:tiny", device="cpu")
+    ids = torch.randint(0, 100, (1, 48))
+    ref = target.features(ids, [0, 1, 3])
+    torch._dynamo.reset()
+    counters.clear()
+    with target.compiled_layers(backend="eager"):  # the plumbing; inductor is what runs on the GPU
+        got = target.features(ids, [0, 1, 3])
+        target.features(ids, [0, 1, 3])
+    torch.testing.assert_close(got, ref)
+    assert counters["stats"]["unique_graphs"] == 1  # 4 layers ran, twice: one graph
+    assert all("forward" not in vars(layer) for layer in target.decoder.layers)

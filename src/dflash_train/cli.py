@@ -69,8 +69,11 @@ def _add_bench_args(p) -> None:
     from dflash_train.bench.run import BenchConfig
 
     for f in fields(BenchConfig):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                       help=f"(default: {f.default})")
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):  # --x / --no-x (type=bool would take "False" as true)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f"(default: {f.default})")
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default})")
     p.add_argument("--json", default=None, help="write the results here (with --command recorded)")
 
 

@@ -56,6 +56,7 @@ class BenchConfig:
     loss_chunk_rows: int = 4096
     seed: int = 0
     splits: str = ""  # several GPUs: e.g. "1+1,x2" (bench/multi.py)
+    compile_target: bool = False  # torch.compile the target's decoder layers (train --compile-target)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_anchors", "seq_len", "steps", "loss_chunk_rows"):
@@ -102,7 +103,8 @@ def _train_cfg(cfg: BenchConfig, run_dir: Path, variant: str, total: int, **extr
                 max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
                 max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
                 overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
-                profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0)
+                profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0,
+                compile_target=cfg.compile_target)
     return TrainConfig(**(base | extra))
 
 
@@ -242,7 +244,8 @@ def _run_variant(cfg: BenchConfig, variant: str, device_name: str, t_launch: flo
     cuda = device.type == "cuda"
     total = 2 * cfg.steps
     if variant == "target-only":
-        res = _target_only(cfg, target, drafter, dataset, total, device)
+        with target.compiled_layers(cfg.compile_target):
+            res = _target_only(cfg, target, drafter, dataset, total, device)
         res["mfu"] = plan["t_flops"] / (res["step_s"] * cfg.steps) / PEAK_BF16 if cuda else None
         return res, plan
     return _train_variant(cfg, variant, target, drafter, dataset, plan, t_launch), plan

@@ -111,6 +111,27 @@ class Target:
         return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
     @contextlib.contextmanager
+    def compiled_layers(self, enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
+        """Inside: the decoder layers' forward under torch.compile (the feature forwards of training).
+
+        Only `forward` is compiled, so the capture hooks stay outside the graph; every layer runs
+        the same code with its parameters as inputs, so all layers share one graph (recompiled
+        once as dynamic when the pack length first changes). On exit the layers are eager again,
+        so decoding (eval, regeneration) never compiles its many cache shapes.
+        """
+        if not enabled:
+            yield
+            return
+        layers = list(self.decoder.layers)
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, backend=backend)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                del layer.forward  # the class's eager forward again
+
+    @contextlib.contextmanager
     def _truncated(self, n_layers: int) -> Iterator[None]:
         """Temporarily keep only the first n_layers decoder layers (not thread-safe: one target per worker)."""
         full = self.decoder.layers

@@ -119,7 +119,8 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     else:
         source = InlineSource(target, packs, layer_ids, cache_features(cfg, target.device), stats.loop("target"))
     try:
-        return loop.train(source)
+        with target.compiled_layers(cfg.compile_target):
+            return loop.train(source)
     finally:
         source.close()
 

@@ -173,7 +173,9 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
     def beat() -> None:
         heartbeats[spec.rank] = time.time()
 
-    loop.run_p2p(BatchQueue(packs, cfg.queue_depth, prof), sender, lambda p: d_ranks[p.index % len(d_ranks)], beat)
+    with target.compiled_layers(cfg.compile_target):
+        loop.run_p2p(BatchQueue(packs, cfg.queue_depth, prof), sender, lambda p: d_ranks[p.index % len(d_ranks)],
+                     beat)
 
 
 def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbeats, steps, stop_at):
@@ -217,7 +219,8 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
         source = P2PReceiver(packs, lambda p: t_ranks[p.index % len(t_ranks)], width, cfg.token_budget, target.dtype,
                              device, cfg.queue_depth, cfg.peer_timeout, spec.describe)
     try:
-        loop.train(source)
+        with target.compiled_layers(cfg.compile_target and spec.role == "both"):
+            loop.train(source)
     finally:
         source.close()
     return drafter

@@ -66,6 +66,8 @@ class TrainConfig:
     epochs: float = _opt(5.0, "passes over the data (ignored when --max-steps > 0)")
     max_steps: int = _opt(0, "optimizer steps (0 = derive from --epochs)")
     grad_accum: int = _opt(1, "packs per drafter worker per optimizer step (gradient accumulation)")
+    compile_target: bool = _opt(False, "torch.compile the target's decoder layers for the feature forwards "
+                                "(one graph for all layers, compiled once per run)")
     # --- pipeline --------------------------------------------------------------------
     target_devices: str | None = _opt(None, "devices of the target workers, comma-separated (e.g. cuda:0); "
                                       "with --drafter-devices: one process per device")
