@@ -122,12 +122,20 @@ class Target:
         if not enabled:
             yield
             return
+        import torch._dynamo
+
         layers = list(self.decoder.layers)
         for layer in layers:
             layer.forward = torch.compile(layer.forward, backend=backend)
+        # FX's "tracing" flag is process-global: while the drafter thread compiles (FlexAttention,
+        # the loss), a target thread entering a compiled layer would raise; with this off it runs
+        # that layer eagerly instead (only during the drafter's compiles).
+        nested = torch._dynamo.config.error_on_nested_fx_trace
+        torch._dynamo.config.error_on_nested_fx_trace = False
         try:
             yield
         finally:
+            torch._dynamo.config.error_on_nested_fx_trace = nested
             for layer in layers:
                 del layer.forward  # the class's eager forward again
 
