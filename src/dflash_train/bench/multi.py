@@ -112,7 +112,7 @@ def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: f
     with tempfile.TemporaryDirectory(prefix="dflash-bench-split-") as tmp:
         t_dev, d_dev = split.devices(kind)
         cfg = _train_cfg(bench_cfg, Path(tmp), "overlap", total, data=str(data_dir), target_devices=t_dev,
-                         drafter_devices=d_dev, profile_interval=1.0)
+                         drafter_devices=d_dev, profile_interval=1.0, init_from_target=False)
         roles = _roles(cfg)
         port = free_port()
         specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=tmp, data_dir=str(data_dir),
@@ -167,7 +167,7 @@ def device_copy_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
     return nbytes * repeats / (time.perf_counter() - t0)
 
 
-def _timed(rank: int, fn, repeats: int) -> float:
+def _timed(fn, repeats: int) -> float:
     import torch.distributed as dist
 
     fn()  # warm-up: NCCL connects on first use
@@ -181,51 +181,65 @@ def _timed(rank: int, fn, repeats: int) -> float:
 
 
 def _link_worker(rank: int, port: int, width: int, budget: int, depth: int, messages: int, out) -> None:
+    """Rank 0 (GPU 0) sends, rank 1 (GPU 1) receives; rank 0 times and reports."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
+    from dflash_train.pipeline.worker import _die_with_parent
 
+    _die_with_parent()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=dev)
+    result = {"device_copy_bytes_per_s": device_copy_bandwidth()} if rank == 0 else {}
+    torch.cuda.empty_cache()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=dev,
+                            timeout=timedelta(seconds=120))
     big = torch.empty(2**30, dtype=torch.uint8, device=dev)
 
     def raw() -> None:
         dist.send(big, 1) if rank == 0 else dist.recv(big, 0)
-    raw_s = _timed(rank, raw, 5)
+    result["nccl_send_recv_bytes_per_s"] = big.numel() * 5 / _timed(raw, 5)
 
-    packs = [SimpleNamespace(index=i, num_tokens=budget) for i in range(messages + 2)]
-    describe = str
+    # The hand-off code itself. Timed on the sender: a send completes once it was received, and
+    # the receiver's receives are posted ahead (--queue-depth), as in a run.
+    warm = 2
+    packs = [SimpleNamespace(index=i, num_tokens=budget) for i in range(warm + messages)]
     if rank == 0:
         feats = torch.randn(budget, width, dtype=torch.bfloat16, device=dev)
-        sender = P2PSender(depth, 120, describe)
-        for p in packs:
+        sender = P2PSender(depth, 120, str)
+        for p in packs[:warm]:
             sender.send(p.index, 1, feats, 0.0)
         sender.flush()
-    else:
-        receiver = P2PReceiver(iter(packs), lambda p: 0, width, budget, torch.bfloat16, dev, depth, 120, describe)
-        for _ in range(2):  # warm-up messages
-            receiver.get()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(messages):
+        for p in packs[warm:]:
+            sender.send(p.index, 1, feats, 0.0)
+        sender.flush()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        nbytes = budget * width * 2
+        out.put(result | {"handoff_bytes_per_s": nbytes * messages / seconds, "handoff_message_bytes": nbytes,
+                          "handoff_message_ms": seconds / messages * 1e3})
+    else:
+        receiver = P2PReceiver(iter(packs), lambda p: 0, width, budget, torch.bfloat16, dev, depth, 120, str)
+        for _ in packs:
             receiver.get()
         torch.cuda.synchronize()
-        handoff_s = time.perf_counter() - t0
-        out.put({"nccl_send_recv_bytes_per_s": big.numel() * 5 / raw_s,
-                 "handoff_bytes_per_s": budget * width * 2 * messages / handoff_s,
-                 "handoff_message_bytes": budget * width * 2,
-                 "handoff_message_ms": handoff_s / messages * 1e3})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def link_bandwidth(width: int, budget: int, depth: int, messages: int = 20) -> dict[str, Any]:
-    """GPU 0 -> GPU 1: a device copy, NCCL send/recv of 1 GiB, and the pipeline's hand-off of features."""
+    """GPU 0 -> GPU 1: a device copy, NCCL send/recv of 1 GiB, and the pipeline's hand-off of features.
+
+    In two worker processes, so this process never holds a CUDA context.
+    """
+    import queue
+
     from dflash_train.pipeline.launcher import free_port
 
-    result: dict[str, Any] = {"device_copy_bytes_per_s": device_copy_bandwidth()}
-    torch.cuda.empty_cache()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -233,13 +247,19 @@ def link_bandwidth(width: int, budget: int, depth: int, messages: int = 20) -> d
     for p in procs:
         p.start()
     try:
-        result.update(out.get(timeout=300))
+        while True:
+            try:
+                return out.get(timeout=1.0)
+            except queue.Empty:
+                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed or all(p.exitcode == 0 for p in procs):
+                    raise RuntimeError(f"link measurement: worker (rank, exit code) {failed} ended without a result; "
+                                       "see its traceback above") from None
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.exitcode is None:
                 p.kill()
-    return result
 
 
 def scaling(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:

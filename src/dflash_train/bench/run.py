@@ -204,6 +204,9 @@ def _in_fresh_process(fn, *args):
 def _child(q, fn, args) -> None:
     import traceback
 
+    from dflash_train.pipeline.worker import _die_with_parent
+
+    _die_with_parent()  # a bench killed with -9 leaves no GPU process behind
     try:
         q.put(("ok", fn(*args)))
     except BaseException:
@@ -311,10 +314,7 @@ def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]
     """The several-GPU record: the best split on the most GPUs, scaling against one GPU's best variant."""
     from dflash_train.bench.multi import scaling
 
-    trained = {v: r for v, r in one["variants"].items() if not v.endswith("-only")}
-    one_best = max(trained, key=lambda v: trained[v]["tokens_per_s"]) if trained else None
-    one_tps = trained[one_best]["tokens_per_s"] if one_best else None
-    by_gpus = scaling(one_tps, multi["splits"])
+    by_gpus = scaling(one["tokens_per_s"], multi["splits"])  # one GPU: its best trained variant
     top = by_gpus[max(by_gpus, key=int)]
     return {
         "gpus": max(int(n) for n in by_gpus),
@@ -322,14 +322,13 @@ def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]
         "tokens_per_s": top["tokens_per_s"],
         "mfu": top["mfu"],
         "scaling_efficiency": top["scaling_efficiency"],
-        "one_gpu": {"variant": one_best, "tokens_per_s": one_tps, "mfu": trained[one_best]["mfu"] if one_best else None},
         "by_gpus": by_gpus,
         "splits": multi["splits"],
         "link": multi["link"],
         "device": f"{torch.cuda.device_count()} x {one['device']}" if torch.cuda.is_available() else one["device"],
         "versions": one["versions"],
         "config": one["config"],
-        "one_gpu_variants": one["variants"],
+        "one_gpu": one,  # the whole one-GPU record of the same run (its best variant is the baseline)
     }
 
 

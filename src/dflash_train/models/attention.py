@@ -56,7 +56,9 @@ def _flex_attention(q: torch.Tensor):
     if not q.is_cuda:
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)  # automatic dynamic shapes: packs vary in length
+        from dflash_train.models.compiled import compile_serialized
+
+        _compiled_flex = compile_serialized(flex_attention)  # automatic dynamic shapes: packs vary in length
     return _compiled_flex
 
 

@@ -124,12 +124,14 @@ class Target:
             return
         import torch._dynamo
 
+        from dflash_train.models.compiled import compile_serialized
+
         layers = list(self.decoder.layers)
         for layer in layers:
-            layer.forward = torch.compile(layer.forward, backend=backend)
-        # FX's "tracing" flag is process-global: while the drafter thread compiles (FlexAttention,
-        # the loss), a target thread entering a compiled layer would raise; with this off it runs
-        # that layer eagerly instead (only during the drafter's compiles).
+            layer.forward = compile_serialized(layer.forward, backend=backend)
+        # The compile lock (models/compiled.py) keeps compiles apart from other compiled calls;
+        # a backward graph compiled lazily on autograd's thread is outside it, so a layer entered
+        # meanwhile runs eagerly instead of raising (the target side: slower for a moment, no harm).
         nested = torch._dynamo.config.error_on_nested_fx_trace
         torch._dynamo.config.error_on_nested_fx_trace = False
         try:

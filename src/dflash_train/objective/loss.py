@@ -63,7 +63,9 @@ _compiled_chunk_ce = None
 def _fused_chunk_ce():
     global _compiled_chunk_ce
     if _compiled_chunk_ce is None:
-        _compiled_chunk_ce = torch.compile(_chunk_ce)  # compiled on first CUDA use (not at import)
+        from dflash_train.models.compiled import compile_serialized
+
+        _compiled_chunk_ce = compile_serialized(_chunk_ce)  # compiled on first CUDA use (not at import)
     return _compiled_chunk_ce
 
 

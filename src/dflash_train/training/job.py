@@ -227,7 +227,7 @@ def _roles(cfg: TrainConfig) -> list[tuple[str, str]]:
     cuda = [d for _, d in roles if d.startswith("cuda")]
     if len(set(cuda)) < len(cuda):
         raise UsageError("--target-devices/--drafter-devices: a CUDA device can hold one worker process (NCCL); "
-                         "to put a target and a drafter on every GPU give both flags the same list")
+                         "to put a target and a drafter on every GPU give both flags the same list, in the same order")
     if len({torch.device(d).type for _, d in roles}) > 1:
         raise UsageError("--target-devices and --drafter-devices must all be CUDA devices or all cpu "
                          "(features travel over NCCL or gloo)")

@@ -1,0 +1,33 @@
+"""torch.compile'd functions called from two threads of one process (target thread + drafter).
+
+Dynamo is not thread-safe while it compiles: FX's "tracing" flag is process-global, so a
+compiled function entered by one thread while another compiles raises ("using FX to
+symbolically trace a dynamo-optimized function"; seen on the H200 with --compile-target).
+Every compiled entry point of this package goes through one lock: a call that compiles holds
+it, so no other compiled call starts meanwhile. Calls that do not compile only launch kernels
+and hold the lock for microseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+_LOCK = threading.RLock()
+
+
+def compile_serialized(fn: F, **compile_kwargs) -> F:
+    """torch.compile(fn), each call made under the process's compile lock."""
+    compiled = torch.compile(fn, **compile_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with _LOCK:
+            return compiled(*args, **kwargs)
+    return call  # type: ignore[return-value]
