@@ -64,8 +64,6 @@ class BenchConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
-        from dflash_train.bench.multi import parse_splits
-
         parse_splits(self.splits)  # a bad split fails here, before any model is loaded
         bad = [v for v in self.variant_list if v not in VARIANTS]
         if bad:
@@ -179,6 +177,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
 def _in_fresh_process(fn, *args):
     """fn(*args) in a spawned process; its exception is re-raised here with the child's traceback."""
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -189,7 +188,7 @@ def _in_fresh_process(fn, *args):
             try:
                 status, value = q.get(timeout=1.0)
                 break
-            except Exception:  # queue.Empty: check that the child is still alive
+            except queue.Empty:  # check that the child is still alive
                 if proc.exitcode is not None and q.empty():
                     raise RuntimeError(f"bench process {fn.__name__}{args[1:2]} died (exit {proc.exitcode})") from None
     finally:
