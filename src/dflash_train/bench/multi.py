@@ -103,24 +103,17 @@ def _steady_verdicts(profile_path: Path) -> dict[str, list[str]]:
 def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: float, log=print) -> dict[str, Any]:
     """One split's run on `kind` devices; timed_flops = model FLOPs of its timed steps (bench/run.py)."""
     from dflash_train.bench.run import PEAK_BF16, _train_cfg
-    from dflash_train.pipeline.launcher import Launcher, free_port
-    from dflash_train.pipeline.stream import StreamState
-    from dflash_train.pipeline.worker import WorkerSpec
-    from dflash_train.training.job import _roles
+    from dflash_train.training.job import _roles, launch_workers
 
     total = 2 * bench_cfg.steps
     with tempfile.TemporaryDirectory(prefix="dflash-bench-split-") as tmp:
         t_dev, d_dev = split.devices(kind)
         cfg = _train_cfg(bench_cfg, Path(tmp), "overlap", total, data=str(data_dir), target_devices=t_dev,
                          drafter_devices=d_dev, profile_interval=1.0, init_from_target=False)
-        roles = _roles(cfg)
-        port = free_port()
-        specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=tmp, data_dir=str(data_dir),
-                            drafter_dir=None, resume_state_path=None, stream=StreamState(), total_steps=total,
-                            init_method=f"tcp://127.0.0.1:{port}", progress=False, checkpoints=False)
-                 for r, (role, dev) in enumerate(roles)]
         t0 = time.perf_counter()
-        code = Launcher(specs).run(cfg.peer_timeout)
+        # drafter_dir None: every drafter worker builds the same seeded drafter; no checkpoint files
+        code = launch_workers(cfg, _roles(cfg), Path(tmp), data_dir, None, None, None, total, progress=False,
+                              checkpoints=False)
         if code:
             raise RuntimeError(f"--splits {split.name}: the worker processes failed (exit {code}); see above")
         wall = time.perf_counter() - t0

@@ -90,6 +90,15 @@ def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.cache_features if cfg.cache_features is not None else device.type == "cpu"
 
 
+def local_source(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], stats=NULL_PROFILE, trace=NO_TRACE,
+                 overlap: bool | None = None):
+    """Features from this process's own target: a thread on its own CUDA stream (overlap), or inline."""
+    overlap = use_overlap(cfg, target.device) if overlap is None else overlap
+    if overlap:
+        return ThreadedSource(target, packs, layer_ids, cfg.queue_depth, stats.loop("target"), trace)
+    return InlineSource(target, packs, layer_ids, cache_features(cfg, target.device), stats.loop("target"))
+
+
 def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:
     """--max-steps, else the resumed run's total (its schedule), else --epochs over the data."""
     if cfg.max_steps:
@@ -112,12 +121,7 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     on_loop(loop)
     stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
     packs = stream.packs(steps)
-    layer_ids = list(drafter.config.target_layer_ids)
-    overlap = use_overlap(cfg, target.device) if overlap is None else overlap
-    if overlap:
-        source = ThreadedSource(target, packs, layer_ids, cfg.queue_depth, stats.loop("target"), trace)
-    else:
-        source = InlineSource(target, packs, layer_ids, cache_features(cfg, target.device), stats.loop("target"))
+    source = local_source(cfg, target, packs, list(drafter.config.target_layer_ids), stats, trace, overlap)
     try:
         with target.compiled_layers(cfg.compile_target):
             return loop.train(source)

@@ -213,7 +213,9 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
     if fault is not None:
         packs = (fault(p) or p for p in packs)
     if spec.role == "both":
-        source = _local_source(cfg, target, packs, list(drafter.config.target_layer_ids), session)
+        from dflash_train.pipeline.local import local_source
+
+        source = local_source(cfg, target, packs, list(drafter.config.target_layer_ids), session.stats, session.trace)
     else:
         width = len(drafter.config.target_layer_ids) * target.hidden_size
         source = P2PReceiver(packs, lambda p: t_ranks[p.index % len(t_ranks)], width, cfg.token_budget, target.dtype,
@@ -225,12 +227,3 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
         source.close()
     return drafter
 
-
-def _local_source(cfg: TrainConfig, target, packs, layer_ids: list[int], session):
-    """This process's own target: a thread on its own CUDA stream (--overlap), or inline."""
-    from dflash_train.pipeline.local import InlineSource, ThreadedSource, cache_features, use_overlap
-
-    prof = session.stats.loop("target")
-    if use_overlap(cfg, target.device):
-        return ThreadedSource(target, packs, layer_ids, cfg.queue_depth, prof, session.trace)
-    return InlineSource(target, packs, layer_ids, cache_features(cfg, target.device), prof)

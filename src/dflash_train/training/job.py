@@ -261,24 +261,30 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
 
 def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: Path, ckpt: Path | None, state,
                      progress: bool) -> tuple[int, int, float]:
-    from dflash_train.pipeline.launcher import Launcher, free_port
     from dflash_train.pipeline.local import total_steps
-    from dflash_train.pipeline.worker import WorkerSpec
 
     n_drafters = sum(1 for role, _ in roles if role != "target")
     steps = total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state)
-    port = cfg.dist_port or free_port()
-    specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=str(run_dir),
-                        data_dir=str(dataset.path), drafter_dir=str(init_dir),
-                        resume_state_path=str(ckpt) if ckpt else None, stream=_stream_state(state),
-                        total_steps=steps, init_method=f"tcp://127.0.0.1:{port}",
-                        progress=progress) for r, (role, dev) in enumerate(roles)]
     start = state["step"] if state else 0
     say(f"training {steps - start} steps through {len(roles)} processes: "
         + ", ".join(f"{role} {dev}" for role, dev in roles))
     t0 = time.perf_counter()
-    code = Launcher(specs).run(cfg.peer_timeout)
+    code = launch_workers(cfg, roles, run_dir, dataset.path, str(init_dir), ckpt, state, steps, progress)
     return code, steps, time.perf_counter() - t0
+
+
+def launch_workers(cfg: TrainConfig, roles, run_dir: Path, data_dir, drafter_dir: str | None, ckpt: Path | None,
+                   state, steps: int, progress: bool, checkpoints: bool = True) -> int:
+    """One process per (role, device) on this host, started and watched by the Launcher; its exit code."""
+    from dflash_train.pipeline.launcher import Launcher, free_port
+    from dflash_train.pipeline.worker import WorkerSpec
+
+    port = cfg.dist_port or free_port()
+    specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, cfg=cfg, run_dir=str(run_dir),
+                        data_dir=str(data_dir), drafter_dir=drafter_dir, resume_state_path=str(ckpt) if ckpt else None,
+                        stream=_stream_state(state), total_steps=steps, init_method=f"tcp://127.0.0.1:{port}",
+                        progress=progress, checkpoints=checkpoints) for r, (role, dev) in enumerate(roles)]
+    return Launcher(specs).run(cfg.peer_timeout)
 
 
 def _stream_state(state):
