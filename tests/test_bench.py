@@ -62,6 +62,44 @@ def test_bench_splits_run_the_multi_process_pipeline_on_cpu(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["verdict"] for r in res["splits"].values())
     assert set(res["by_gpus"]) == {"2", "3"} and res["gpus"] == 3
     assert res["scaling_efficiency"] == res["tokens_per_s"] / (3 * res["one_gpu"]["tokens_per_s"])
+    rec = res["recommendation"]
+    assert set(rec["2"]["predicted_tokens_per_s"]) == {"x2", "1+1"}
+    assert set(rec["3"]["predicted_tokens_per_s"]) == {"x3", "1+2", "2+1"}
+    assert rec["3"]["measured_best"] == "1+2" and rec["2"]["measured_best"] == "x2"
+
+
+def _split(targets: str, drafters: str, tokens: float, t_cap: float, d_cap: float) -> dict:
+    return {"gpus": len(set((targets + "," + drafters).split(","))), "target_devices": targets,
+            "drafter_devices": drafters, "tokens_per_s": tokens, "target_capacity_tokens_per_s": t_cap,
+            "drafter_capacity_tokens_per_s": d_cap}
+
+
+def test_recommendation_predicts_each_split_from_the_role_rates():
+    """T+D delivers min(T x target rate, D x drafter rate), xN N x the one-GPU rate; checked against measurement."""
+    from dflash_train.bench.multi import recommend
+
+    splits = {"1+1": _split("cuda:0", "cuda:1", 17.0, 25.0, 17.0),
+              "x2": _split("cuda:0,cuda:1", "cuda:0,cuda:1", 25.0, 21.0, 25.0),
+              "1+3": _split("cuda:0", "cuda:1,cuda:2,cuda:3", 25.0, 25.0, 51.0)}
+    rec = recommend(13.0, splits)
+    assert rec["rates_per_gpu"] == {"both": 13.0, "target": 25.0, "drafter": 17.0}
+    assert rec["2"] == {"recommended": "x2", "predicted_tokens_per_s": {"x2": 26.0, "1+1": 17.0},
+                        "measured_best": "x2", "confirmed": True}
+    assert rec["4"]["predicted_tokens_per_s"] == {"x4": 52.0, "1+3": 25.0, "2+2": 34.0, "3+1": 17.0}
+    assert rec["4"]["recommended"] == "x4" and rec["4"]["confirmed"] is None  # x4 was not measured
+    # Faster drafters per GPU than the colocated pipeline: the split wins the prediction.
+    assert recommend(5.0, splits)["2"]["recommended"] == "1+1"
+    assert recommend(5.0, splits)["2"]["confirmed"] is False
+
+
+def test_split_verdict_ignores_one_role_processes_that_cannot_see_the_queue():
+    from dflash_train.bench.multi import split_verdict
+
+    assert split_verdict({"rank0/target/cuda:0": ["balanced", "drafter-bound", "drafter-bound"],
+                          "rank1/drafter/cuda:1": ["balanced"] * 5}) == "drafter-bound"
+    assert split_verdict({"rank0/target/cuda:0": ["balanced"], "rank1/drafter/cuda:1": ["balanced"]}) == "balanced"
+    assert split_verdict({"rank0/both/cuda:0": ["balanced", "balanced", "drafter-bound"]}) == "balanced"
+    assert split_verdict({"rank0/target/cuda:0": ["idle"]}) == "idle"
 
 
 def test_bench_split_errors_name_the_flag(capsys):

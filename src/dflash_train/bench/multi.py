@@ -120,7 +120,6 @@ def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: f
         timed = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()][-1]
         verdicts = _steady_verdicts(Path(tmp) / "profile.jsonl")
     seconds = timed["elapsed_s"]
-    kinds = Counter(k for ks in verdicts.values() for k in ks if k != "idle")
     res = {
         "gpus": split.gpus,
         "target_devices": t_dev,
@@ -131,7 +130,7 @@ def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: f
         "mfu": timed_flops / seconds / (PEAK_BF16 * split.gpus) if kind == "cuda" else None,
         "target_capacity_tokens_per_s": timed["target_capacity_tokens_per_s"],
         "drafter_capacity_tokens_per_s": timed["drafter_capacity_tokens_per_s"],
-        "verdict": kinds.most_common(1)[0][0] if kinds else "idle",
+        "verdict": split_verdict(verdicts),
         "verdicts": verdicts,
         "wall_s": wall,
         "loss_last": timed["loss"],
@@ -140,6 +139,57 @@ def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: f
     log(f"split {split.name:<6} {res['tokens_per_s']:>10,.0f} tokens/s on {split.gpus} device(s)  "
         f"{res['step_s'] * 1e3:8.1f} ms/step{mfu}, verdict {res['verdict']}")
     return res
+
+
+def split_verdict(verdicts: dict[str, list[str]]) -> str:
+    """The split's verdict: the most frequent window verdict of its processes.
+
+    A one-role process (rank1/drafter/cuda:1) cannot see the other role's waits, so its "balanced"
+    says only that it never waited; that is no evidence against what a process that sees the queue
+    (the target side, or a process holding both roles) diagnosed. Those windows are not counted.
+    """
+    kinds = Counter(k for proc, ks in verdicts.items() for k in ks
+                    if k != "idle" and (k != "balanced" or "/both/" in proc))
+    if kinds:
+        return kinds.most_common(1)[0][0]
+    return "balanced" if any(k == "balanced" for ks in verdicts.values() for k in ks) else "idle"
+
+
+def _role_rates(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Tokens/s one GPU gives in each role, from the measured splits (mean over the T+D splits)."""
+    t = [r["target_capacity_tokens_per_s"] / len(r["target_devices"].split(",")) for r in splits.values()
+         if r["target_devices"] != r["drafter_devices"] and r.get("target_capacity_tokens_per_s")]
+    d = [r["drafter_capacity_tokens_per_s"] / len(r["drafter_devices"].split(",")) for r in splits.values()
+         if r["target_devices"] != r["drafter_devices"] and r.get("drafter_capacity_tokens_per_s")]
+    rates = {"both": one_gpu_tokens_per_s} if one_gpu_tokens_per_s else {}
+    if t and d:
+        rates |= {"target": sum(t) / len(t), "drafter": sum(d) / len(d)}
+    return rates
+
+
+def recommend(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per GPU count of the measured splits: the split the role rates predict fastest, checked by measurement.
+
+    A T+D split delivers min(T x target rate, D x drafter rate) (the slower role sets the pace, as the
+    verdicts say); xN delivers N x the one-GPU rate (a whole pipeline per GPU, only gradients cross).
+    The rates come from the same run: the T+D splits' capacities (tokens per busy second of each role)
+    and the best one-GPU variant. "confirmed" is whether the predicted best is the measured best
+    (None when the predicted best was not among the measured splits).
+    """
+    rates = _role_rates(one_gpu_tokens_per_s, splits)
+    out: dict[str, Any] = {"rates_per_gpu": rates}
+    for n in sorted({r["gpus"] for r in splits.values()}):
+        predicted = {f"x{n}": n * rates["both"]} if "both" in rates else {}
+        if "target" in rates:
+            predicted |= {f"{k}+{n - k}": min(k * rates["target"], (n - k) * rates["drafter"]) for k in range(1, n)}
+        if not predicted:
+            continue
+        best = max(predicted, key=predicted.get)
+        measured = {name: r["tokens_per_s"] for name, r in splits.items() if r["gpus"] == n}
+        top = max(measured, key=measured.get)
+        out[str(n)] = {"recommended": best, "predicted_tokens_per_s": predicted, "measured_best": top,
+                       "confirmed": (best == top) if best in measured else None}
+    return out
 
 
 # --- the link ---------------------------------------------------------------------------------

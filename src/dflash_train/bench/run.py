@@ -171,7 +171,20 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     out = _summary(cfg, plan, results)
     if splits:
         out = _multi_summary(out, _run_splits(cfg, splits, device.type, plan, log))
+        _log_multi(out, log)
     return out
+
+
+def _log_multi(out: dict[str, Any], log) -> None:
+    """Per GPU count: the best measured split, its scaling, and whether the role rates predicted it."""
+    for n, best in out["by_gpus"].items():
+        eff = f", scaling efficiency {best['scaling_efficiency']:.3f}" if best["scaling_efficiency"] else ""
+        rec = out["recommendation"].get(n)
+        verdict = ""
+        if rec:
+            verdict = {True: "confirmed", False: "not confirmed", None: "not measured"}[rec["confirmed"]]
+            verdict = f"; predicted best {rec['recommended']} ({verdict})"
+        log(f"{n} device(s): best split {best['split']} {best['tokens_per_s']:,.0f} tokens/s{eff}{verdict}")
 
 
 def _in_fresh_process(fn, *args):
@@ -311,7 +324,7 @@ def _run_splits(cfg: BenchConfig, splits, kind: str, plan: dict[str, Any], log) 
 
 def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
     """The several-GPU record: the best split on the most GPUs, scaling against one GPU's best variant."""
-    from dflash_train.bench.multi import scaling
+    from dflash_train.bench.multi import recommend, scaling
 
     by_gpus = scaling(one["tokens_per_s"], multi["splits"])  # one GPU: its best trained variant
     top = by_gpus[max(by_gpus, key=int)]
@@ -322,6 +335,7 @@ def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]
         "mfu": top["mfu"],
         "scaling_efficiency": top["scaling_efficiency"],
         "by_gpus": by_gpus,
+        "recommendation": recommend(one["tokens_per_s"], multi["splits"]),
         "splits": multi["splits"],
         "link": multi["link"],
         "device": f"{torch.cuda.device_count()} x {one['device']}" if torch.cuda.is_available() else one["device"],
