@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 
+from dflash_train.models import fused
 from dflash_train.models.attention import AttnMask, attend
 from dflash_train.profiling.stats import NULL_LOOP
 
@@ -35,10 +35,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -71,17 +68,6 @@ class RotaryEmbedding(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
         return cos.to(x.dtype), sin.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, n, d]; cos/sin: [b, n, d] for the same n positions."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
 
 
 @dataclass
@@ -136,12 +122,13 @@ class DrafterAttention(nn.Module):
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
         c_len = ctx.shape[1]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         kv_in = torch.cat([ctx, x], dim=1)  # same projections for context and block
-        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim)).transpose(1, 2)
+        # q_norm / k_norm per head, then RoPE, in [b, n, heads, d]; attention wants [b, heads, n, d]
+        q = fused.norm_rope(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim), self.q_norm.weight,
+                            self.q_norm.eps, cos[:, -q_len:], sin[:, -q_len:]).transpose(1, 2)
+        k = fused.norm_rope(self.k_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim), self.k_norm.weight,
+                            self.k_norm.eps, cos, sin).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
-        k = apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(layer_idx, k, v, n_ctx=c_len)
         out = attend(q, k, v, mask, self.head_dim**-0.5)  # [b, Hq, q, d]
@@ -156,7 +143,7 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DrafterLayer(nn.Module):

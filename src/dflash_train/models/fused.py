@@ -1,0 +1,75 @@
+"""The drafter layer's elementwise chains, one kernel each on CUDA (torch.compile), eager elsewhere.
+
+Eager PyTorch runs each chain as a string of full passes over the activations: an RMSNorm in
+float32 is ~8 kernels (cast, square, mean, add, rsqrt, multiply, cast, scale), RoPE ~6, SwiGLU
+3, and autograd doubles that in backward. At Qwen3-8B drafter shapes (8,192 block tokens x
+4,096, 12,288 MLP columns) these passes are ~40 GB of HBM traffic per training step; fused they
+read and write each tensor once. The functions below are the eager math (used on CPU, and the
+reference for the tests); on CUDA each is compiled once per process behind the compile lock
+(`models/compiled.py`) with automatic dynamic shapes, so a new token count compiles once more
+and never again.
+
+DFLASH_FUSED_DRAFTER=0 keeps the eager math on CUDA too (to compare, or to rule the compiler out).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, as Qwen3 computes it, then cast back and scaled."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then RoPE. x [b, n, heads, d]; cos, sin [b, n, d]."""
+    x = _rms_norm(x, weight, eps)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _enabled() -> bool:
+    return os.environ.get("DFLASH_FUSED_DRAFTER", "1") != "0"
+
+
+def _pick(fn: Callable, x: torch.Tensor) -> Callable:
+    if not (x.is_cuda and _enabled()):
+        return fn
+    if fn.__name__ not in _COMPILED:  # compiled on first CUDA use, not at import
+        from dflash_train.models.compiled import compile_serialized
+
+        _COMPILED[fn.__name__] = compile_serialized(fn)
+    return _COMPILED[fn.__name__]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _pick(_rms_norm, x)(x, weight, eps)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _pick(_norm_rope, x)(x, weight, eps, cos, sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _pick(_swiglu, gate)(gate, up)
