@@ -10,10 +10,11 @@ from dflash_train.models import fused
 def test_compiled_chains_match_eager_values_and_gradients(monkeypatch):
     torch.manual_seed(0)
     dev = "cuda"
-    x = torch.randn(2, 96, 4, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    # float32, so the only difference left is the order of float32 operations inside a kernel
+    x = torch.randn(2, 96, 4, 64, device=dev, requires_grad=True)
     w = torch.rand(64, device=dev, requires_grad=True)
-    cos, sin = torch.randn(2, 96, 64, device=dev).bfloat16(), torch.randn(2, 96, 64, device=dev).bfloat16()
-    gate = torch.randn(2, 96, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = torch.randn(2, 96, 64, device=dev), torch.randn(2, 96, 64, device=dev)
+    gate = torch.randn(2, 96, 256, device=dev, requires_grad=True)
     up = torch.randn_like(gate, requires_grad=True)
 
     def run():
@@ -28,4 +29,4 @@ def test_compiled_chains_match_eager_values_and_gradients(monkeypatch):
     compiled = run()
     assert set(fused._COMPILED) == {"_rms_norm", "_norm_rope", "_swiglu"}
     for a, b in zip(compiled[0] + list(compiled[1]), eager[0] + list(eager[1])):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
