@@ -125,3 +125,19 @@ def test_compiled_layers_give_the_same_features_with_one_graph_for_all_layers():
     torch.testing.assert_close(got, ref)
     assert counters["stats"]["unique_graphs"] == 1  # 4 layers ran, twice: one graph
     assert all("forward" not in vars(layer) for layer in target.decoder.layers)
+
+
+def test_keep_only_head_frees_the_layers_and_keeps_embedding_and_lm_head():
+    """What a drafter-only worker keeps: the same embedding and LM head, no decoder layers."""
+    full = load_target("random:tiny", device="cpu", seed=0)
+    head = load_target("random:tiny", device="cpu", seed=0)
+    layer_params = sum(p.numel() for p in head.decoder.layers.parameters())
+    before = sum(p.numel() for p in head.model.parameters())
+    head.keep_only_head(torch.device("cpu"))
+    assert len(head.decoder.layers) == 0
+    assert sum(p.numel() for p in head.model.parameters()) == before - layer_params
+    ids = torch.tensor([[5, 9, 77]])
+    torch.testing.assert_close(head.embed(ids), full.embed(ids), rtol=0, atol=0)
+    h = torch.randn(1, 3, head.hidden_size)
+    torch.testing.assert_close(head.lm_head(h), full.lm_head(h), rtol=0, atol=0)
+    assert head.num_layers == full.num_layers  # the config still describes the target (compatibility checks)

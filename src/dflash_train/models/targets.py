@@ -86,6 +86,15 @@ class Target:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embedding_weight)
 
+    def keep_only_head(self, device: torch.device) -> None:
+        """Free the decoder layers and move what is left (embedding, final norm, LM head) to `device`.
+
+        For drafter-only workers: they embed block tokens and score with the LM head, and never
+        run the target; for Qwen3-8B this leaves 16 GB of layers off their GPU.
+        """
+        self.decoder.layers = nn.ModuleList()
+        self.model.to(device)
+
     @property
     def decoder(self) -> nn.Module:
         """The decoder stack (embedding, layers, final norm) without the LM head."""

@@ -184,13 +184,23 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
     from dflash_train.models.targets import load_target
 
     cfg = spec.cfg
-    target = load_target(cfg.target, device=device)  # the frozen embedding and LM head (and, for "both", features)
+    # A drafter-only worker uses the target's embedding and LM head (and its last layers once, to
+    # initialise the drafter), so a real target loads on the host and only those reach the GPU.
+    # Random targets are drawn on the device, so that they equal the target workers' draw.
+    head_only = spec.role == "drafter"
+    on_host = head_only and not cfg.target.startswith("random:")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_target(cfg.target, device="cpu" if on_host else device, dtype=dtype)
     if spec.drafter_dir is not None:
         drafter = load_drafter(spec.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
         from dflash_train.training.job import make_drafter
 
-        drafter = make_drafter(cfg, target, None)
+        drafter = make_drafter(cfg, target, None).to(device)
+    if head_only:
+        target.keep_only_head(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # a random target's layers were allocated here first
     t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
     me = d_ranks.index(spec.rank)
     prof = session.stats.loop("drafter")
