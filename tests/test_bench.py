@@ -90,6 +90,10 @@ def test_recommendation_predicts_each_split_from_the_role_rates():
     # Faster drafters per GPU than the colocated pipeline: the split wins the prediction.
     assert recommend(5.0, splits)["2"]["recommended"] == "1+1"
     assert recommend(5.0, splits)["2"]["confirmed"] is False
+    # nothing to check: only xN could be predicted (no T+D split measured), or no one-GPU rate for x2
+    only_x2 = recommend(13.0, {"x2": splits["x2"]})
+    assert only_x2["2"]["recommended"] == "x2" and only_x2["2"]["confirmed"] is None
+    assert recommend(None, splits)["2"]["confirmed"] is None
 
 
 def test_split_verdict_ignores_one_role_processes_that_cannot_see_the_queue():
@@ -100,6 +104,11 @@ def test_split_verdict_ignores_one_role_processes_that_cannot_see_the_queue():
     assert split_verdict({"rank0/target/cuda:0": ["balanced"], "rank1/drafter/cuda:1": ["balanced"]}) == "balanced"
     assert split_verdict({"rank0/both/cuda:0": ["balanced", "balanced", "drafter-bound"]}) == "balanced"
     assert split_verdict({"rank0/target/cuda:0": ["idle"]}) == "idle"
+    # one stray window in a process decides nothing
+    assert split_verdict({"rank0/target/cuda:0": ["balanced"] * 9 + ["drafter-bound"],
+                          "rank1/drafter/cuda:1": ["balanced"] * 10}) == "balanced"
+    assert split_verdict({"rank0/target/cuda:0": ["balanced"] * 10,
+                          "rank1/drafter/cuda:1": ["balanced"] * 9 + ["target-bound"]}) == "balanced"
 
 
 def test_bench_split_errors_name_the_flag(capsys):

@@ -142,17 +142,20 @@ def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: f
 
 
 def split_verdict(verdicts: dict[str, list[str]]) -> str:
-    """The split's verdict: the most frequent window verdict of its processes.
+    """The split's verdict from its processes' steady windows.
 
-    A one-role process (rank1/drafter/cuda:1) cannot see the other role's waits, so its "balanced"
-    says only that it never waited; that is no evidence against what a process that sees the queue
-    (the target side, or a process holding both roles) diagnosed. Those windows are not counted.
+    Each process first gets its own majority verdict, so a stray window decides nothing. A
+    one-role process cannot see the other role's waits (a drafter rank's "balanced" says only
+    that it never waited for features), so the split is limited by whatever a process's
+    majority names other than "balanced" (the most common such, if processes disagree), and
+    balanced only when no process names a limit.
     """
-    kinds = Counter(k for proc, ks in verdicts.items() for k in ks
-                    if k != "idle" and (k != "balanced" or "/both/" in proc))
-    if kinds:
-        return kinds.most_common(1)[0][0]
-    return "balanced" if any(k == "balanced" for ks in verdicts.values() for k in ks) else "idle"
+    majorities = [Counter(k for k in ks if k != "idle").most_common(1) for ks in verdicts.values()]
+    kinds = [m[0][0] for m in majorities if m]
+    if not kinds:
+        return "idle"
+    limits = Counter(k for k in kinds if k != "balanced")
+    return limits.most_common(1)[0][0] if limits else "balanced"
 
 
 def _role_rates(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -174,7 +177,8 @@ def recommend(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, An
     verdicts say); xN delivers N x the one-GPU rate (a whole pipeline per GPU, only gradients cross).
     The rates come from the same run: the T+D splits' capacities (tokens per busy second of each role)
     and the best one-GPU variant. "confirmed" is whether the predicted best is the measured best
-    (None when the predicted best was not among the measured splits).
+    (None when there was nothing to check: one candidate only, the predicted best not measured,
+    or a measured split that was not predicted).
     """
     rates = _role_rates(one_gpu_tokens_per_s, splits)
     out: dict[str, Any] = {"rates_per_gpu": rates}
@@ -187,8 +191,10 @@ def recommend(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, An
         best = max(predicted, key=predicted.get)
         measured = {name: r["tokens_per_s"] for name, r in splits.items() if r["gpus"] == n}
         top = max(measured, key=measured.get)
+        # a check needs a choice (two candidates or more) and every measured split among them
+        checkable = len(predicted) > 1 and best in measured and set(measured) <= set(predicted)
         out[str(n)] = {"recommended": best, "predicted_tokens_per_s": predicted, "measured_best": top,
-                       "confirmed": (best == top) if best in measured else None}
+                       "confirmed": (best == top) if checkable else None}
     return out
 
 
