@@ -118,6 +118,15 @@ def test_raising_in_a_target_worker_ends_the_run(prepared, tmp_path):
     assert not any(_running(p) for p in workers)
 
 
+def test_raising_in_the_target_of_a_pipeline_per_device_ends_the_run(prepared, tmp_path):
+    proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), "--target-devices", "cpu,cpu",
+                   "--drafter-devices", "cpu,cpu", "--max-steps", "100000"], DFLASH_TRAIN_FAULT="target:30")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "injected fault in the target loop at pack 30" in err
+    assert "(both, cpu) exited with code 1" in err
+
+
 def test_kill_9_of_a_drafter_worker_ends_the_run_within_30s(prepared, tmp_path):
     proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000"])
     workers = _wait_for_training(proc, tmp_path)

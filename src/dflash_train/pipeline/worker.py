@@ -225,6 +225,9 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
     if spec.role == "both":
         from dflash_train.pipeline.local import local_source
 
+        target_fault = _fault("target")  # fires where this process's target reads the pack
+        if target_fault is not None:
+            packs = (target_fault(p) or p for p in packs)
         source = local_source(cfg, target, packs, list(drafter.config.target_layer_ids), session.stats, session.trace)
     else:
         width = len(drafter.config.target_layer_ids) * target.hidden_size
