@@ -12,6 +12,20 @@ def tiny_target():
     return load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
 
 
+@pytest.fixture(scope="session")
+def prepared(tiny_target, tmp_path_factory):
+    """24 short conversations prepared for the tiny target: the multi-process pipeline tests' data."""
+    from dflash_train.data.dataset import prepare_dataset
+    from dflash_train.data.sources import Conversation
+
+    root = tmp_path_factory.mktemp("pipeline")
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": f"question {i}: " + "abc " * (i % 5 + 1)},
+                                    {"role": "assistant", "content": f"answer {i} " * (3 + i % 7)}])
+             for i in range(24)]
+    prepare_dataset(tiny_target.tokenizer, convs, root / "data", max_length=96)
+    return str(root / "data")
+
+
 @pytest.fixture
 def make_drafter(tiny_target):
     """An untrained float32 drafter for the tiny target."""

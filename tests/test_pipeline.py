@@ -12,22 +12,10 @@ import pytest
 import torch
 
 from dflash_train.cli import main
-from dflash_train.data.dataset import prepare_dataset
-from dflash_train.data.sources import Conversation
 
 BASE = ["train", "--target", "random:tiny", "--max-length", "96", "--token-budget", "192", "--num-anchors", "16",
         "--block-size", "4", "--eval-limit", "0", "--log-every", "1", "--quiet", "--seed", "3"]
 THREE = ["--target-devices", "cpu", "--drafter-devices", "cpu,cpu"]
-
-
-@pytest.fixture(scope="module")
-def prepared(tiny_target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    convs = [Conversation(f"c{i}", [{"role": "user", "content": f"question {i}: " + "abc " * (i % 5 + 1)},
-                                    {"role": "assistant", "content": f"answer {i} " * (3 + i % 7)}])
-             for i in range(24)]
-    prepare_dataset(tiny_target.tokenizer, convs, root / "data", max_length=96)
-    return str(root / "data")
 
 
 def _records(path: Path) -> list[dict]:
