@@ -160,10 +160,11 @@ def split_verdict(verdicts: dict[str, list[str]]) -> str:
 
 def _role_rates(one_gpu_tokens_per_s: float | None, splits: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Tokens/s one GPU gives in each role, from the measured splits (mean over the T+D splits)."""
-    t = [r["target_capacity_tokens_per_s"] / len(r["target_devices"].split(",")) for r in splits.values()
-         if r["target_devices"] != r["drafter_devices"] and r.get("target_capacity_tokens_per_s")]
-    d = [r["drafter_capacity_tokens_per_s"] / len(r["drafter_devices"].split(",")) for r in splits.values()
-         if r["target_devices"] != r["drafter_devices"] and r.get("drafter_capacity_tokens_per_s")]
+    split_runs = [r for r in splits.values() if r["target_devices"] != r["drafter_devices"]]
+    t = [r["target_capacity_tokens_per_s"] / len(r["target_devices"].split(",")) for r in split_runs
+         if r.get("target_capacity_tokens_per_s")]
+    d = [r["drafter_capacity_tokens_per_s"] / len(r["drafter_devices"].split(",")) for r in split_runs
+         if r.get("drafter_capacity_tokens_per_s")]
     rates = {"both": one_gpu_tokens_per_s} if one_gpu_tokens_per_s else {}
     if t and d:
         rates |= {"target": sum(t) / len(t), "drafter": sum(d) / len(d)}

@@ -232,7 +232,7 @@ def _setup(cfg: BenchConfig, device_name: str):
 
     device = torch.device(device_name)
     cuda = device.type == "cuda"
-    target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if cuda else torch.float32, seed=cfg.seed)
+    target = load_target(cfg.target, device=device, seed=cfg.seed)
     dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16")
     drafter = new_drafter(dcfg, cfg.seed)  # a CPU generator: the same weights in every process
     dataset = SyntheticSequences(cfg.steps, cfg.seq_len, target.vocab_size, cfg.seed)

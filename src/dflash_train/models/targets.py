@@ -227,11 +227,16 @@ def _capture(store: dict[int, torch.Tensor], idx: int):
 
 # --- loading ---------------------------------------------------------------------------
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The target's dtype on `device`: bf16 on CUDA, float32 elsewhere (CPU matmuls in bf16 are slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                 seed: int = 0, flag: str = "--target") -> Target:
     """Load and freeze the target named by `spec` (see module docstring)."""
     device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or default_dtype(device)
     if spec.startswith("random:"):
         model, tok = _load_random(spec.removeprefix("random:"), device, dtype, seed, flag)
     elif spec == "smollm2-135m":

@@ -89,6 +89,12 @@ def _fault(role: str):
     return check
 
 
+def _with_fault(role: str, packs):
+    """packs, raising at DFLASH_TRAIN_FAULT's pack when it names `role`."""
+    fault = _fault(role)
+    return packs if fault is None else (fault(p) or p for p in packs)
+
+
 def worker_main(spec: WorkerSpec, heartbeats, steps, stop_at) -> None:
     _die_with_parent()
     # The launcher coordinates Ctrl-C and SIGTERM (a terminal or a scheduler signals the whole group);
@@ -181,7 +187,7 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
 def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbeats, steps, stop_at):
     from dflash_train.data.dataset import PreparedDataset
     from dflash_train.models.checkpoint import load_drafter
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.targets import default_dtype, load_target
 
     cfg = spec.cfg
     # A drafter-only worker uses the target's embedding and LM head (and its last layers once, to
@@ -189,8 +195,8 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
     # Random targets are drawn on the device, so that they equal the target workers' draw.
     head_only = spec.role == "drafter"
     on_host = head_only and not cfg.target.startswith("random:")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = load_target(cfg.target, device="cpu" if on_host else device, dtype=dtype)
+    # the dtype of the device that computes, not of the host it loads on (as target workers load it)
+    target = load_target(cfg.target, device="cpu" if on_host else device, dtype=default_dtype(device))
     if spec.drafter_dir is not None:
         drafter = load_drafter(spec.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
@@ -217,17 +223,12 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
                             resume_state=_resume_state(spec), progress=spec.progress and me == 0, prof=prof,
                             stop_requested=stop_requested, heartbeat=beat, target_workers=len(t_ranks),
                             trace=session.trace, checkpoints=spec.checkpoints)
-    fault = _fault("drafter")
     stream = _stream(spec, loop.stream_state, PreparedDataset.open(spec.data_dir))
-    packs = stream.packs(spec.total_steps, keep=lambda p: p.index % len(d_ranks) == me)
-    if fault is not None:
-        packs = (fault(p) or p for p in packs)
+    packs = _with_fault("drafter", stream.packs(spec.total_steps, keep=lambda p: p.index % len(d_ranks) == me))
     if spec.role == "both":
         from dflash_train.pipeline.local import local_source
 
-        target_fault = _fault("target")  # fires where this process's target reads the pack
-        if target_fault is not None:
-            packs = (target_fault(p) or p for p in packs)
+        packs = _with_fault("target", packs)  # fires where this process's target reads the pack
         source = local_source(cfg, target, packs, list(drafter.config.target_layer_ids), session.stats, session.trace)
     else:
         width = len(drafter.config.target_layer_ids) * target.hidden_size
