@@ -118,14 +118,18 @@ class Launcher:
             if alive:
                 multiprocessing.connection.wait([p.sentinel for p in alive], timeout=1.0)
             failed = [i for i, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
-            if failed:
+            # A drafter exits 0 only after its last step (the end, or a stop with a checkpoint). From
+            # then on a target worker that fails was sending to peers that are gone (seen after a
+            # SIGTERM stop), so the run's outcome is the drafters'.
+            finishing = any(self.procs[i].exitcode == 0 for i in drafters)
+            if failed and not (finishing and not any(self.specs[i].trains for i in failed)):
                 self._report(failed)
                 return 1
             if all(self.procs[i].exitcode == 0 for i in drafters):
                 if self.signal_code is not None:
                     return self.signal_code
                 drafters_done_at = drafters_done_at or time.time()
-                if all(p.exitcode == 0 for p in self.procs) or time.time() - drafters_done_at > self.GRACE_S:
+                if all(p.exitcode is not None for p in self.procs) or time.time() - drafters_done_at > self.GRACE_S:
                     return 0
                 continue
             now = time.time()
