@@ -1,6 +1,8 @@
 """The benchmark's FLOP accounting and the bench command on CPU."""
 
 import json
+import os
+from pathlib import Path
 
 import torch
 
@@ -46,6 +48,19 @@ def test_bench_command_on_cpu(tmp_path):
                                     "drafter-only"}
     assert res["tokens_per_s"] > 0 and res["model_tflop_per_step"] > 0
     assert "drafter_forward" in res["variants"]["overlap+wall"]["profile"]["drafter"]
+
+
+def test_cold_start_gives_each_variant_process_empty_compile_caches(monkeypatch):
+    from dflash_train.bench.run import _compile_caches, _in_fresh_process
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/warm")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    with _compile_caches(True):
+        seen = _in_fresh_process(os.getenv, "TORCHINDUCTOR_CACHE_DIR")
+        assert seen != "/warm" and Path(seen).parent.is_dir() and not Path(seen).exists()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/warm" and "TRITON_CACHE_DIR" not in os.environ
+    with _compile_caches(False):
+        assert _in_fresh_process(os.getenv, "TORCHINDUCTOR_CACHE_DIR") == "/warm"
 
 
 def test_bench_splits_run_the_multi_process_pipeline_on_cpu(tmp_path):

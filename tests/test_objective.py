@@ -61,6 +61,26 @@ def test_labels_are_same_position_and_respect_sequence_and_mask():
     assert MASK not in blk.labels.tolist()
 
 
+def test_target_labels_count_only_while_the_text_follows_the_target():
+    b = _packed()
+    g = torch.Generator().manual_seed(1)
+    # the target's greedy tokens: the text's own token ~60% of the time, else another
+    b.labels = torch.where(torch.rand(b.num_tokens, generator=g) < 0.6, b.input_ids, b.input_ids + 1000)
+    anchors = sample_packed_anchors(b, 100, torch.Generator().manual_seed(0))
+    B = 5
+    blk = build_blocks(b, anchors, B, 999, gamma=4.0)
+    counted = 0
+    for j, a in enumerate(anchors.tolist()):
+        for k in range(1, B):
+            t = a + k
+            ok = t < b.num_tokens and b.seq_ids[t] == b.seq_ids[a] and b.loss_mask[t] == 1
+            ok = ok and all(b.input_ids[a + i] == b.labels[a + i] for i in range(1, k))  # followed through a+k-1
+            assert blk.labels[j * B + k] == (b.labels[t] if ok else IGNORE), (j, k)
+            assert (blk.weights[j * B + k] > 0) == ok
+            counted += ok and k >= 2
+    assert counted > 0 and (blk.labels.view(-1, B)[:, 0] == IGNORE).all()
+
+
 def test_slot_weights_and_gamma():
     w = slot_weights(6, gamma=2.0)
     assert w[0] == 0 and w[1] == 1

@@ -121,6 +121,7 @@ def test_run_dir_with_checkpoints_is_refused(tmp_path, capsys):
     (["--block-size", "1"], "--block-size"),
     (["--lr", "-1"], "--lr"),
     (["--on-bad", "ignore"], "--on-bad"),
+    (["--labels", "teacher"], "--labels"),
 ])
 def test_bad_train_options(tmp_path, capsys, argv, needle):
     assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"), *argv]) == 2

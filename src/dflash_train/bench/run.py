@@ -7,7 +7,8 @@ Each variant runs in a fresh process (as a `dflash-train train` run does) and tr
 freshly initialised drafter on the same packs (synthetic sequences of --seq-len tokens, the loss
 on all but the first 10%) for 2 x --steps optimizer steps: the first --steps are warm-up
 (compilation, allocator), the second --steps are timed (one host sync at each end); its time to
-the first optimizer step counts from its process start. Variants:
+the first optimizer step counts from its process start (--cold-start: with empty compile
+caches, as on a fresh machine; otherwise whatever earlier runs left in them). Variants:
 
     sequential    target forward, then drafter step, strictly one after the other (the naive loop)
     overlap       the target on its own thread and CUDA stream, feeding a bounded queue
@@ -23,7 +24,9 @@ MFU = model FLOPs of the timed steps (bench/flops.py) / (seconds x peak), peak 9
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import tempfile
 import time
@@ -57,6 +60,7 @@ class BenchConfig:
     seed: int = 0
     splits: str = ""  # several GPUs: e.g. "1+1,x2" (bench/multi.py)
     compile_target: bool = False  # torch.compile the target's decoder layers (train --compile-target)
+    cold_start: bool = False  # every variant's process starts with empty compile caches (inductor, Triton)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_anchors", "seq_len", "steps", "loss_chunk_rows"):
@@ -161,7 +165,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         # first on the H200 (not a recompile, not the allocator, not GC; docs/performance.md), so
         # no variant inherits another's process.
         # time to first step: from this variant's process start (a `train` launch), whatever ran before
-        res, plan = _in_fresh_process(_run_variant, cfg, variant, str(device), time.perf_counter())
+        with _compile_caches(cfg.cold_start):
+            res, plan = _in_fresh_process(_run_variant, cfg, variant, str(device), time.perf_counter())
         results[variant] = res
         mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
         blocks = f"  {res['block_tokens_per_s']:>10,.0f} block tokens/s" if "block_tokens_per_s" in res else ""
@@ -173,6 +178,27 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         out = _multi_summary(out, _run_splits(cfg, splits, device.type, plan, log))
         _log_multi(out, log)
     return out
+
+
+@contextlib.contextmanager
+def _compile_caches(cold: bool):
+    """--cold-start: the child process gets empty inductor and Triton caches (a fresh machine's first run)."""
+    if not cold:
+        yield
+        return
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    saved = {k: os.environ.get(k) for k in names}
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-cold-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
+        try:
+            yield  # the spawned child reads its environment at start
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _log_multi(out: dict[str, Any], log) -> None:
@@ -234,7 +260,7 @@ def _setup(cfg: BenchConfig, device_name: str):
     cuda = device.type == "cuda"
     target = load_target(cfg.target, device=device, seed=cfg.seed)
     dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16")
-    drafter = new_drafter(dcfg, cfg.seed)  # a CPU generator: the same weights in every process
+    drafter = new_drafter(dcfg, cfg.seed, device)  # the device's generator: the same weights in every process
     dataset = SyntheticSequences(cfg.steps, cfg.seq_len, target.vocab_size, cfg.seed)
     total = 2 * cfg.steps
     t_flops, d_flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)

@@ -9,6 +9,8 @@ memory-maps instead of loading:
     offsets.npy     int64  n + 1 boundaries: sequence i is [offsets[i], offsets[i + 1])
     ids.json               the conversation ids, in order (trace a sequence back to its record)
     meta.json              format version, target, tokenizer, max_length, counts, source summary
+    labels.npy      int32  optional, added later (data/relabel.py): the target's greedy token at
+                           each position given the true prefix; training then uses it as labels
 
 The directory is written atomically: everything goes to a temporary sibling that is renamed
 into place at the end, so an interrupted run never leaves a half-written dataset that looks
@@ -36,6 +38,7 @@ from dflash_train.errors import UsageError
 FORMAT = "dflash-train-prepared"
 FORMAT_VERSION = 1
 _ARRAYS = ("input_ids.npy", "loss_mask.npy", "offsets.npy")
+LABELS = "labels.npy"
 _MAX_EXAMPLES = 5
 
 
@@ -198,8 +201,9 @@ class PreparedDataset:
     """A prepared dataset directory, memory-mapped: opening is instant, pages load on access."""
 
     def __init__(self, path: Path, input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray,
-                 ids: list[str], meta: dict):
+                 ids: list[str], meta: dict, labels: np.ndarray | None = None):
         self.path = path
+        self.labels = labels
         self.input_ids = input_ids
         self.loss_mask = loss_mask
         self.offsets = offsets
@@ -207,7 +211,8 @@ class PreparedDataset:
         self.meta = meta
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> PreparedDataset:
+    def open(cls, path: str | os.PathLike, labels: bool = False) -> PreparedDataset:
+        """labels: also map labels.npy (data/relabel.py), which must then exist."""
         path = Path(path)
         if not path.is_dir():
             raise UsageError(f"{path}: no prepared dataset there (not a directory)")
@@ -221,19 +226,31 @@ class PreparedDataset:
         except (OSError, ValueError) as e:  # JSONDecodeError and bad .npy headers are ValueErrors
             raise UsageError(f"{path}: corrupt prepared dataset ({str(e).splitlines()[0]})") from None
         _validate(path, meta, ids, input_ids, loss_mask, offsets)
-        return cls(path, input_ids, loss_mask, offsets, ids, meta)
+        if not labels:
+            return cls(path, input_ids, loss_mask, offsets, ids, meta)
+        if not (path / LABELS).is_file():
+            raise UsageError(f"{path}: no target labels ({LABELS}); --labels target computes them")
+        try:
+            target_labels = np.load(path / LABELS, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{path / LABELS}: corrupt ({str(e).splitlines()[0]})") from None
+        if target_labels.shape != input_ids.shape:
+            raise UsageError(f"{path / LABELS}: shape {target_labels.shape} does not match input_ids.npy "
+                             f"{input_ids.shape}")
+        return cls(path, input_ids, loss_mask, offsets, ids, meta, target_labels)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids as an int64 copy, loss_mask as a read-only uint8 view) of sequence i."""
+    def __getitem__(self, i: int) -> tuple[np.ndarray, ...]:
+        """(input_ids as an int64 copy, loss_mask as a read-only uint8 view[, target labels]) of sequence i."""
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sequence {i} out of range for {n} sequences")
         i %= n
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.input_ids[start:end].astype(np.int64), self.loss_mask[start:end]
+        item = self.input_ids[start:end].astype(np.int64), self.loss_mask[start:end]
+        return item if self.labels is None else (*item, self.labels[start:end])
 
     def lengths(self) -> np.ndarray:
         """Token count of every sequence (int64)."""

@@ -187,11 +187,12 @@ class DFlashDrafter(nn.Module):
 
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, initializer_range) linears, unit norms: the HF/Qwen3 initialisation."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        device = self.fc.weight.device
+        gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 with torch.no_grad():
-                    w = torch.empty(module.weight.shape, dtype=torch.float32)
+                    w = torch.empty(module.weight.shape, dtype=torch.float32, device=device)
                     w.normal_(0.0, self.config.initializer_range, generator=gen)
                     module.weight.copy_(w)
                     if module.bias is not None:

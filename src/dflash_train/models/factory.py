@@ -54,8 +54,15 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
     )
 
 
-def new_drafter(cfg: DFlashConfig, seed: int = 0) -> DFlashDrafter:
-    model = DFlashDrafter(cfg)
+def new_drafter(cfg: DFlashConfig, seed: int = 0, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """A freshly initialised drafter, built and drawn on the device it will train on.
+
+    On the host a Qwen3-8B-shaped 5-layer drafter (1.07B parameters) took 14 s to build and
+    draw on an H200 machine's 16 cores; on the GPU it is instant. One seed gives the same
+    weights on every device of a type (the CPU, or any CUDA GPU), not across types.
+    """
+    with torch.device(device):
+        model = DFlashDrafter(cfg)
     model.init_weights(seed)
     return model
 

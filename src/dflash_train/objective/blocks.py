@@ -4,6 +4,11 @@ A packed batch is one row of S context tokens holding several sequences back to 
 with positions restarting at 0). For every anchor a the block is [x_a, MASK x (B-1)] at
 positions pos(a)..pos(a)+B-1; slot k >= 1 is labelled with token a+k of the same sequence
 (same position, not shifted) where loss_mask is 1, else ignored. Slot 0 never has a label.
+
+With target labels (`PackedBatch.labels`: the target's greedy token at each position given the
+true prefix, from one teacher-forced forward) slot k is labelled with labels[a+k] instead, and
+only while the text agrees with the target on a+1..a+k-1: then labels[a+k] is exactly the
+target's greedy continuation of x_<=a, the block the drafter must guess at decode time.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ class PackedBatch:
     loss_mask: torch.Tensor  # 0/1
     seq_ids: torch.Tensor  # int64, which packed sequence each token belongs to
     positions: torch.Tensor  # int64, position within its sequence
+    labels: torch.Tensor | None = None  # int64, the target's greedy token at each position (optional)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(*(t.to(device, non_blocking=True) for t in
-                             (self.input_ids, self.loss_mask, self.seq_ids, self.positions)))
+        return PackedBatch(*(t.to(device, non_blocking=True) if t is not None else None for t in
+                             (self.input_ids, self.loss_mask, self.seq_ids, self.positions, self.labels)))
 
 
 @dataclass
@@ -64,7 +70,13 @@ def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mas
     src_c = src.clamp(max=S - 1)
     same_seq = batch.seq_ids[src_c] == batch.seq_ids[anchors][:, None]
     labelled = inside & same_seq & batch.loss_mask[src_c].bool() & (k[None, :] >= 1)
-    labels = torch.where(labelled, batch.input_ids[src_c], torch.full_like(src_c, IGNORE))
+    truth = batch.input_ids[src_c]
+    if batch.labels is not None:
+        # slot k needs the text to follow the target through a+k-1 (slot 1 always does)
+        agree = (truth == batch.labels[src_c]) | (k[None, :] == 0)
+        labelled &= torch.cumprod(agree, dim=1).roll(1, dims=1).bool() | (k[None, :] <= 1)
+        truth = batch.labels[src_c]
+    labels = torch.where(labelled, truth, torch.full_like(src_c, IGNORE))
     ids = torch.full_like(src, mask_token_id)
     ids[:, 0] = batch.input_ids[anchors]
     positions = batch.positions[anchors][:, None] + k[None, :]

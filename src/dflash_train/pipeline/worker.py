@@ -168,7 +168,7 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
         from dflash_train.training.job import drafter_config
 
         layer_ids = list(drafter_config(cfg, target).target_layer_ids)
-    stream = _stream(spec, spec.stream, PreparedDataset.open(spec.data_dir))
+    stream = _stream(spec, spec.stream, PreparedDataset.open(spec.data_dir, labels=cfg.labels == "target"))
     t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
     me = t_ranks.index(spec.rank)
     packs = stream.packs(spec.total_steps, keep=lambda p: p.index % len(t_ranks) == me)
@@ -223,7 +223,7 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
                             resume_state=_resume_state(spec), progress=spec.progress and me == 0, prof=prof,
                             stop_requested=stop_requested, heartbeat=beat, target_workers=len(t_ranks),
                             trace=session.trace, checkpoints=spec.checkpoints)
-    stream = _stream(spec, loop.stream_state, PreparedDataset.open(spec.data_dir))
+    stream = _stream(spec, loop.stream_state, PreparedDataset.open(spec.data_dir, labels=cfg.labels == "target"))
     packs = _with_fault("drafter", stream.packs(spec.total_steps, keep=lambda p: p.index % len(d_ranks) == me))
     if spec.role == "both":
         from dflash_train.pipeline.local import local_source

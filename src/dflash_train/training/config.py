@@ -39,6 +39,8 @@ class TrainConfig:
     regen_batch_size: int = _opt(32, "conversations per regeneration batch")
     regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
     regen_max_prompt_tokens: int = _opt(256, "skip conversations whose first prompt is longer (prefill cost)")
+    labels: str = _opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
+                       "the true prefix, one teacher-forced forward per sequence; cached as labels.npy in the data)")
     max_length: int = _opt(512, "tokens per training sequence (longer ones are truncated)")
     on_bad: str = _opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
     # --- drafter ---------------------------------------------------------------------
@@ -131,6 +133,8 @@ class TrainConfig:
             raise UsageError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_steps == 0 and not self.epochs > 0:
             raise UsageError("--epochs must be > 0 when --max-steps is 0")
+        if self.labels not in ("data", "target"):
+            raise UsageError(f"--labels must be data or target, got {self.labels!r}")
         if self.data_topic not in ("code", "any"):
             raise UsageError(f"--data-topic must be code or any, got {self.data_topic!r}")
         if self.on_bad not in ("error", "skip"):

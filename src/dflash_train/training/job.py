@@ -62,6 +62,19 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
 
 
 def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
+    """The prepared data, with the target's labels when --labels target (computed once, then cached)."""
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.data.relabel import relabel
+
+    dataset = _prepared(cfg, target, run_dir, progress)
+    if cfg.labels != "target":
+        return dataset
+    rep = relabel(target, dataset.path, progress=progress)
+    say(f"relabel: {rep.summary()}")
+    return PreparedDataset.open(dataset.path, labels=True)
+
+
+def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
     """Regenerate (optionally) and tokenize the training conversations; reuse cached stages."""
     from dflash_train.data.dataset import PreparedDataset, prepare_dataset
     from dflash_train.data.regenerate import RegenConfig, regenerate
@@ -147,7 +160,7 @@ def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> 
     elif cfg.init_drafter:
         drafter = load_drafter(cfg.init_drafter, dtype=torch.float32, flag="--init-drafter")
     else:
-        drafter = new_drafter(drafter_config(cfg, target), cfg.seed)
+        drafter = new_drafter(drafter_config(cfg, target), cfg.seed, target.device)
         if cfg.init_from_target:
             init_from_target(drafter, target)
     check_compatible(drafter, target)
@@ -317,7 +330,7 @@ def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -
     if not (Path(cfg.data) / "meta.json").is_file():
         raise UsageError(f"--data {cfg.data}: under torchrun give a prepared dataset directory "
                          "(dflash-train prepare / regenerate first)")
-    dataset = PreparedDataset.open(cfg.data)
+    dataset = PreparedDataset.open(cfg.data, labels=cfg.labels == "target")
     run_dir = Path(cfg.run_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
     state = load_state(ckpt) if ckpt else None

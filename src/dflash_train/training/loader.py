@@ -61,13 +61,18 @@ class PackedLoader:
         return pack([self.dataset[i] for i in picked], self.budget), picked
 
 
-def pack(sequences: list[tuple[np.ndarray, np.ndarray]], budget: int) -> PackedBatch:
-    """Concatenate (input_ids, loss_mask) pairs, truncating each to the budget."""
-    ids, mask, seq, pos = [], [], [], []
-    for i, (x, m) in enumerate(sequences):
+def pack(sequences: list[tuple[np.ndarray, ...]], budget: int) -> PackedBatch:
+    """Concatenate (input_ids, loss_mask[, target labels]) tuples, truncating each to the budget."""
+    ids, mask, seq, pos, labels = [], [], [], [], []
+    for i, (x, m, *lab) in enumerate(sequences):
         n = min(len(x), budget)
         ids.append(torch.as_tensor(np.asarray(x[:n], dtype=np.int64)))
         mask.append(torch.as_tensor(np.asarray(m[:n], dtype=np.int64)))
         seq.append(torch.full((n,), i, dtype=torch.long))
         pos.append(torch.arange(n))
-    return PackedBatch(torch.cat(ids), torch.cat(mask), torch.cat(seq), torch.cat(pos))
+        if lab:
+            labels.append(torch.as_tensor(np.asarray(lab[0][:n], dtype=np.int64)))
+    if labels and len(labels) != len(ids):
+        raise ValueError("pack: some sequences have target labels and some do not")
+    return PackedBatch(torch.cat(ids), torch.cat(mask), torch.cat(seq), torch.cat(pos),
+                       torch.cat(labels) if labels else None)
