@@ -31,6 +31,9 @@ def test_relabel_writes_each_sequences_own_greedy_tokens(tiny_target, data_dir):
         np.testing.assert_array_equal(lab[learn], greedy[:-1][learn[1:]])
         np.testing.assert_array_equal(lab[~learn], x[~learn])  # never labels: left as the text
     assert relabel(tiny_target, data_dir, progress=False).cached  # a rerun reuses labels.npy
+    from dflash_train.cli import main
+
+    assert main(["relabel", "--target", "random:tiny", "--data", str(data_dir), "--quiet"]) == 0
     assert sorted(p.name for p in data_dir.iterdir() if p.name.startswith(".")) == []  # no temporary left
 
 

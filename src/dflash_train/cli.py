@@ -157,6 +157,17 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_relabel(args) -> int:
+    from dflash_train.data.relabel import relabel
+
+    if args.batch_tokens < 1:
+        raise UsageError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
+    target = _load_target(args)
+    rep = relabel(target, args.data, batch_tokens=args.batch_tokens, progress=not args.quiet)
+    print(f"relabelled: {rep.summary()} -> {Path(args.data) / 'labels.npy'}")
+    return 0
+
+
 def cmd_regenerate(args) -> int:
     from dflash_train.data.regenerate import RegenConfig, regenerate
     from dflash_train.data.sources import SourceReport, iter_conversations
@@ -261,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output JSONL (a rerun continues where it stopped)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_regenerate)
+
+    p = sub.add_parser("relabel", help="add the target's teacher-forced greedy tokens to a prepared dataset "
+                                       "(labels.npy, for train --labels target)")
+    _add_target_args(p)
+    p.add_argument("--data", required=True, help="a prepared dataset directory (dflash-train prepare --out)")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_relabel)
     return parser
 
 

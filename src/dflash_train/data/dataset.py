@@ -229,7 +229,8 @@ class PreparedDataset:
         if not labels:
             return cls(path, input_ids, loss_mask, offsets, ids, meta)
         if not (path / LABELS).is_file():
-            raise UsageError(f"{path}: no target labels ({LABELS}); --labels target computes them")
+            raise UsageError(f"{path}: no target labels ({LABELS}); `dflash-train relabel --data {path}` "
+                              "or a single-process `train --labels target` computes them")
         try:
             target_labels = np.load(path / LABELS, mmap_mode="r")
         except (OSError, ValueError) as e:
