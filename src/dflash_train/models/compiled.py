@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import torch
@@ -22,12 +22,20 @@ F = TypeVar("F", bound=Callable)
 _LOCK = threading.RLock()
 
 
-def compile_serialized(fn: F, **compile_kwargs) -> F:
-    """torch.compile(fn), each call made under the process's compile lock."""
+def compile_serialized(fn: F, dynamic: Mapping[int, int] | None = None, **compile_kwargs) -> F:
+    """torch.compile(fn), each call made under the process's compile lock.
+
+    dynamic: {positional argument: dimension} compiled as dynamic from the first call. Token
+    counts change (the context's vs the block's, pack to pack, the last loss chunk), and under
+    automatic dynamic shapes each such function compiled twice: static first, then dynamic.
+    """
     compiled = torch.compile(fn, **compile_kwargs)
+    marks = tuple((dynamic or {}).items())
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        for i, dim in marks:
+            torch._dynamo.maybe_mark_dynamic(args[i], dim % args[i].dim())
         with _LOCK:
             return compiled(*args, **kwargs)
     return call  # type: ignore[return-value]

@@ -6,8 +6,8 @@ float32 is ~8 kernels (cast, square, mean, add, rsqrt, multiply, cast, scale), R
 4,096, 12,288 MLP columns) these passes are ~40 GB of HBM traffic per training step; fused they
 read and write each tensor once. The functions below are the eager math (used on CPU, and the
 reference for the tests); on CUDA each is compiled once per process behind the compile lock
-(`models/compiled.py`) with automatic dynamic shapes, so a new token count compiles once more
-and never again.
+(`models/compiled.py`) with the token dimension dynamic from the start, so a new token count
+compiles nothing.
 
 DFLASH_FUSED_DRAFTER=0 keeps the eager math on CUDA too (to compare, or to rule the compiler out).
 """
@@ -47,6 +47,8 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 _COMPILED: dict[str, Callable] = {}
+# the token dimension of each tensor argument, dynamic from the first compile
+_TOKEN_DIMS = {"_rms_norm": {0: -2}, "_norm_rope": {0: 1, 3: 1, 4: 1}, "_swiglu": {0: -2, 1: -2}}
 
 
 def _enabled() -> bool:
@@ -59,7 +61,7 @@ def _pick(fn: Callable, x: torch.Tensor) -> Callable:
     if fn.__name__ not in _COMPILED:  # compiled on first CUDA use, not at import
         from dflash_train.models.compiled import compile_serialized
 
-        _COMPILED[fn.__name__] = compile_serialized(fn)
+        _COMPILED[fn.__name__] = compile_serialized(fn, dynamic=_TOKEN_DIMS[fn.__name__])
     return _COMPILED[fn.__name__]
 
 

@@ -65,7 +65,8 @@ def _fused_chunk_ce():
     if _compiled_chunk_ce is None:
         from dflash_train.models.compiled import compile_serialized
 
-        _compiled_chunk_ce = compile_serialized(_chunk_ce)  # compiled on first CUDA use (not at import)
+        # compiled on first CUDA use (not at import); rows dynamic: the last chunk is shorter
+        _compiled_chunk_ce = compile_serialized(_chunk_ce, dynamic={0: 0, 2: 0, 3: 0})
     return _compiled_chunk_ce
 
 
