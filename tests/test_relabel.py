@@ -68,3 +68,10 @@ def test_train_with_target_labels_relabels_once_and_trains_on_them(data_dir, tmp
     assert (data_dir / LABELS).is_file()
     # the random target rarely agrees with the text: other labels, and fewer of them after slot 1
     assert [r["loss"] for r in plain] != [r["loss"] for r in target]
+
+
+def test_a_failed_write_names_the_file_and_leaves_nothing_behind(tiny_target, data_dir):
+    (data_dir / LABELS).mkdir()  # the rename onto it fails, as on a full or read-only disk
+    with pytest.raises(UsageError, match="cannot write the target labels"):
+        relabel(tiny_target, data_dir, progress=False)
+    assert sorted(p.name for p in data_dir.iterdir() if p.name.startswith(".")) == []

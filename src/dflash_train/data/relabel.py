@@ -15,7 +15,6 @@ agreement across them holds.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.data.dataset import LABELS, PreparedDataset
+from dflash_train.errors import UsageError
+from dflash_train.files import write_atomic
 from dflash_train.models.targets import Target
 
 
@@ -67,7 +68,10 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 
                 labelled += int(mask.sum())
                 agree += int((greedy[mask] == ds.input_ids[start:start + len(greedy)][mask]).sum())
             bar.update(int(lengths[group].sum()))
-    _write_atomic(Path(data_dir) / LABELS, labels)
+    try:
+        write_atomic(Path(data_dir) / LABELS, lambda f: np.save(f, labels))
+    except OSError as e:
+        raise UsageError(f"{Path(data_dir) / LABELS}: cannot write the target labels ({e.strerror or e})") from None
     return RelabelReport(len(ds), int(lengths.sum()), labelled, agree, time.perf_counter() - t0)
 
 
@@ -100,14 +104,3 @@ def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[
         pred = target.lm_head(hidden[r, :len(x) - 1]).argmax(-1).cpu().numpy()
         out.append(np.concatenate([np.asarray(x[:1]), pred]).astype(np.int32))
     return out
-
-
-def _write_atomic(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".labels-", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

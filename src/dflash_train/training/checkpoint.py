@@ -10,7 +10,6 @@ is replaced atomically afterwards, so a crash at any moment leaves the previous 
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from dflash_train.errors import UsageError
+from dflash_train.files import write_atomic
 from dflash_train.models.checkpoint import save_drafter
 from dflash_train.models.drafter import DFlashDrafter
 
@@ -70,12 +70,7 @@ def has_checkpoints(run_dir: Path) -> bool:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def _prune(root: Path, keep: int) -> None:
