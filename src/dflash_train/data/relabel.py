@@ -61,12 +61,12 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 
     with tqdm(total=int(lengths.sum()), desc="relabel", unit="tok", disable=not progress) as bar:
         for group in _groups(order, lengths, batch_tokens):
             for i, greedy in zip(group, _greedy_tokens(target, [ds[int(i)] for i in group])):
-                start = int(ds.offsets[i])
-                mask = np.asarray(ds.loss_mask[start:start + len(greedy)], dtype=bool)
+                span = slice(int(ds.offsets[i]), int(ds.offsets[i]) + len(greedy))
+                mask = np.asarray(ds.loss_mask[span], dtype=bool)
                 mask[0] = False  # the first token has no prefix to predict it from
-                labels[start:start + len(greedy)][mask] = greedy[mask]
+                labels[span][mask] = greedy[mask]
                 labelled += int(mask.sum())
-                agree += int((greedy[mask] == ds.input_ids[start:start + len(greedy)][mask]).sum())
+                agree += int((greedy[mask] == ds.input_ids[span][mask]).sum())
             bar.update(int(lengths[group].sum()))
     try:
         write_atomic(Path(data_dir) / LABELS, lambda f: np.save(f, labels))

@@ -66,13 +66,18 @@ def pack(sequences: list[tuple[np.ndarray, ...]], budget: int) -> PackedBatch:
     ids, mask, seq, pos, labels = [], [], [], [], []
     for i, (x, m, *lab) in enumerate(sequences):
         n = min(len(x), budget)
-        ids.append(torch.as_tensor(np.asarray(x[:n], dtype=np.int64)))
-        mask.append(torch.as_tensor(np.asarray(m[:n], dtype=np.int64)))
+        ids.append(_head(x, n))
+        mask.append(_head(m, n))
         seq.append(torch.full((n,), i, dtype=torch.long))
         pos.append(torch.arange(n))
         if lab:
-            labels.append(torch.as_tensor(np.asarray(lab[0][:n], dtype=np.int64)))
+            labels.append(_head(lab[0], n))
     if labels and len(labels) != len(ids):
         raise ValueError("pack: some sequences have target labels and some do not")
     return PackedBatch(torch.cat(ids), torch.cat(mask), torch.cat(seq), torch.cat(pos),
                        torch.cat(labels) if labels else None)
+
+
+def _head(v: np.ndarray, n: int) -> torch.Tensor:
+    """The first n entries of a (memory-mapped) array as an int64 tensor."""
+    return torch.as_tensor(np.asarray(v[:n], dtype=np.int64))
