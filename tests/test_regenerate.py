@@ -111,7 +111,7 @@ def test_left_padded_rows_get_their_own_positions(tiny_target):
     hook = tiny_target.model.register_forward_pre_hook(
         lambda _m, _args, kwargs: seen.append(kwargs["position_ids"].clone()), with_kwargs=True)
     try:
-        regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=3), tiny_target.stop_token_ids())
+        regen._hf_generate(tiny_target, prompts, RegenConfig(max_new_tokens=3), tiny_target.stop_token_ids())
     finally:
         hook.remove()
     prefill, *steps = seen

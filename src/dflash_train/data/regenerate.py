@@ -47,6 +47,8 @@ from tqdm import tqdm
 
 from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
+from dflash_train.models import static_lm
+from dflash_train.models.generate import generate
 from dflash_train.models.targets import Target
 
 Message = dict[str, str]
@@ -191,7 +193,17 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
 
 
 def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
-    """One reply per prompt from a single left-padded batch decoded with a KV cache.
+    """One reply per prompt: on a StaticLM (static KV cache, CUDA graphs) when the target's
+    architecture allows, else through HF's forward."""
+    lm = static_lm.for_model(target.model)
+    if lm is None:
+        return _hf_generate(target, prompts, cfg, stops)
+    out = generate(lm, prompts, cfg.max_new_tokens, stops, lambda logits: _pick_next(logits, cfg.temperature))
+    return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in out.rows]
+
+
+def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
+    """One reply per prompt from a single left-padded batch decoded with HF's DynamicCache.
 
     A plain loop rather than HF `generate`: on 2 CPU cores generate's per-step overhead doubled
     the step time (0.7 s vs 0.33 s for 32 rows of SmolLM2), and the loop applies no logits
@@ -233,7 +245,7 @@ def _pick_next(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def _reply(target: Target, row: list[int], stops: set[int], max_new_tokens: int) -> _Reply:
-    """Text up to the first stop token; rows that stopped early are padded after it."""
+    """Text up to the first stop token; rows that stopped early run on (or are padded) after it."""
     cut = next((i for i, t in enumerate(row) if t in stops), None)
     if cut is None:
         return _Reply(target.tokenizer.decode(row, skip_special_tokens=False), row, len(row) >= max_new_tokens)

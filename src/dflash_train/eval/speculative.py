@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_train.models import static_lm
 from dflash_train.models.drafter import ContextCache, DFlashDrafter
+from dflash_train.models.generate import generate
 from dflash_train.models.targets import Target
 
 
@@ -97,7 +99,25 @@ def _features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def target_generate(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
                     stop_ids: list[int] | None = None, gen: torch.Generator | None = None) -> DecodeResult:
-    """Plain autoregressive decoding with a KV cache: the baseline for losslessness and speedup."""
+    """Plain autoregressive decoding with a KV cache: the baseline for losslessness and speedup.
+
+    On a StaticLM target (graph replays on CUDA) when the architecture allows; else HF's forward.
+    """
+    lm = static_lm.for_model(target.model)
+    if lm is None:
+        return hf_target_generate(target, prompt, max_new_tokens, temperature, stop_ids, gen)
+    out = generate(lm, [prompt], max_new_tokens, list(stop_ids or []), lambda lg: _pick(lg, temperature, gen))
+    return DecodeResult(tokens=_cut(out.rows[0], set(stop_ids or [])), prefill_s=out.prefill_s, decode_s=out.decode_s)
+
+
+def _cut(row: list[int], stops: set[int]) -> list[int]:
+    """Tokens up to and including the first stop token."""
+    return next((row[:i + 1] for i, t in enumerate(row) if t in stops), row)
+
+
+def hf_target_generate(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+                       stop_ids: list[int] | None = None, gen: torch.Generator | None = None) -> DecodeResult:
+    """target_generate through HF's forward and DynamicCache (any architecture; eager)."""
     dev, stops = target.device, set(stop_ids or [])
     ids = torch.tensor([prompt], device=dev)
     cache = _new_cache(target)
@@ -114,6 +134,55 @@ def target_generate(target: Target, prompt: list[int], max_new_tokens: int, temp
     return DecodeResult(tokens=tokens, prefill_s=t1 - t0, decode_s=_now(dev) - t1)
 
 
+class _HFVerifier:
+    """Target prefill and block verification through HF's forward and a DynamicCache (any architecture)."""
+
+    def __init__(self, target: Target, layer_ids: list[int], prompt_len: int, max_new_tokens: int, block: int) -> None:
+        self.target, self.layer_ids = target, layer_ids
+        self.cache = _new_cache(target)
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.target.model(ids, past_key_values=self.cache, use_cache=True, output_hidden_states=True,
+                                logits_to_keep=1)
+        return out.logits[0, -1], _features(out.hidden_states, self.layer_ids)
+
+    def verify(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + block.shape[1], device=block.device)[None]
+        out = self.target.model(block, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                                output_hidden_states=True)
+        return out.logits[0], _features(out.hidden_states, self.layer_ids)
+
+    def commit(self, length: int) -> None:
+        _crop(self.cache, length)  # keep target K/V of the verified tokens only
+
+
+class _StaticVerifier:
+    """The same on a StaticLM: a preallocated cache, each full-block verify one graph replay on CUDA.
+
+    Blocks are always B wide (graphs need fixed shapes); a last block cut short by the token
+    limit verifies its unused slots too, which changes nothing before them (causal attention).
+    """
+
+    def __init__(self, lm: static_lm.StaticLM, layer_ids: list[int], prompt_len: int, max_new_tokens: int,
+                 block: int) -> None:
+        self.lm, self.layers = lm, tuple(layer_ids)
+        self.cache = lm.cache_for(1, prompt_len + max_new_tokens + block)
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(ids.shape[1], device=ids.device)[None]
+        out = self.lm.forward(ids, pos, self.cache, static_lm.bucket(ids.shape[1]), layers=self.layers, logits="last")
+        return out.logits[0, -1], out.features
+
+    def verify(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + block.shape[1], device=block.device)[None]
+        kv_len = static_lm.bucket(start + block.shape[1])
+        out = self.lm.step(block, positions, self.cache, kv_len, layers=self.layers, logits="all")
+        return out.logits[0], out.features  # graph buffers: consumed before the next verify
+
+    def commit(self, length: int) -> None:
+        pass  # slots past `length` are rewritten before any later query can see them
+
+
 @torch.inference_mode()
 def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
                          temperature: float = 0.0, block_size: int | None = None, stop_ids: list[int] | None = None,
@@ -125,13 +194,14 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     mask_id = drafter.mask_token_id
     head = target.lm_head
     ddtype = next(drafter.parameters()).dtype
+    lm = static_lm.for_model(target.model)
+    verifier = (_StaticVerifier(lm, layer_ids, len(prompt), max_new_tokens, B) if lm is not None
+                else _HFVerifier(target, layer_ids, len(prompt), max_new_tokens, B))
+    width = B if lm is not None else None  # static: always full blocks
 
     t0 = _now(dev)
-    cache = _new_cache(target)
-    out = target.model(torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True,
-                       output_hidden_states=True, logits_to_keep=1)
-    first = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: control flow
-    new_ctx = _features(out.hidden_states, layer_ids)  # features of positions [ctx_start, start)
+    logits, new_ctx = verifier.prefill(torch.tensor([prompt], device=dev))  # new_ctx: features of [ctx_start, start)
+    first = int(_pick(logits, temperature, gen).item())  # host sync: control flow
     t1 = _now(dev)
 
     res = DecodeResult(tokens=[first], prefill_s=t1 - t0, decode_s=0.0)
@@ -139,18 +209,19 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     start = len(prompt)  # position of the last committed token (block slot 0)
     ctx_start = 0
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stops:
-        q_len = min(B, max_new_tokens - len(res.tokens) + 1)
-        block = torch.full((1, q_len), mask_id, device=dev, dtype=torch.long)
+        q_len = min(B, max_new_tokens - len(res.tokens) + 1)  # slots that can still commit a token
+        run_len = width or q_len
+        block = torch.full((1, run_len), mask_id, device=dev, dtype=torch.long)
         block[0, 0] = res.tokens[-1]
         positions = torch.arange(ctx_start, start + q_len, device=dev)[None]
-        hidden = drafter(target.embed(block).to(ddtype), new_ctx.to(ddtype), positions, cache=draft_cache)
+        # The drafter sees q_len slots (its block attention is bidirectional: width changes its output).
+        hidden = drafter(target.embed(block[:, :q_len]).to(ddtype), new_ctx.to(ddtype), positions, cache=draft_cache)
         draft_logits = head(hidden[:, 1:].to(target.dtype))[0]  # [q_len-1, V]
         draft = _pick(draft_logits, temperature, gen)
-        block[0, 1:] = draft
+        block[0, 1:q_len] = draft
 
-        out = target.model(block, position_ids=positions[:, -q_len:], past_key_values=cache, use_cache=True,
-                           output_hidden_states=True)
-        logits = out.logits[0]  # [q_len, V]: slot i predicts position start+i+1
+        logits, feats = verifier.verify(block, start)
+        logits = logits[:q_len]  # slot i predicts position start+i+1
         if temperature <= 0:
             pred = logits.argmax(-1)
             accepted = int((draft == pred[:-1]).cumprod(0).sum().item())  # host sync: control flow
@@ -169,7 +240,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
         res.slots.append(q_len - 1)
         # Keep target K/V of the verified slots 0..produced-1; their features feed the next draft.
         ctx_start, start = start, start + produced
-        _crop(cache, start)
-        new_ctx = _features(out.hidden_states, layer_ids)[:, :produced]
+        verifier.commit(start)
+        new_ctx = feats[:, :produced]
     res.decode_s = _now(dev) - t1
     return res

@@ -1,0 +1,243 @@
+"""The target's decode forward over a preallocated KV cache, replayed as CUDA graphs.
+
+Regeneration, the target-only baseline and DFlash verification are all decode loops: a
+small model's step is a few hundred tiny kernels, so eager PyTorch spends its time launching
+them (SmolLM2-135M: ~40 tokens/s at batch 1 on an H200). Here the step runs over a cache of
+fixed shape, so on CUDA each (batch, query length, key length) shape is captured once as a
+CUDA graph and then replayed as one launch. On CPU the same function runs eagerly: one path,
+the same math.
+
+The math is the HF model's own: its norms, MLPs, projections and rotary embedding modules are
+called directly (no weight copies); only attention over the cache is ours. Cache row i, slot j
+holds the K/V of position j of sequence i; a query at position p sees slots 0..p. A step
+writes its K/V before attending, so slots past a row's end (padding written by a batched
+prefill, or a rejected draft) are overwritten before any query can see them: "cropping" the
+cache is just decoding from an earlier position.
+
+Supported: Llama-style decoders without sliding windows (llama, mistral, qwen2, qwen3 -
+SmolLM2 and the Qwen3 presets included). `supports(model)` says; callers fall back to HF.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
+CACHE_BUCKET = 1024  # capacity granularity: nearby lengths share one cache (and its graphs)
+_FOLD_ROWS = 64  # fold GQA groups into query rows (no K/V repeat) while group x query rows stay small
+
+
+def supports(model: nn.Module) -> bool:
+    """True when `model` is a decoder whose every layer attends causally to all earlier tokens."""
+    cfg = model.config
+    if cfg.model_type not in _ARCHS:
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return False
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+        return False
+    return getattr(cfg, "rope_parameters", {}).get("rope_type", "default") in ("default", "llama3", "linear")
+
+
+_INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def for_model(model: nn.Module) -> StaticLM | None:
+    """The model's StaticLM (made once, so its graphs' memory pool is shared), or None if unsupported."""
+    if not supports(model):
+        return None
+    if model not in _INSTANCES:
+        _INSTANCES[model] = StaticLM(model)
+    return _INSTANCES[model]
+
+
+def bucket(n: int, size: int = KV_BUCKET) -> int:
+    return -(-n // size) * size
+
+
+@dataclass
+class StaticCache:
+    """K and V of every layer, [batch, kv_heads, capacity, head_dim] each, plus the graphs bound to them."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    graphs: dict = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+
+@dataclass
+class StepOut:
+    logits: torch.Tensor | None  # [b, q, V] (or [b, 1, V] for last_only)
+    features: torch.Tensor | None  # [b, q, n * H] hidden states of the requested layers
+
+
+class StaticLM:
+    """Decode forwards of a frozen HF causal LM over a StaticCache (see module docstring)."""
+
+    def __init__(self, model: nn.Module, graphs: bool | None = None) -> None:
+        if not supports(model):
+            raise ValueError(f"StaticLM does not support {model.config.model_type} targets")
+        self.model = model
+        self.base = model.base_model
+        cfg = model.config
+        self.n_layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._graphs = graphs
+        self._pool = None
+        self._cache: StaticCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.embed_tokens.weight.dtype
+
+    @property
+    def graphs(self) -> bool:
+        return self.device.type == "cuda" if self._graphs is None else self._graphs
+
+    # --- cache -----------------------------------------------------------------------------
+
+    def cache_for(self, batch: int, capacity: int) -> StaticCache:
+        """A cache for `batch` rows of at least `capacity` slots: the last one when it fits, with its graphs.
+
+        Reusing it is safe without clearing: a query only sees slots its own steps have written
+        (see the module docstring). Graphs are bound to a cache's buffers, so reuse is also what
+        lets a decode loop replay the graphs captured by the previous one (eval: every prompt).
+        """
+        last = self._cache
+        if last is not None and last.batch == batch and last.capacity >= capacity and last.device == self.device:
+            return last
+        self._cache = None  # free the old buffers (and graphs) before allocating the new ones
+        shape = (batch, self.kv_heads, bucket(capacity, CACHE_BUCKET), self.head_dim)
+        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        self._cache = StaticCache([make() for _ in range(self.n_layers)], [make() for _ in range(self.n_layers)])
+        return self._cache
+
+    # --- the forward -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: StaticCache, kv_len: int, *,
+                layers: tuple[int, ...] = (), logits: str = "all", last: torch.Tensor | None = None) -> StepOut:
+        """ids, pos [b, q]: write their K/V at slots pos, attend to slots < kv_len (masked to <= pos).
+
+        logits: "all" (every query), "last" (the query at index `last` [b] of each row, or the
+        final one), or "none". layers: feature layer ids (id L = output of layer L; L = N-1 is
+        final-normed, as HF's hidden_states[N]).
+        """
+        x = self.base.embed_tokens(ids)
+        cos, sin = self.base.rotary_emb(x, pos)
+        visible = torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]  # [b, q, kv_len]
+        feats = {}
+        for i, layer in enumerate(self.base.layers):
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, pos, visible,
+                                    cache.keys[i], cache.values[i], kv_len)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in layers:
+                feats[i] = x
+        x = self.base.norm(x)
+        if self.n_layers - 1 in feats:  # HF's hidden_states[N] is the final-normed output
+            feats[self.n_layers - 1] = x
+        features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None
+        if logits == "none":
+            return StepOut(None, features)
+        if logits == "last":
+            x = x[:, -1:] if last is None else x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        return StepOut(self.model.lm_head(x), features)
+
+    def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                   visible: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+        b, q, _ = h.shape
+        d = self.head_dim
+        qs = attn.q_proj(h).view(b, q, -1, d)
+        ks = attn.k_proj(h).view(b, q, -1, d)
+        vs = attn.v_proj(h).view(b, q, -1, d)
+        if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before RoPE
+            qs, ks = attn.q_norm(qs), attn.k_norm(ks)
+        qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)  # [b, heads, q, d]
+        qs, ks = _rope(qs, cos, sin), _rope(ks, cos, sin)
+        slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
+        k_cache.scatter_(2, slots, ks)  # the new K/V first: a query at pos p sees slot p
+        v_cache.scatter_(2, slots, vs)
+        out = _sdpa(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+
+    # --- graphs ----------------------------------------------------------------------------
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, cache: StaticCache, kv_len: int, *,
+             layers: tuple[int, ...] = (), logits: str = "all") -> StepOut:
+        """`forward` for a decode-sized step; on CUDA a replay of the graph captured for this shape.
+
+        The outputs of a replay live in the graph's buffers: the next replay of the same shape
+        overwrites them, so read (or clone) them before stepping again.
+        """
+        if not self.graphs:
+            return self.forward(ids, pos, cache, kv_len, layers=layers, logits=logits)
+        key = (tuple(ids.shape), kv_len, layers, logits)
+        graph = cache.graphs.get(key)
+        if graph is None:
+            graph = cache.graphs[key] = self._capture(ids, pos, cache, kv_len, layers, logits)
+        g, ids_in, pos_in, out = graph
+        ids_in.copy_(ids)
+        pos_in.copy_(pos)
+        g.replay()
+        return out
+
+    def _capture(self, ids, pos, cache, kv_len, layers, logits):
+        ids_in, pos_in = ids.clone(), pos.clone()
+        run = lambda: self.forward(ids_in, pos_in, cache, kv_len, layers=layers, logits=logits)  # noqa: E731
+        # Warm up on a side stream (lazy cuBLAS/allocator set-up must not happen during capture).
+        # The warm-up writes the same K/V at the same slots as the replay will: harmless.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = run()
+        return g, ids_in, pos_in, out
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb for one tensor: x [b, h, q, d], cos/sin [b, q, d]."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]."""
+    b, H, n, d = q.shape
+    g = H // k.shape[1]
+    if g * n <= _FOLD_ROWS:
+        # Decode: query head h uses K/V head h // g, so the g heads of a group become g*n query
+        # rows against one K/V head: K and V are read once, never repeated.
+        qf = q.reshape(b, k.shape[1], g * n, d)
+        mask = visible[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
+        return F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale).view(b, H, n, d)
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # prefill: compute-bound, repeat is cheap
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)

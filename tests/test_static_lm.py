@@ -1,0 +1,137 @@
+"""StaticLM (static KV cache, CUDA graphs on GPU) computes HF's forward, and every decode loop on it
+gives the tokens of the HF-forward loops: regeneration, the target-only baseline, DFlash decoding."""
+
+import pytest
+import torch
+
+from dflash_train.data import regenerate as regen
+from dflash_train.data.regenerate import RegenConfig
+from dflash_train.eval import speculative as spec
+from dflash_train.models import static_lm
+from dflash_train.models.generate import generate
+from dflash_train.models.static_lm import StaticLM
+from dflash_train.models.targets import Target, byte_tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only add overhead on a shared CPU
+    yield
+    torch.set_num_threads(before)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(3)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request, tiny_target):
+    if request.param == "qwen3":
+        return tiny_target
+    return Target(model=_llama(), tokenizer=byte_tokenizer(), spec="llama-test")
+
+
+def _prompts(n, seed=0, base=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (base + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_supports_full_attention_llama_family_only(tiny_target):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    assert static_lm.supports(tiny_target.model) and static_lm.supports(_llama())
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert not static_lm.supports(Qwen2ForCausalLM(cfg))
+
+
+@torch.no_grad()
+def test_prefill_and_steps_equal_hf_forward(target):
+    """Padded batched prefill, then decode steps, then a 4-token block: logits and features as HF's."""
+    lm = StaticLM(target.model)
+    model = target.model
+    prompts = _prompts(3)
+    layers = (0, target.num_layers - 1)
+    cache = lm.cache_for(len(prompts), 64)
+    width = max(map(len, prompts))
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    out = lm.forward(ids, torch.arange(width).expand(3, width), cache, static_lm.bucket(width), layers=layers,
+                     logits="last", last=last)
+    for i, p in enumerate(prompts):
+        ref = model(torch.tensor([p]), output_hidden_states=True)
+        torch.testing.assert_close(out.logits[i, 0], ref.logits[0, -1], rtol=0, atol=1e-5)
+        want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0]
+        torch.testing.assert_close(out.features[i, :len(p)], want, rtol=0, atol=1e-5)
+    # three one-token steps, then a 4-token block: each row continues from its own length
+    seqs = [list(p) for p in prompts]
+    for q in (1, 1, 1, 4):
+        new = torch.randint(0, 256, (3, q))
+        pos = torch.tensor([len(s) for s in seqs])[:, None] + torch.arange(q)
+        step = lm.step(new, pos, cache, static_lm.bucket(int(pos.max()) + 1), layers=layers)
+        for i, s in enumerate(seqs):
+            s += new[i].tolist()
+            ref = model(torch.tensor([s]), output_hidden_states=True)
+            torch.testing.assert_close(step.logits[i], ref.logits[0, -q:], rtol=0, atol=1e-5)
+            want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0, -q:]
+            torch.testing.assert_close(step.features[i], want, rtol=0, atol=1e-5)
+
+
+def test_regeneration_equals_hf_loop(target):
+    prompts = _prompts(4, seed=1)
+    cfg = RegenConfig(max_new_tokens=12)
+    stops = [int(regen._hf_generate(target, prompts[:1], cfg, [])[0].ids[5])]  # a token row 0 emits: rows stop
+    ours = regen._generate(target, prompts, cfg, stops)
+    theirs = regen._hf_generate(target, prompts, cfg, stops)
+    assert [r.ids for r in ours] == [r.ids for r in theirs]
+    assert [r.hit_limit for r in ours] == [r.hit_limit for r in theirs]
+    assert not ours[0].hit_limit and ours[0].ids[-1] == stops[0]
+
+
+def test_generate_splits_rows_and_checks_stops_every_n(target):
+    """check_every > 1 only decodes past the stop (the caller cuts there): the kept tokens are the same."""
+    lm = static_lm.for_model(target.model)
+    prompts = _prompts(3, seed=2)
+    every = generate(lm, prompts, 10, [7], check_every=1).rows
+    sparse = generate(lm, prompts, 10, [7], check_every=4).rows
+    cut = [spec._cut(r, {7}) for r in every]
+    assert [spec._cut(r, {7}) for r in sparse] == cut
+
+
+def test_target_generate_equals_hf(target):
+    for p in _prompts(2, seed=3):
+        ours = spec.target_generate(target, p, 20, stop_ids=[9])
+        theirs = spec.hf_target_generate(target, p, 20, stop_ids=[9])
+        assert ours.tokens == theirs.tokens
+
+
+@pytest.mark.parametrize("max_new", [13, 16])  # 13: the last block is cut short by the token limit
+def test_speculative_equals_hf_verifier(tiny_target, make_drafter, monkeypatch, max_new):
+    drafter = make_drafter(block_size=4)
+    prompt = _prompts(1, seed=4, base=11)[0]
+    ours = spec.speculative_generate(tiny_target, drafter, prompt, max_new)
+    monkeypatch.setattr(static_lm, "for_model", lambda model: None)  # force HF's forward
+    theirs = spec.speculative_generate(tiny_target, drafter, prompt, max_new)
+    assert ours.tokens == theirs.tokens and len(ours.tokens) == max_new
+    assert (ours.committed, ours.accepted, ours.slots) == (theirs.committed, theirs.accepted, theirs.slots)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_equal_eager():
+    from dflash_train.models.targets import load_target
+
+    t = load_target("random:tiny", device="cuda", dtype=torch.float32, seed=0)
+    eager, graphed = StaticLM(t.model, graphs=False), StaticLM(t.model, graphs=True)
+    prompts = _prompts(5, seed=5)
+    a = generate(eager, prompts, 24, [], check_every=1).rows
+    b = generate(graphed, prompts, 24, [], check_every=8).rows
+    assert a == b
