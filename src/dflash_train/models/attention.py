@@ -66,7 +66,16 @@ def _sdpa(q, k, v, mask, scale):
     if q.shape[1] != k.shape[1]:  # GQA: expand K/V heads to the query heads
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with no_cudnn_sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def no_cudnn_sdpa():
+    """SDPA without the cuDNN backend: it builds an execution plan per new shape (~10 ms of host
+    time per call on the H200), and at decode time the context length changes every step."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float) -> torch.Tensor:

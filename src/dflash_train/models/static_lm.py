@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.models.attention import no_cudnn_sdpa
+
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
 CACHE_BUCKET = 1024  # capacity granularity: nearby lengths share one cache (and its graphs)
@@ -68,6 +70,7 @@ class StaticCache:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     graphs: dict = field(default_factory=dict)
+    pool: tuple | None = None  # the graphs' memory pool: they replay one at a time, so they share it
 
     @property
     def batch(self) -> int:
@@ -101,7 +104,6 @@ class StaticLM:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._graphs = graphs
-        self._pool = None
         self._cache: StaticCache | None = None
 
     @property
@@ -213,10 +215,10 @@ class StaticLM:
         with torch.cuda.stream(side):
             run()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
+        if cache.pool is None:
+            cache.pool = torch.cuda.graph_pool_handle()  # per cache: a handle outliving its graphs is invalid
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        with torch.cuda.graph(g, pool=cache.pool):
             out = run()
         return g, ids_in, pos_in, out
 
@@ -229,10 +231,21 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+DECODE_ATTENTION = "matmul"  # "matmul" | "sdpa": the decode-shaped attention kernel (see _sdpa)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]."""
     b, H, n, d = q.shape
     g = H // k.shape[1]
+    if g * n <= _FOLD_ROWS and DECODE_ATTENTION == "matmul":
+        # Decode: a few query rows per K/V head, so the work is reading K and V once (two batched
+        # GEMVs); softmax in float32 over [b, Hkv, g*n, T] scores, a few MB even at 1K rows.
+        qf = q.reshape(b, k.shape[1], g * n, d)
+        mask = visible[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
+        scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+        return torch.matmul(probs, v).view(b, H, n, d)
     if g * n <= _FOLD_ROWS:
         # Decode: query head h uses K/V head h // g, so the g heads of a group become g*n query
         # rows against one K/V head: K and V are read once, never repeated.
@@ -240,4 +253,5 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tens
         mask = visible[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
         return F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale).view(b, H, n, d)
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # prefill: compute-bound, repeat is cheap
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+    with no_cudnn_sdpa():  # every batch has a new width: no per-shape plan builds
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
