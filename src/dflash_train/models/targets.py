@@ -100,17 +100,34 @@ class Target:
         """The decoder stack (embedding, layers, final norm) without the LM head."""
         return self.model.base_model
 
+    @property
+    def full_attention_only(self) -> bool:
+        """Every layer is plain causal attention (no sliding window, no logit soft-capping).
+
+        Only then may a packed row's document mask (which replaces the model's own masks in
+        every layer) stand in for the padded batch.
+        """
+        cfg = self.model.config
+        types = getattr(cfg, "layer_types", None) or ["full_attention"]
+        return all(t == "full_attention" for t in types) and not getattr(cfg, "attn_logit_softcapping", None)
+
     @torch.inference_mode()
     def features(self, input_ids: torch.Tensor, layer_ids: Sequence[int], *,
-                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Concatenated features [b, n, len(layer_ids) * H]; runs layers 0..max(layer_ids) only, no LM head."""
+                 position_ids: torch.Tensor | None = None, attention_mask=None) -> torch.Tensor:
+        """Concatenated features [b, n, len(layer_ids) * H]; runs layers 0..max(layer_ids) only, no LM head.
+
+        attention_mask: None (causal), a [b, n] padding mask, a [b, 1, n, n] boolean mask (True =
+        may attend) or a FlexAttention BlockMask; the last two are used as given (e.g. the
+        document masks below, for packed rows) and a BlockMask runs this forward's attention
+        through FlexAttention.
+        """
         self.check_layer_ids(layer_ids, "target_layer_ids")
         captured: dict[int, torch.Tensor] = {}
         last = max(layer_ids)
         layers = self.decoder.layers
         hooks = [layers[i].register_forward_hook(_capture(captured, i)) for i in set(layer_ids)]
         try:
-            with self._truncated(last + 1):
+            with self._truncated(last + 1), self._attention_for(attention_mask):
                 self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
         finally:
             for h in hooks:
@@ -125,8 +142,10 @@ class Target:
 
         Only `forward` is compiled, so the capture hooks stay outside the graph; every layer runs
         the same code with its parameters as inputs, so all layers share one graph (recompiled
-        once as dynamic when the pack length first changes). On exit the layers are eager again,
-        so decoding (eval, regeneration) never compiles its many cache shapes.
+        once as dynamic when the pack length first changes). The graph guards on the attention
+        implementation, so packed rows (FlexAttention, traced into the graph) and unpadded
+        batches (sdpa) each get their own. On exit the layers are eager again, so decoding
+        (eval, regeneration) never compiles its many cache shapes.
         """
         if not enabled:
             yield
@@ -149,6 +168,26 @@ class Target:
             torch._dynamo.config.error_on_nested_fx_trace = nested
             for layer in layers:
                 del layer.forward  # the class's eager forward again
+
+    @contextlib.contextmanager
+    def _attention_for(self, mask) -> Iterator[None]:
+        """A BlockMask needs FlexAttention: switch the model's attention to it for this forward only.
+
+        Decoding (eval, regeneration) keeps the model's own implementation (sdpa). The attention
+        modules read config._attn_implementation at each call, so switching is one attribute;
+        under --compile-target the layer graph guards on it (one graph per implementation).
+        Not thread-safe, like _truncated: one target per worker.
+        """
+        if not is_block_mask(mask):
+            yield
+            return
+        cfg = self.model.config
+        before = cfg._attn_implementation
+        cfg._attn_implementation = _register_document_attention()
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = before
 
     @contextlib.contextmanager
     def _truncated(self, n_layers: int) -> Iterator[None]:
@@ -223,6 +262,122 @@ def _capture(store: dict[int, torch.Tensor], idx: int):
     def hook(_module, _args, output):
         store[idx] = output[0] if isinstance(output, tuple) else output
     return hook
+
+
+# --- packed rows: causal attention within each document, nothing across ------------------
+#
+# A packed row holds several sequences ("documents") back to back, positions restarting at 0
+# in each. Token r may attend to keys [start(r), r], start(r) the first token of its document.
+# CUDA: a FlexAttention BlockMask (empty tiles skipped, no padding to the longest sequence);
+# elsewhere: the same predicate as a dense [1, 1, L, L] boolean mask for sdpa.
+
+DOCUMENT_ATTENTION = "dflash_document_flex"  # the name registered with transformers' AttentionInterface
+_compiled_document_flex = None
+
+
+def is_block_mask(mask) -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # pragma: no cover - FlexAttention exists from torch 2.5
+        return False
+    return isinstance(mask, BlockMask)
+
+
+def document_starts(doc: torch.Tensor) -> torch.Tensor:
+    """[L] index of the first token of each token's document; doc: [L] non-decreasing document ids."""
+    idx = torch.arange(doc.numel(), device=doc.device)
+    first = torch.ones_like(doc, dtype=torch.bool)
+    first[1:] = doc[1:] != doc[:-1]
+    return torch.cummax(torch.where(first, idx, 0), dim=0).values
+
+
+def document_dense_mask(doc: torch.Tensor) -> torch.Tensor:
+    """[1, 1, L, L] boolean (True = may attend): causal within each document of the row."""
+    same = doc[:, None] == doc[None, :]
+    return torch.tril(same)[None, None]
+
+
+def document_block_mask(doc: torch.Tensor, device: torch.device, tile: int = 128):
+    """The same predicate as a FlexAttention BlockMask for a row of L = k * tile tokens.
+
+    doc: [L] host tensor of non-decreasing document ids. Built on the host from the document
+    starts (no host sync, no [L, L] grid): the rows of query tile i together see the contiguous
+    keys [start(first row), last row], so key tile j is touched iff start(first row) // tile
+    <= j <= i, and full (no mask_mod needed) iff j < i and tile j starts at or after the last
+    row's document start. FlexAttention evaluates the predicate only in the partial tiles (the
+    diagonal and document edges) and skips the empty ones. Forward-only: no q-block indices.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    L = doc.numel()
+    if L % tile:
+        raise ValueError(f"document_block_mask: row length {L} is not a multiple of the tile {tile}")
+    n = L // tile
+    starts = document_starts(doc).view(n, tile)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    touched = (j <= i) & (j >= starts[:, :1] // tile)  # [n, n]
+    full = (j < i) & (j * tile >= starts[:, -1:])
+    partial = touched & ~full
+
+    def blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts [1, 1, n], indices [1, 1, n, n]
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)  # tiles in use first, in order
+        counts = m.sum(-1, dtype=torch.int32)[None, None]
+        return (counts.to(device, non_blocking=True),
+                order.to(torch.int32)[None, None].to(device, non_blocking=True))
+
+    doc_dev = doc.to(device, non_blocking=True)
+
+    def mask_mod(b, h, q_idx, kv_idx):  # evaluated in partial tiles only
+        return (doc_dev[q_idx] == doc_dev[kv_idx]) & (q_idx >= kv_idx)
+
+    return BlockMask.from_kv_blocks(*blocks(partial), *blocks(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=(L, L), compute_q_blocks=False)
+
+
+def _document_flex(query, key, value, block_mask, scale):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
+                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def _document_flex_fn():
+    """FlexAttention is only fast compiled (CUDA); on CPU it runs eagerly as an exact reference.
+
+    Our own compiled function (its own code object, so its own dynamo cache and recompile
+    count, apart from the drafter's), called under the compile lock (models/compiled.py):
+    the target thread may compile while the drafter runs. Automatic dynamic shapes: packed
+    rows change length (by multiples of 128) from pack to pack, so it compiles twice in all,
+    static on the first row and dynamic on the first other length.
+    """
+    global _compiled_document_flex
+    if _compiled_document_flex is None:
+        from dflash_train.models.compiled import compile_serialized
+
+        _compiled_document_flex = compile_serialized(_document_flex)
+    return _compiled_document_flex
+
+
+def _document_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention function for a BlockMask.
+
+    query [b, Hq, L, d], key/value [b, Hkv, L, d] (GQA) -> output [b, L, Hq, d], no weights.
+    """
+    if torch.compiler.is_compiling():
+        fn = _document_flex  # inside --compile-target's layer graph: traced into it
+    elif query.is_cuda:
+        fn = _document_flex_fn()
+    else:
+        fn = _document_flex  # eager FlexAttention: the unfused reference (tests)
+    out = fn(query, key, value, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_document_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DOCUMENT_ATTENTION, _document_attention)
+    return DOCUMENT_ATTENTION
 
 
 # --- loading ---------------------------------------------------------------------------

@@ -1,8 +1,16 @@
 """One training step as a reusable unit: target features -> drafter loss -> optimizer update.
 
-The target runs its packed sequences as a right-padded batch (so no sequence attends to
-another), then the valid rows are gathered back into packed order. The drafter side is
-`DFlashObjective`; target loops use `packed_features`, drafter loops `DrafterUpdate`.
+The target must see each packed sequence alone (causal within it, nothing across). Two ways:
+
+    packed   the packed row itself, with a document mask (causal within each sequence) and
+             positions restarting per sequence: FlexAttention on CUDA, a dense mask on CPU.
+             No work on padding; the default whenever sequences differ in length.
+    padded   a right-padded [n_seq, longest] batch, valid rows gathered back into packed
+             order. Used when it pads nothing (one sequence, or equal lengths: plain causal
+             attention, the fastest kernel) and for long rows on CPU (a dense mask is L x L).
+
+The drafter side is `DFlashObjective`; target loops use `packed_features`, drafter loops
+`DrafterUpdate`.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import math
 
 import torch
 
-from dflash_train.models.targets import Target
+from dflash_train.models.targets import Target, document_block_mask, document_dense_mask
 from dflash_train.objective.blocks import PackedBatch
 from dflash_train.objective.loss import LossOutput
 from dflash_train.objective.objective import DFlashObjective
@@ -35,8 +43,53 @@ def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return padded, rows.long(), torch.nonzero(rows.flatten()).flatten()
 
 
-def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP) -> torch.Tensor:
-    """Target features [S, n*H] of the packed context tokens (sequences kept apart), on the target's device."""
+# FlexAttention's tile. A packed row is padded to a multiple of it with one extra document of
+# pad tokens (< 128 tokens, < 1% of a 16K pack; it attends only to itself and is dropped), so
+# the BlockMask's tiles line up and the row's length takes few distinct values; the compiled
+# kernel goes dynamic in the length after the first change instead of recompiling per length
+# (padding to the full token budget would avoid that one recompile but run the MLPs on up to
+# a whole sequence of pads per pack).
+FLEX_TILE = 128
+# On CPU the document mask is a dense [L, L] boolean; beyond this many tokens use the padded batch.
+DENSE_MASK_MAX_TOKENS = 4096
+MODES = ("auto", "packed", "padded", "flex", "dense")
+
+
+def sequence_lengths(batch: PackedBatch) -> torch.Tensor:
+    """[n_seq] host tensor (the loader's host copy of the batch: no device sync)."""
+    seq = batch.seq_ids.cpu()
+    return torch.bincount(seq, minlength=int(seq[-1]) + 1) if seq.numel() else seq.new_zeros(0)
+
+
+def feature_mode(lengths: torch.Tensor, device: torch.device) -> str:
+    """'padded' when padding costs nothing (one sequence or equal lengths) or a CPU row is long, else the packed row."""
+    if lengths.numel() <= 1 or bool((lengths == lengths[0]).all()):
+        return "padded"
+    if device.type == "cuda":
+        return "flex"
+    return "dense" if int(lengths.sum()) <= DENSE_MASK_MAX_TOKENS else "padded"
+
+
+def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP,
+                    mode: str = "auto") -> torch.Tensor:
+    """Target features [S, n*H] of the packed context tokens (sequences kept apart), on the target's device.
+
+    mode: 'auto' (see feature_mode), 'padded', 'packed' (flex on CUDA, dense elsewhere), or
+    'flex' / 'dense' to force one document-mask backend (tests, benchmarks).
+    """
+    if mode not in MODES:
+        raise ValueError(f"packed_features: mode {mode!r} not in {MODES}")
+    if mode == "auto":
+        mode = feature_mode(sequence_lengths(batch), target.device) if target.full_attention_only else "padded"
+    elif mode == "packed":
+        mode = "flex" if target.device.type == "cuda" else "dense"
+    if mode == "padded":
+        return padded_features(target, batch, layer_ids, prof)
+    return document_features(target, batch, layer_ids, prof, flex=mode == "flex")
+
+
+def padded_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP) -> torch.Tensor:
+    """Features [S, n*H] through a right-padded [n_seq, longest] batch."""
     padded, attn, flat = pad_packed(batch)
     # No padding (one sequence, or equal lengths): no mask, so attention takes the causal fast path.
     attn = None if bool(attn.all()) else attn.to(target.device, non_blocking=True)  # host tensor: no sync
@@ -46,6 +99,33 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     with prof.span("pack_hidden", device=True):
         # indexing outside inference mode gives a normal tensor autograd can save
         return feats.flatten(0, 1).index_select(0, flat)  # [S, n*H]
+
+
+def document_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP,
+                      flex: bool = True) -> torch.Tensor:
+    """Features [S, n*H] of the packed row in one forward, each sequence causal within itself.
+
+    flex: a FlexAttention BlockMask over the row padded to a multiple of FLEX_TILE (CUDA; on
+    CPU FlexAttention runs eagerly, a reference); else a dense [1, 1, S, S] mask for sdpa.
+    Everything is built from the loader's host copy of the batch: no host sync.
+    """
+    ids, doc, pos = batch.input_ids.cpu(), batch.seq_ids.cpu(), batch.positions.cpu()
+    S = ids.numel()
+    if flex:
+        pad = -S % FLEX_TILE
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        doc = torch.cat([doc, doc.new_full((pad,), int(doc[-1]) + 1)])  # the pads: a document of their own
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
+        mask = document_block_mask(doc, target.device, FLEX_TILE)
+    else:
+        mask = document_dense_mask(doc).to(target.device, non_blocking=True)
+    ids = ids[None].to(target.device, non_blocking=True)  # [1, L]
+    pos = pos[None].to(target.device, non_blocking=True)
+    with prof.span("target_forward", device=True):
+        feats = target.features(ids, layer_ids, position_ids=pos, attention_mask=mask)  # [1, L, n*H], inference mode
+    with prof.span("pack_hidden", device=True):
+        # a copy outside inference mode gives a normal tensor autograd can save
+        return feats[0, :S].clone()  # [S, n*H]
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float):

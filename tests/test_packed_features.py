@@ -1,0 +1,181 @@
+"""Padding-free target features: the packed row with a document mask equals the padded batch.
+
+Both backends of the document mask run here on CPU: the dense [1, 1, L, L] mask (sdpa, the
+CPU path) and the FlexAttention BlockMask (eager FlexAttention, the exact reference of the
+kernel CUDA compiles). The CUDA test compares the compiled kernel in bf16.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_train.models.targets import (document_block_mask, document_dense_mask, document_starts, load_target)
+from dflash_train.training.loader import pack
+from dflash_train.training.step import FLEX_TILE, feature_mode, packed_features, sequence_lengths
+
+LAYERS = [0, 2, 5]  # random:tiny has 6 layers; 5 is the last (its output gets the final norm)
+
+LENGTHS = {
+    "several": [37, 5, 120, 64, 200, 9],
+    "one": [150],
+    "ones": [1, 1, 7, 1],
+    "across_tiles": [127, 1, 128, 129, 3],
+}
+
+
+def make_batch(lengths, seed=0, vocab=256):
+    rng = np.random.default_rng(seed)
+    return pack([(rng.integers(0, vocab, n), np.ones(n, dtype=np.int64)) for n in lengths], 1 << 20)
+
+
+@pytest.mark.parametrize("mode", ["dense", "flex"])
+@pytest.mark.parametrize("case", sorted(LENGTHS))
+def test_packed_row_equals_padded_batch(tiny_target, case, mode):
+    batch = make_batch(LENGTHS[case])
+    want = packed_features(tiny_target, batch, LAYERS, mode="padded")
+    got = packed_features(tiny_target, batch, LAYERS, mode=mode)
+    assert got.shape == (batch.num_tokens, len(LAYERS) * tiny_target.hidden_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not got.is_inference()  # the drafter's autograd saves it
+    assert tiny_target.model.config._attn_implementation == "sdpa"  # decoding keeps its attention
+
+
+def test_embedded_target_packed_equals_padded():
+    """The real SmolLM2 weights (GQA 9/3 heads, tied head) through both document-mask backends."""
+    target = load_target("smollm2-135m")
+    batch = make_batch([70, 3, 41, 1], seed=1, vocab=target.vocab_size)
+    want = packed_features(target, batch, [1, 9], mode="padded")
+    # SmolLM2 has massive activations (|feature| in the hundreds here): float32 rounding scales with them
+    atol = 1e-6 * float(want.abs().max())
+    for mode in ("dense", "flex"):
+        torch.testing.assert_close(packed_features(target, batch, [1, 9], mode=mode), want, rtol=1e-5, atol=atol)
+
+
+def test_sequences_do_not_see_each_other(tiny_target):
+    """A sequence's features do not depend on its neighbours in the pack."""
+    a, b = make_batch([40, 30, 50], seed=2), make_batch([40, 30, 50], seed=3)
+    a.input_ids[40:70] = b.input_ids[40:70]  # same middle sequence, different neighbours
+    for mode in ("dense", "flex"):
+        fa = packed_features(tiny_target, a, LAYERS, mode=mode)
+        fb = packed_features(tiny_target, b, LAYERS, mode=mode)
+        torch.testing.assert_close(fa[40:70], fb[40:70], rtol=0, atol=1e-5)
+        assert (fa[:40] - fb[:40]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("lengths", [[300], [1, 1, 1, 1, 124], [100, 200, 60, 150, 2], [128, 128, 256], [5] * 77])
+def test_document_block_mask_tiles_are_exact(lengths):
+    """Full tiles need no mask_mod, partial ones do, skipped ones are empty: same as create_block_mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    pad = -doc.numel() % FLEX_TILE
+    doc = torch.cat([doc, torch.full((pad,), len(lengths))])
+    L = doc.numel()
+    ours = document_block_mask(doc, torch.device("cpu"), FLEX_TILE)
+    ref = create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), None, None, L, L, device="cpu",
+                            BLOCK_SIZE=FLEX_TILE)
+
+    def tiles(num, idx):  # set of (query tile, key tile)
+        return {(i, int(j)) for i in range(num.shape[-1]) for j in idx[0, 0, i, :int(num[0, 0, i])]}
+
+    assert tiles(ours.kv_num_blocks, ours.kv_indices) == tiles(ref.kv_num_blocks, ref.kv_indices)
+    assert tiles(ours.full_kv_num_blocks, ours.full_kv_indices) == tiles(ref.full_kv_num_blocks, ref.full_kv_indices)
+    dense = document_dense_mask(doc)[0, 0]
+    q, kv = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    torch.testing.assert_close(ours.mask_mod(0, 0, q, kv), dense)
+
+
+def test_document_starts():
+    doc = torch.tensor([0, 0, 0, 1, 2, 2, 3])
+    assert document_starts(doc).tolist() == [0, 0, 0, 3, 4, 4, 6]
+
+
+def test_feature_mode_keeps_the_plain_causal_path_when_nothing_is_padded():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for lengths, on_cpu, on_cuda in [([3072], "padded", "padded"), ([512, 512], "padded", "padded"),
+                                     ([300, 20], "dense", "flex"), ([4000, 1000], "padded", "flex")]:
+        lens = sequence_lengths(make_batch(lengths))
+        assert lens.tolist() == lengths
+        assert (feature_mode(lens, cpu), feature_mode(lens, cuda)) == (on_cpu, on_cuda), lengths
+
+
+def test_sliding_window_targets_keep_the_padded_batch(monkeypatch):
+    """A document mask replaces every layer's mask: with sliding-window layers only the padded batch is right."""
+    from dflash_train.training import step
+
+    target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+    assert target.full_attention_only
+    target.model.config.layer_types = ["full_attention", "sliding_attention"] * 3
+    assert not target.full_attention_only
+    ran = []
+    monkeypatch.setattr(step, "padded_features", lambda *a, **k: ran.append("padded"))
+    monkeypatch.setattr(step, "document_features", lambda *a, **k: ran.append("document"))
+    packed_features(target, make_batch([30, 7, 50]), LAYERS)
+    assert ran == ["padded"]
+
+
+def test_compiled_layers_run_the_document_mask_with_one_dynamic_recompile():
+    """--compile-target: the flex attention is traced into the layers' graph; a new length recompiles once."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+    batches = [make_batch(lengths, seed=i) for i, lengths in enumerate([[37, 5, 120], [300, 20, 7], [90, 90, 1, 64]])]
+    want = [packed_features(target, b, LAYERS, mode="padded") for b in batches]
+    torch._dynamo.reset()
+    counters.clear()
+    with target.compiled_layers(backend="eager"):  # the plumbing; inductor is what runs on the GPU
+        got = [packed_features(target, b, LAYERS, mode="flex") for b in batches]  # rows of 256, 384, 256 tokens
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 2  # static, then dynamic in the row length
+    assert target.model.config._attn_implementation == "sdpa"
+    assert all("forward" not in vars(layer) for layer in target.decoder.layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA")
+@pytest.mark.parametrize("compile_target", [False, True])
+def test_cuda_flex_features_match_the_padded_batch(compile_target):
+    """bf16 on the GPU: the packed row (compiled FlexAttention) is as close to float32 truth as the padded batch."""
+    import copy
+
+    from dflash_train.models.targets import Target
+
+    exact = load_target("random:smollm2-135m", device="cuda", dtype=torch.float32, seed=0)
+    target = Target(copy.deepcopy(exact.model).to(torch.bfloat16), exact.tokenizer, exact.spec)
+    layers = [1, 8, 15, 22, 29]
+    batches = [make_batch(lengths, seed=i, vocab=target.vocab_size)
+               for i, lengths in enumerate([[700, 33, 1, 1200, 250], [2048, 5, 900]])]
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    with target.compiled_layers(compile_target):
+        for batch in batches:
+            truth = packed_features(exact, batch, layers, mode="padded")
+            padded = packed_features(target, batch, layers, mode="padded")
+            packed = packed_features(target, batch, layers, mode="auto")  # flex on CUDA
+            noise = rel(padded, truth)  # bf16 rounding of the path before
+            assert rel(packed, truth) <= 1.5 * noise + 1e-3, (rel(packed, truth), noise)
+            assert rel(packed, padded) <= 3 * noise + 1e-3
+    assert target.model.config._attn_implementation == "sdpa"
+
+
+def test_benchmark_script_runs_on_cpu(prepared, tmp_path, capsys):
+    """benchmarks/target_features.py end to end on a prepared dataset and on random lengths (CPU smoke)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "target_features.py"
+    spec = importlib.util.spec_from_file_location("target_features_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    common = ["--target", "random:tiny", "--device", "cpu", "--token-budget", "256", "--steps", "2", "--warmup", "1"]
+    record = bench.main([*common, "--data", prepared, "--json", str(tmp_path / "out.json")])
+    assert [r["path"] for r in record["results"]] == ["padded", "auto"]
+    auto = record["results"][1]
+    assert auto["padding_share"] == 0 and auto["rel_diff_vs_padded"] < 1e-5
+    assert json.loads((tmp_path / "out.json").read_text())["token_budget"] == 256
+    bench.main([*common, "--max-length", "100", "--median-length", "30"])
+    assert "tokens/s" in capsys.readouterr().out.splitlines()[-3]
