@@ -41,22 +41,42 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _check_seed(seed: int) -> None:
+    if seed < 0:  # numpy's seed sequences take no negative seeds; fail here, not deep in a run
+        raise UsageError(f"--seed must be >= 0, got {seed}")
+
+
+def _check_output_file(path: str, flag: str) -> None:
+    """Fail before the work, not after it: the output must be a file path we can write."""
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{flag} {out}: is a directory (give a file path)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {out}: cannot create {out.parent} ({e.strerror or e})") from None
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise UsageError(f"{flag} {out}: not writable")
+
+
 def cmd_init_drafter(args) -> int:
-    from dflash_train.models.checkpoint import parse_dtype, save_drafter
+    from dflash_train.models.checkpoint import check_replaceable, parse_dtype, save_drafter
     from dflash_train.models.factory import drafter_config_for, new_drafter
 
     if args.num_layers < 1:
         raise UsageError(f"--num-layers must be >= 1, got {args.num_layers}")
     if args.block_size < 2:
         raise UsageError(f"--block-size must be >= 2, got {args.block_size}")
+    _check_seed(args.seed)
     parse_dtype(args.save_dtype, "--save-dtype")
+    check_replaceable(Path(args.out), "--out")  # before loading the target: a wrong --out costs nothing
     target = _load_target(args)
     cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size,
                              num_features=args.num_features, target_layer_ids=args.target_layer_ids,
                              mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
                              num_sliding_layers=args.sliding_layers, dtype=args.save_dtype)
     model = new_drafter(cfg, args.seed)
-    out = save_drafter(model, args.out, parse_dtype(args.save_dtype, "--save-dtype"))
+    out = save_drafter(model, args.out, parse_dtype(args.save_dtype, "--save-dtype"), flag="--out")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"wrote untrained drafter ({n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, "
           f"B={cfg.block_size}, target layers {cfg.target_layer_ids}, mask token {cfg.mask_token_id}) to {out}")
@@ -114,6 +134,9 @@ def cmd_eval(args) -> int:
 
     cfg = EvalConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      block_size=args.block_size, seed=args.seed)
+    _check_seed(args.seed)
+    if args.json:
+        _check_output_file(args.json, "--json")
     prompts = load_prompts(args.dataset, args.limit)  # fail on bad data before loading models
     target = _load_target(args)
     drafter = load_drafter(args.drafter)
@@ -172,6 +195,7 @@ def cmd_regenerate(args) -> int:
     from dflash_train.data.regenerate import RegenConfig, regenerate
     from dflash_train.data.sources import SourceReport, iter_conversations
 
+    _check_seed(args.seed)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                       max_turns=args.max_turns, seed=args.seed)
     target = _load_target(args)

@@ -37,17 +37,32 @@ def drafter_state_dict(model: DFlashDrafter, dtype: torch.dtype) -> dict[str, to
     return {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
 
 
-def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write `out_dir/config.json` and `out_dir/model.safetensors` atomically (replacing any old copy)."""
+def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                 flag: str | None = None) -> Path:
+    """Write `out_dir/config.json` and `out_dir/model.safetensors` atomically.
+
+    An old drafter (or an empty directory) at `out_dir` is replaced; anything else there is
+    refused (UsageError naming `flag`), so a mistyped path never deletes a user's files.
+    Non-finite weights are refused too: such a drafter is useless and would hide a divergence.
+    """
     out = Path(out_dir)
+    where = f"{flag} {out}" if flag else str(out)
+    check_replaceable(out, flag)
     dtype = dtype or next(model.parameters()).dtype
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
     cfg = model.config.to_reference_dict() | {"torch_dtype": dtype_name}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    state = drafter_state_dict(model, dtype)
+    bad = next((name for name, t in state.items() if not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise UsageError(f"{where}: not written: the drafter's weights are not finite ({bad}, in {dtype_name})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise UsageError(f"{where}: cannot create it ({e.strerror or e})") from None
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(drafter_state_dict(model, dtype), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -59,6 +74,39 @@ def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_replaceable(out: Path, flag: str | None = None) -> None:
+    """UsageError unless `out` is absent, an empty directory or a drafter directory (ours to replace)."""
+    out = Path(out)
+    if not out.exists() and not out.is_symlink():
+        return
+    where = f"{flag} {out}" if flag else str(out)
+    if out.is_symlink() or not out.is_dir():
+        kind = "a symbolic link" if out.is_symlink() else "not a directory"
+        raise UsageError(f"{where}: exists and is {kind}; refusing to replace it (give a new directory)")
+    try:
+        ours = _is_drafter_dir(out)
+    except OSError as e:
+        raise UsageError(f"{where}: cannot read it ({e.strerror or e})") from None
+    if not ours:
+        raise UsageError(f"{where}: exists and is not an empty or drafter directory (config.json + model.safetensors); "
+                         "refusing to replace it (give a new directory)")
+
+
+def _is_drafter_dir(path: Path) -> bool:
+    """Empty, or exactly a drafter's two files with a DFlash config.json (what save_drafter writes)."""
+    names = {p.name for p in path.iterdir()}
+    if not names:
+        return True
+    if names != {CONFIG_NAME, WEIGHTS_NAME} or not (path / WEIGHTS_NAME).is_file():
+        return False
+    try:
+        raw = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("architectures"), list) and \
+        "DFlashDraftModel" in raw["architectures"]
 
 
 def load_config(path: str | os.PathLike, flag: str = "--drafter") -> DFlashConfig:

@@ -9,6 +9,7 @@ continues with exactly the losses of an uninterrupted one.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.loss import expected_acceptance_length
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
@@ -40,6 +42,13 @@ class TrainResult:
 
 class GracefulStop(Exception):
     """A stop was requested (SIGINT/SIGTERM); the checkpoint of the current step is written."""
+
+
+class Diverged(UsageError):
+    """A non-finite loss, gradient norm or weight: the run stops without a checkpoint or an export.
+
+    A UsageError: one line for the user, since the usual cause is a learning rate too high.
+    """
 
 
 @dataclass
@@ -141,7 +150,7 @@ class DrafterTrainLoop:
             "total_steps": self.total_steps,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "stream": asdict(self.stream_state),
+            "stream": {k: int(v) for k, v in asdict(self.stream_state).items()},  # plain ints: weights_only loads
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -158,8 +167,27 @@ class DrafterTrainLoop:
     def checkpoint(self) -> Path | None:
         if not (self.writer and self.checkpoints):
             return None
+        self._check_weights()  # the last good checkpoint stays `latest`
         with self.prof.span("checkpoint"):
             return save_checkpoint(self.run_dir, self.step, self.drafter, self.state(), self.cfg.keep_checkpoints)
+
+    def _diverged(self, what: str) -> Diverged:
+        return Diverged(f"training diverged: {what}; lower --lr (now {self.cfg.lr:g}) and start over with --overwrite")
+
+    def _check_record(self, record: dict[str, Any], steps: int) -> None:
+        """Loss and gradient norm of the window just read back (no extra host sync)."""
+        loss, grad_norm = record["loss"], record["grad_norm"]
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        stage = "loss (forward)" if not math.isfinite(loss) else "gradient norm (backward)"
+        where = f"step {self.step}" if steps <= 1 else f"steps {self.step - steps + 1}..{self.step}"
+        raise self._diverged(f"non-finite {stage} at {where} (loss {loss:g}, grad norm {grad_norm:g})")
+
+    def _check_weights(self) -> None:
+        """The last update can break the weights after the last logged loss; a host sync, once per checkpoint."""
+        finite = torch.stack([torch.isfinite(p).all() for p in self.drafter.parameters()]).all()
+        if not finite.item():  # host sync: checkpoints only
+            raise self._diverged(f"non-finite weights after step {self.step}")
 
     # --- loop ----------------------------------------------------------------------------
 
@@ -199,7 +227,8 @@ class DrafterTrainLoop:
                     with self.prof.span("metrics"):
                         last = self._record(window)
                     if metrics is not None:
-                        metrics.log(last)
+                        metrics.log(last)  # a non-finite record too: the diagnostic of the stop below
+                    self._check_record(last, window.steps)  # every drafter rank: the sums are all-reduced
                     window = _Window(self.drafter.block_size, self.device)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < self.total_steps:
                     self.checkpoint()
@@ -208,9 +237,15 @@ class DrafterTrainLoop:
             if metrics is not None:
                 metrics.close()
             raise
-        self.checkpoint()
-        if metrics is not None:
-            metrics.close()
+        except Diverged:
+            if metrics is not None:
+                metrics.close()
+            raise
+        try:
+            self.checkpoint()  # raises Diverged if the last update broke the weights
+        finally:
+            if metrics is not None:
+                metrics.close()
         self.drafter.eval()
         return TrainResult(self.step, time.perf_counter() - t_start, last)
 

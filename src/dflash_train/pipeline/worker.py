@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_train.errors import UsageError
 from dflash_train.pipeline.drafter_loop import DataParallel, DrafterTrainLoop, GracefulStop
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.stream import Pack, PackStream, StreamState
@@ -112,6 +113,9 @@ def worker_main(spec: WorkerSpec, heartbeats, steps, stop_at) -> None:
         run_worker(spec, heartbeats, steps, stop_at)
     except GracefulStop:
         code = 0
+    except UsageError as e:  # e.g. a diverged run: one line, like the single-process command
+        print(f"[dflash-train] worker {spec.describe(spec.rank)}: error: {e}", file=sys.stderr)
+        code = e.exit_code
     except BaseException:
         print(f"[dflash-train] worker {spec.describe(spec.rank)} failed:", file=sys.stderr)
         traceback.print_exc()

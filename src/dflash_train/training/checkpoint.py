@@ -10,6 +10,7 @@ is replaced atomically afterwards, so a crash at any moment leaves the previous 
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -59,9 +60,26 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
+# What DrafterTrainLoop.state() writes; a file without these keys is not a trainer state.
+_STATE_KEYS = ("step", "total_steps", "optimizer", "scheduler", "stream", "torch_rng")
+
+
 def load_state(ckpt: Path) -> dict[str, Any]:
-    # weights_only=False: the state holds RNG states and plain Python containers we wrote ourselves.
-    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    """The trainer state: tensors and plain containers only (weights_only=True), so a crafted
+    file in a shared run directory cannot run code on --resume."""
+    path = Path(ckpt) / "trainer_state.pt"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # its message advises weights_only=False: exactly what we must not do
+        raise UsageError(f"{path}: holds objects other than tensors and plain containers; not loaded "
+                         "(loading it could run code)") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:  # truncated or corrupt
+        reason = (str(e).strip().split(". ")[0].splitlines() or [type(e).__name__])[0][:200]
+        raise UsageError(f"{path}: unreadable trainer state ({reason}); --overwrite starts the run over") from None
+    missing = [k for k in _STATE_KEYS if k not in state] if isinstance(state, dict) else list(_STATE_KEYS)
+    if missing:
+        raise UsageError(f"{path}: not a trainer state (missing {', '.join(missing)})")
+    return state
 
 
 def has_checkpoints(run_dir: Path) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,13 +100,17 @@ class TrainConfig:
     eval_max_new_tokens: int = _opt(64, "tokens generated per eval prompt")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # nan slips through the `< 0` checks below; inf trains to NaN
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"--{_flag(f.name)} must be a finite number, got {value}")
         positive = ("num_layers", "block_size", "num_anchors", "token_budget", "max_length", "log_every",
                     "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns", "regen_max_prompt_tokens",
                     "eval_max_new_tokens", "loss_chunk_rows", "grad_accum", "queue_depth")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_conversations", "max_steps", "checkpoint_every", "eval_limit", "weight_decay", "grad_clip",
+        for name in ("seed", "num_conversations", "max_steps", "checkpoint_every", "eval_limit", "weight_decay", "grad_clip",
                      "regen_temperature"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
