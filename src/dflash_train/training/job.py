@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,7 +27,8 @@ from dflash_train.devices import resolve_device
 from dflash_train.errors import UsageError
 from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
-from dflash_train.models.checkpoint import load_drafter, parse_dtype, save_drafter
+from dflash_train.files import DirectoryLock
+from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target, load_target
@@ -56,6 +58,8 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     if resume and latest_checkpoint(run_dir) is None:
         raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+    for name in ("drafter", "init_drafter"):  # refused now rather than after the training
+        check_replaceable(run_dir / name, "--run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     return run_dir
@@ -141,7 +145,11 @@ def _read_regenerated(path: Path, ids: list[str]):
 
     wanted = set(ids)
     by_id = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    # split on "\n" only: str.splitlines() also splits on U+2028 / U+0085, which replies contain raw
+    # (the file is written with ensure_ascii=False); seen on the H200 with all of ShareGPT
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if not line:
+            continue
         rec = json.loads(line)
         if rec["id"] in wanted:
             by_id[rec["id"]] = Conversation(rec["id"], rec["messages"])
@@ -178,18 +186,44 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 
 
 def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> int:
-    t0 = time.perf_counter()
     roles = _roles(cfg)
     if roles and under_torchrun():
         return run_torchrun_worker(cfg, roles, resume, progress)
+    with run_dir_lock(Path(cfg.run_dir)):
+        return _run(cfg, roles, resume, overwrite, progress)
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path):
+    """One train job per run directory: a second one would interleave metrics.jsonl and overwrite
+    the first one's checkpoints and drafter. Held for the whole job; the OS drops it when we exit."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = DirectoryLock(run_dir)
+        holder = lock.acquire()
+    except OSError as e:
+        raise UsageError(f"--run-dir {run_dir}: cannot create or lock it ({e.strerror or e})") from None
+    if holder is not None:
+        pid = f" (pid {holder})" if holder else ""
+        raise UsageError(f"--run-dir {run_dir} is in use by another train run{pid}; "
+                         "wait for it to end or choose another --run-dir")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
+    t0 = time.perf_counter()
     run_dir = prepare_run_dir(cfg, resume, overwrite)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
     target = load_target(cfg.target, device=device)
     say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
                if cfg.eval_limit else [])
     dataset = build_dataset(cfg, target, run_dir, progress)
-    ckpt = latest_checkpoint(run_dir) if resume else None
     drafter = make_drafter(cfg, target, ckpt)
     n_params = sum(p.numel() for p in drafter.parameters())
     say(f"drafter: {n_params / 1e6:.2f}M parameters, {drafter.config.num_hidden_layers} layers, "
@@ -199,7 +233,6 @@ def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, prog
         # tau only: the untrained drafter's speedup and losslessness are not the question here
         before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress, baseline=False)
         say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
-    state = load_state(ckpt) if ckpt else None
     if roles:
         init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
         del target, drafter  # the workers load their own; free this process's device memory
@@ -212,7 +245,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, prog
         drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
     else:
         steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress)
-    export = save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))
+    export = export_drafter(drafter, run_dir, cfg)
     if prompts:
         after = eval_tau(target, load_drafter(export, device=device, dtype=target.dtype), prompts, cfg, "after",
                          run_dir, progress)
@@ -223,6 +256,11 @@ def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, prog
     print(f"trained {steps} steps in {seconds:.0f} s (run {time.perf_counter() - t0:.0f} s); "
           f"drafter exported to {export}")
     return 0
+
+
+def export_drafter(drafter: DFlashDrafter, run_dir: Path, cfg: TrainConfig) -> Path:
+    """RUN_DIR/drafter in --export-dtype (save_drafter refuses non-finite weights)."""
+    return save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))
 
 
 def _roles(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -332,24 +370,26 @@ def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -
                          "(dflash-train prepare / regenerate first)")
     dataset = PreparedDataset.open(cfg.data, labels=cfg.labels == "target")
     run_dir = Path(cfg.run_dir)
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    state = load_state(ckpt) if ckpt else None
     devices = roles * (world // local_world)
-    n_drafters = sum(1 for role, _ in devices if role != "target")
-    spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices, cfg=cfg,
-                      run_dir=str(run_dir), data_dir=str(dataset.path),
-                      drafter_dir=str(ckpt / "drafter") if ckpt else cfg.init_drafter,
-                      resume_state_path=str(ckpt) if ckpt else None, stream=_stream_state(state),
-                      total_steps=total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state),
-                      init_method="env://", progress=progress)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(cfg.to_toml())
-    n = len(devices)
-    drafter = run_worker(spec, [0.0] * n, [0] * n, _NoStop())
-    if drafter is not None and rank == spec.drafter_ranks[0]:
-        export = save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))
-        print(f"drafter exported to {export}; measure it with `dflash-train eval --drafter {export}`")
+    # The first drafter rank writes metrics, checkpoints and the drafter: it holds the run directory's lock.
+    writer = rank == next(r for r, (role, _) in enumerate(devices) if role != "target")
+    with run_dir_lock(run_dir) if writer else nullcontext():
+        ckpt = latest_checkpoint(run_dir) if resume else None
+        state = load_state(ckpt) if ckpt else None
+        n_drafters = sum(1 for role, _ in devices if role != "target")
+        spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices, cfg=cfg,
+                          run_dir=str(run_dir), data_dir=str(dataset.path),
+                          drafter_dir=str(ckpt / "drafter") if ckpt else cfg.init_drafter,
+                          resume_state_path=str(ckpt) if ckpt else None, stream=_stream_state(state),
+                          total_steps=total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state),
+                          init_method="env://", progress=progress)
+        if writer:
+            (run_dir / "config.toml").write_text(cfg.to_toml())
+        n = len(devices)
+        drafter = run_worker(spec, [0.0] * n, [0] * n, _NoStop())
+        if drafter is not None and writer:
+            export = export_drafter(drafter, run_dir, cfg)
+            print(f"drafter exported to {export}; measure it with `dflash-train eval --drafter {export}`")
     return 0
 
 
