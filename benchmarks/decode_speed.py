@@ -105,14 +105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="measure the StaticLM path only")
-    ap.add_argument("--attention", choices=["matmul", "sdpa"], default=None, help="StaticLM decode attention kernel")
     ap.add_argument("--profile", default=None, help="write torch.profiler tables of a regen batch and DFlash steps here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     dev = torch.device(args.device)
-    if args.attention:
-        static_lm.DECODE_ATTENTION = args.attention
     target = load_target(args.target, device=dev)
     vocab = min(len(target.tokenizer), target.vocab_size)
     rows = _prompts(args.regen_rows, args.prompt_min, args.prompt_max, vocab)
@@ -124,7 +121,6 @@ def main(argv=None) -> int:
                  "command": "python3 benchmarks/decode_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if args.profile:
         _profile(target, drafter, rows[:1024], few[0], args.profile)
-    out["attention"] = static_lm.DECODE_ATTENTION
     out["regen_static"] = regen_rate(target, rows, args.new_tokens, hf=False)
     print("regen static", out["regen_static"], flush=True)
     out["batch1_static"] = batch1_rate(target, few, args.new_tokens, hf=False)

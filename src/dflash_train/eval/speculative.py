@@ -12,14 +12,13 @@ the device (commented `host sync` below). That is inherent to speculative decodi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from dflash_train.models import static_lm
 from dflash_train.models.drafter import ContextCache, DFlashDrafter
-from dflash_train.models.generate import generate
+from dflash_train.models.generate import generate, now
 from dflash_train.models.targets import Target
 
 
@@ -31,12 +30,6 @@ class DecodeResult:
     committed: list[int] = field(default_factory=list)  # tokens committed per verify step (tau's numerator)
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step (before stop/length cuts)
     slots: list[int] = field(default_factory=list)  # draft slots proposed per step
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # host sync: honest wall time of queued GPU work
-    return time.perf_counter()
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -121,23 +114,23 @@ def hf_target_generate(target: Target, prompt: list[int], max_new_tokens: int, t
     dev, stops = target.device, set(stop_ids or [])
     ids = torch.tensor([prompt], device=dev)
     cache = _new_cache(target)
-    t0 = _now(dev)
+    t0 = now(dev)
     out = target.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     tok = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
-    t1 = _now(dev)
+    t1 = now(dev)
     tokens = [tok]
     while len(tokens) < max_new_tokens and tok not in stops:
         pos = torch.tensor([[len(prompt) + len(tokens) - 1]], device=dev)
         out = target.model(torch.tensor([[tok]], device=dev), position_ids=pos, past_key_values=cache, use_cache=True)
         tok = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
         tokens.append(tok)
-    return DecodeResult(tokens=tokens, prefill_s=t1 - t0, decode_s=_now(dev) - t1)
+    return DecodeResult(tokens=tokens, prefill_s=t1 - t0, decode_s=now(dev) - t1)
 
 
 class _HFVerifier:
     """Target prefill and block verification through HF's forward and a DynamicCache (any architecture)."""
 
-    def __init__(self, target: Target, layer_ids: list[int], prompt_len: int, max_new_tokens: int, block: int) -> None:
+    def __init__(self, target: Target, layer_ids: list[int]) -> None:
         self.target, self.layer_ids = target, layer_ids
         self.cache = _new_cache(target)
 
@@ -196,13 +189,13 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     ddtype = next(drafter.parameters()).dtype
     lm = static_lm.for_model(target.model)
     verifier = (_StaticVerifier(lm, layer_ids, len(prompt), max_new_tokens, B) if lm is not None
-                else _HFVerifier(target, layer_ids, len(prompt), max_new_tokens, B))
+                else _HFVerifier(target, layer_ids))
     width = B if lm is not None else None  # static: always full blocks
 
-    t0 = _now(dev)
+    t0 = now(dev)
     logits, new_ctx = verifier.prefill(torch.tensor([prompt], device=dev))  # new_ctx: features of [ctx_start, start)
     first = int(_pick(logits, temperature, gen).item())  # host sync: control flow
-    t1 = _now(dev)
+    t1 = now(dev)
 
     res = DecodeResult(tokens=[first], prefill_s=t1 - t0, decode_s=0.0)
     draft_cache = ContextCache()
@@ -242,5 +235,5 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
         ctx_start, start = start, start + produced
         verifier.commit(start)
         new_ctx = feats[:, :produced]
-    res.decode_s = _now(dev) - t1
+    res.decode_s = now(dev) - t1
     return res

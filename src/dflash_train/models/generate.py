@@ -33,7 +33,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def _now(device: torch.device) -> float:
+def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # host sync: honest wall time of queued GPU work
     return time.perf_counter()
@@ -70,9 +70,9 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
     lens = [len(p) for p in prompts]
     width = max(lens)
     cache = lm.cache_for(len(prompts), width + max_new_tokens)
-    t0 = _now(dev)
+    t0 = now(dev)
     nxt = pick(prefill(lm, prompts, cache))
-    t1 = _now(dev)
+    t1 = now(dev)
     pos = torch.tensor(lens, device=dev)  # position of the token in `nxt`
     stops = torch.tensor(stop_ids or [-1], device=dev)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
@@ -87,7 +87,7 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
         nxt = pick(out.logits[:, -1])
         pos = pos + 1
     rows = torch.stack(tokens, dim=1).tolist()  # host sync: the batch's tokens, once
-    return Generated(rows, t1 - t0, _now(dev) - t1)
+    return Generated(rows, t1 - t0, now(dev) - t1)
 
 
 def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:

@@ -24,10 +24,9 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.models.attention import no_cudnn_sdpa
+from dflash_train.models.attention import attend
 
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
@@ -231,27 +230,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-DECODE_ATTENTION = "matmul"  # "matmul" | "sdpa": the decode-shaped attention kernel (see _sdpa)
-
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]."""
     b, H, n, d = q.shape
     g = H // k.shape[1]
-    if g * n <= _FOLD_ROWS and DECODE_ATTENTION == "matmul":
-        # Decode: a few query rows per K/V head, so the work is reading K and V once (two batched
-        # GEMVs); softmax in float32 over [b, Hkv, g*n, T] scores, a few MB even at 1K rows.
-        qf = q.reshape(b, k.shape[1], g * n, d)
-        mask = visible[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
-        scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-        return torch.matmul(probs, v).view(b, H, n, d)
-    if g * n <= _FOLD_ROWS:
-        # Decode: query head h uses K/V head h // g, so the g heads of a group become g*n query
-        # rows against one K/V head: K and V are read once, never repeated.
-        qf = q.reshape(b, k.shape[1], g * n, d)
-        mask = visible[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
-        return F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale).view(b, H, n, d)
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # prefill: compute-bound, repeat is cheap
-    with no_cudnn_sdpa():  # every batch has a new width: no per-shape plan builds
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+    if g * n > _FOLD_ROWS:
+        return attend(q, k, v, visible[:, None], scale)  # prefill: compute-bound, the drafter's SDPA path
+    # Decode: query head h uses K/V head h // g, so a group's g heads become g*n query rows against
+    # one K/V head, and the work is reading K and V once (two batched GEMVs; measured faster than
+    # SDPA's memory-efficient kernel with a mask on the H200). Softmax in float32 over
+    # [b, Hkv, g*n, T] scores: a few MB even at 1K rows.
+    qf = q.reshape(b, k.shape[1], g * n, d)
+    mask = visible[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
+    scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, H, n, d)
