@@ -1,0 +1,102 @@
+"""Summarise a recipe sweep (benchmarks/recipe_sweep.sh): a table, OUT_DIR/summary.json and a learning-curve PNG.
+
+    python3 benchmarks/recipe_summary.py OUT_DIR [--png docs/quality-curve.png]
+
+Per variant (a sub-directory with train.status): its train flags, steps, training seconds, the
+target tokens it trained on, its last logged train estimate of tau, and tau / speedup / per-slot
+acceptance of each eval-*.json beside it. The curve plots each variant's train tau estimate
+against target tokens trained on, with its HumanEval tau at the end as a marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tomllib
+from pathlib import Path
+
+TRAINED = re.compile(r"trained (\d+) steps in (\d+) s \(run (\d+) s\)")
+DATASETS = ("humaneval", "mtbench", "sharegpt")
+
+
+def variant_summary(d: Path) -> dict:
+    code, wall = (d / "train.status").read_text().split()
+    cfg = tomllib.loads((d / "config.toml").read_text()) if (d / "config.toml").is_file() else {}
+    records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (d / "metrics.jsonl").is_file() else []
+    m = TRAINED.search((d / "train.log").read_text()) if (d / "train.log").is_file() else None
+    data = Path(cfg["data"]) if cfg.get("data") and (Path(cfg["data"]) / "meta.json").is_file() else None
+    if data is None:
+        metas = sorted(d.glob("data-*/meta.json"))
+        data = metas[0].parent if metas else None
+    tokens = json.loads((data / "meta.json").read_text())["tokens"] if data else None
+    steps = int(m.group(1)) if m else (records[-1]["step"] if records else 0)
+    per_step = tokens * cfg.get("epochs", 0) / steps if tokens and steps and not cfg.get("max_steps") else None
+    out = {
+        "name": d.name, "exit_code": int(code), "wall_s": int(wall),
+        "recipe": {k: cfg.get(k) for k in ("num_layers", "block_size", "num_anchors", "token_budget", "lr",
+                                           "epochs", "gamma", "labels", "sliding_layers") if k in cfg},
+        "steps": steps, "train_s": int(m.group(2)) if m else None,
+        "train_tokens": round(tokens * cfg.get("epochs", 0)) if tokens else None,
+        "train_tau_estimate": records[-1]["expected_tau"] if records else None,
+        "train_acc": records[-1]["acc"] if records else None,
+        "curve": [(r["step"] * per_step if per_step else r["step"], r["expected_tau"]) for r in records],
+    }
+    for name in DATASETS:
+        f = d / f"eval-{name}.json"
+        if f.is_file():
+            r = json.loads(f.read_text())
+            out[f"tau_{name}"] = r["tau"]
+            out[f"speedup_{name}"] = r["speedup"]
+            out[f"acceptance_{name}"] = [round(a, 3) for a in r["per_position_acceptance"][:4]]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'variant':<10}{'steps':>7}{'train s':>9}{'wall s':>8}{'train tau':>10}" + \
+        "".join(f"{'tau ' + n[:6]:>12}" for n in DATASETS) + f"{'speedup he':>12}"
+    lines = [head]
+    for r in rows:
+        taus = "".join(f"{r.get('tau_' + n, float('nan')):>12.3f}" for n in DATASETS)
+        lines.append(f"{r['name']:<10}{r['steps']:>7}{r['train_s'] or 0:>9}{r['wall_s']:>8}"
+                     f"{r['train_tau_estimate'] or float('nan'):>10.3f}{taus}{r.get('speedup_humaneval', float('nan')):>12.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        if not r["curve"]:
+            continue
+        x, y = zip(*r["curve"])
+        line, = ax.plot([v / 1e6 for v in x], y, label=f"{r['name']}: {r['recipe']}"[:90])
+        if "tau_humaneval" in r:
+            ax.plot([x[-1] / 1e6], [r["tau_humaneval"]], "o", color=line.get_color())
+    ax.set_xlabel("target tokens trained on (millions)")
+    ax.set_ylabel("tau (line: train estimate; dot: HumanEval)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--png", type=Path, help="learning-curve picture (default OUT/curve.png)")
+    args = ap.parse_args()
+    rows = [variant_summary(d) for d in sorted(args.out.iterdir()) if (d / "train.status").is_file()]
+    print(table(rows))
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    plot(rows, args.png or args.out / "curve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Recipe levers for the embedded target's drafter, measured side by side on one GPU.
+#   bash benchmarks/recipe_sweep.sh OUT_DIR 'NAME|extra train flags' ['NAME|flags' ...]
+# The first variant runs configs/smollm2-h200.toml end to end (regeneration included, then its own
+# HumanEval eval); the others start once its prepared data exists and train on it. All variants
+# train at once on the one GPU (so each one's wall time is an upper bound of its time alone), then
+# each is evaluated on HumanEval, MT-Bench and held-out ShareGPT (T=0, 40 prompts, 128 tokens).
+# OUT_DIR/summary.json and the table printed at the end come from benchmarks/recipe_summary.py.
+set -uo pipefail
+out=${1:?usage: recipe_sweep.sh OUT_DIR 'NAME|flags' ...}
+shift
+[ $# -ge 1 ] || { echo "recipe_sweep.sh: give at least one 'NAME|flags' variant" >&2; exit 2; }
+config=${CONFIG:-configs/smollm2-h200.toml}
+limit=${EVAL_LIMIT:-40} tokens=${EVAL_TOKENS:-128}  # smaller for a quick check of the script
+mkdir -p "$out"
+dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
+
+variant() {  # name, data flag (empty for the first), flags...
+  local name=$1 data=$2; shift 2
+  local dir="$out/$name" start
+  start=$(date +%s)
+  mkdir -p "$dir"
+  # shellcheck disable=SC2086
+  dft train --config "$config" --run-dir "$dir" --quiet $data "$@" > "$dir/train.log" 2>&1
+  echo "$? $(( $(date +%s) - start ))" > "$dir/train.status"
+  for d in humaneval mtbench sharegpt; do
+    # eval exits 1 when a prompt is not lossless (near-tie flips, docs/evaluation.md): keep going
+    dft eval --target smollm2-135m --drafter "$dir/drafter" --dataset $d --limit "$limit" --max-new-tokens "$tokens" \
+      --quiet --json "$dir/eval-$d.json" > "$dir/eval-$d.log" 2>&1
+  done
+}
+
+first=${1%%|*}; flags=${1#*|}; shift
+# shellcheck disable=SC2086
+variant "$first" "" $flags &
+for _ in $(seq 1200); do  # the others wait for the first one's prepared data (at most 20 min)
+  meta=$(ls "$out/$first"/data-*/meta.json 2>/dev/null | head -1)
+  [ -n "$meta" ] && break
+  sleep 1
+done
+[ -n "${meta:-}" ] || { echo "no prepared data in $out/$first" >&2; wait; exit 1; }
+for v in "$@"; do
+  # shellcheck disable=SC2086
+  variant "${v%%|*}" "--data $(dirname "$meta") --eval-limit 0" ${v#*|} &
+done
+wait
+python3 benchmarks/recipe_summary.py "$out"
