@@ -68,10 +68,16 @@ def read_lines(path) -> list[dict]:
     (dict(temperature=float("nan")), "--temperature"),
     (dict(batch_size=0), "--batch-size"),
     (dict(max_turns=0), "--max-turns"),
+    (dict(samples=0), "--samples"),
 ])
 def test_config_errors_name_the_flag(kwargs, flag):
     with pytest.raises(UsageError, match=f"^{flag} must be"):
         RegenConfig(**kwargs)
+
+
+def test_several_samples_need_a_temperature():
+    with pytest.raises(UsageError, match=r"^--samples 2 needs a temperature > 0"):
+        RegenConfig(samples=2)
 
 
 def test_config_defaults_are_valid():
@@ -167,6 +173,33 @@ def test_sampling_is_seeded(tiny_target, tmp_path):
         runs.append((tmp_path / f"{name}.jsonl").read_bytes())
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def test_several_samples_per_conversation(tiny_target, tmp_path):
+    """--samples 3 writes ID#0..ID#2 per conversation, each its own draw, and resumes by record id."""
+    out = tmp_path / "s.jsonl"
+    cfg = RegenConfig(max_new_tokens=NEW, temperature=1.0, samples=3, batch_size=4)
+    report = regenerate(tiny_target, conversations(2), out, cfg, progress=False)
+    records = read_lines(out)
+    assert [r["id"] for r in records] == regen.sample_ids(["c0", "c1"], 3) == [f"c{i}#{k}" for i in (0, 1) for k in range(3)]
+    assert report.written == 6 and all(r["samples"] == 3 for r in records)
+    replies = {r["messages"][-1]["content"] for r in records if r["id"].startswith("c0#")}
+    assert len(replies) > 1  # independent draws (a tiny random target samples near-uniformly)
+    again = regenerate(tiny_target, conversations(2), out, cfg, progress=False)
+    assert again.written == 0 and again.already_done == 6
+
+
+def test_files_from_before_the_sample_count_resume(tiny_target, tmp_path):
+    """Records written before the header had "samples" read as one sample: resumed, not refused."""
+    out = tmp_path / "old.jsonl"
+    regenerate(tiny_target, conversations(1), out, RegenConfig(max_new_tokens=NEW), progress=False)
+    old = [{k: v for k, v in r.items() if k != "samples"} for r in read_lines(out)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old), encoding="utf-8")
+    report = regenerate(tiny_target, conversations(2), out, RegenConfig(max_new_tokens=NEW), progress=False)
+    assert (report.already_done, report.written) == (1, 1)
+    with pytest.raises(UsageError, match=r"old\.jsonl:1: was regenerated with .*samples 1 \(this run: 2\)"):
+        regenerate(tiny_target, conversations(2), out, RegenConfig(max_new_tokens=NEW, temperature=0.5, samples=2),
+                   progress=False)
 
 
 # --- resumable output ----------------------------------------------------------------------------

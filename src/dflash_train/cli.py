@@ -197,7 +197,7 @@ def cmd_regenerate(args) -> int:
 
     _check_seed(args.seed)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                      max_turns=args.max_turns, seed=args.seed)
+                      max_turns=args.max_turns, seed=args.seed, samples=args.samples)
     target = _load_target(args)
     report = SourceReport()
     convs = iter_conversations(args.data, split=args.split, on_bad=args.on_bad, limit=args.limit, report=report,
@@ -292,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-turns", type=int, default=None, help="assistant turns regenerated per conversation")
+    p.add_argument("--samples", type=int, default=1, help="replies sampled per conversation, written as ID#0.. "
+                   "(> 1 needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output JSONL (a rerun continues where it stopped)")
     p.add_argument("--quiet", action="store_true")

@@ -29,6 +29,10 @@ JSON) is truncated away, and conversations whose id is already there are skipped
 written with another target, temperature or token limit is refused rather than mixed.
 At T=0 a resumed run writes exactly what an uninterrupted one would; at T>0 the samples of the
 redone conversations differ (the random stream restarts at --seed), the distribution does not.
+
+Several samples per conversation (--samples N, needs T > 0): each conversation is regenerated N
+times, as records `ID#0` .. `ID#N-1` (`sample_ids`), side by side in the same batches. More of
+the target's own trajectories from the same prompts: more distinct contexts for the drafter.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class RegenConfig:
     """Regenerate at most this many assistant turns per conversation; None = all (--max-turns)."""
     seed: int = 0
     """Seeds torch's generator for sampling (--seed)."""
+    samples: int = 1
+    """Replies sampled per conversation; > 1 needs temperature > 0 (--samples)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -76,6 +82,23 @@ class RegenConfig:
             raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_turns is not None and self.max_turns < 1:
             raise UsageError(f"--max-turns must be >= 1, got {self.max_turns}")
+        if self.samples < 1:
+            raise UsageError(f"--samples must be >= 1, got {self.samples}")
+        if self.samples > 1 and self.temperature == 0:
+            raise UsageError(f"--samples {self.samples} needs a temperature > 0 (at T=0 every sample is the same)")
+
+
+def sample_ids(ids: Iterable[str], samples: int) -> list[str]:
+    """The record ids regeneration writes for these conversation ids: unchanged for one sample."""
+    return list(ids) if samples == 1 else [f"{i}#{k}" for i in ids for k in range(samples)]
+
+
+def _with_samples(conversations: Iterable[Conversation], samples: int) -> Iterator[Conversation]:
+    for conv in conversations:
+        if samples == 1:
+            yield conv
+        else:
+            yield from (Conversation(i, conv.messages) for i in sample_ids([conv.id], samples))
 
 
 @dataclass
@@ -129,15 +152,16 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     """Append every conversation not yet in `out_path`, its assistant turns written by `target`."""
     out_path = Path(out_path)
     t0 = time.perf_counter()
-    header = {"regenerated_by": target.spec, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+    header = {"regenerated_by": target.spec, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+              "samples": cfg.samples}
     done = _resume(out_path, header)
     stops = target.stop_token_ids()  # builds the vocabulary dict: once per run, not per turn
     report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
     torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
-    total = len(conversations) if hasattr(conversations, "__len__") else None
+    total = len(conversations) * cfg.samples if hasattr(conversations, "__len__") else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
-        todo = _pending(conversations, done, report, bar)
+        todo = _pending(_with_samples(conversations, cfg.samples), done, report, bar)
         while batch := list(islice(todo, cfg.batch_size)):
             jobs = [_Job(c.id, _reply_segments(c, cfg.max_turns)) for c in batch]
             _run_batch(target, jobs, cfg, stops, report)
@@ -328,9 +352,13 @@ def _parse_line(raw: bytes) -> dict | None:
     return record
 
 
+# Header keys added after files were written: a record without one has this value.
+HEADER_DEFAULTS = {"samples": 1}
+
+
 def _check_same_run(path: Path, lineno: int, record: dict, header: dict) -> None:
     """Refuse to mix outputs of different targets or settings in one file."""
-    theirs = {k: record.get(k) for k in header}
+    theirs = {k: record.get(k, HEADER_DEFAULTS.get(k)) for k in header}
     if theirs != header:
         diff = ", ".join(f"{k} {theirs[k]!r} (this run: {header[k]!r})" for k in header if theirs[k] != header[k])
         raise UsageError(f"{path}:{lineno}: was regenerated with {diff}; write to a new file or rerun with "

@@ -39,6 +39,7 @@ class TrainConfig:
     regen_temperature: float = _opt(0.0, "sampling temperature of regeneration (0 = greedy)")
     regen_batch_size: int = _opt(32, "conversations per regeneration batch")
     regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
+    regen_samples: int = _opt(1, "replies sampled per conversation (> 1 needs --regen-temperature > 0)")
     regen_max_prompt_tokens: int = _opt(256, "skip conversations whose first prompt is longer (prefill cost)")
     labels: str = _opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
                        "the true prefix, one teacher-forced forward per sequence; cached as labels.npy in the data)")
@@ -105,8 +106,8 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise UsageError(f"--{_flag(f.name)} must be a finite number, got {value}")
         positive = ("num_layers", "block_size", "num_anchors", "token_budget", "max_length", "log_every",
-                    "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns", "regen_max_prompt_tokens",
-                    "eval_max_new_tokens", "loss_chunk_rows", "grad_accum", "queue_depth")
+                    "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns", "regen_samples",
+                    "regen_max_prompt_tokens", "eval_max_new_tokens", "loss_chunk_rows", "grad_accum", "queue_depth")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -120,6 +121,9 @@ class TrainConfig:
             raise UsageError("--sliding-window must be >= 1 when --sliding-layers > 0")
         if self.block_size < 2:
             raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
+        if self.regen_samples > 1 and not (self.regenerate and self.regen_temperature > 0):
+            raise UsageError(f"--regen-samples {self.regen_samples} needs --regenerate and --regen-temperature > 0 "
+                             "(at T=0 every sample is the same)")
         if self.max_length < self.block_size:
             raise UsageError(f"--max-length {self.max_length} is shorter than a block (--block-size {self.block_size})")
         if self.token_budget < self.max_length:

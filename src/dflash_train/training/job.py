@@ -81,7 +81,7 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
 def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
     """Regenerate (optionally) and tokenize the training conversations; reuse cached stages."""
     from dflash_train.data.dataset import PreparedDataset, prepare_dataset
-    from dflash_train.data.regenerate import RegenConfig, regenerate
+    from dflash_train.data.regenerate import RegenConfig, regenerate, sample_ids
     from dflash_train.data.sources import SourceReport, iter_conversations
 
     if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
@@ -89,7 +89,10 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
     limit = cfg.num_conversations or None
     src_key = _key(cfg.data, limit, cfg.on_bad, target.spec, cfg.data_topic,
                    cfg.regen_max_prompt_tokens if cfg.regenerate else None)
-    data_dir = run_dir / f"data-{_key(src_key, cfg.regenerate, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns, cfg.max_length)}"
+    # the sample count joins the keys only when > 1, so the caches of earlier runs stay valid
+    regen_key = (cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns,
+                 *([cfg.regen_samples] if cfg.regen_samples > 1 else []))
+    data_dir = run_dir / f"data-{_key(src_key, cfg.regenerate, *regen_key, cfg.max_length)}"
     if (data_dir / "meta.json").is_file():
         say(f"using the prepared data in {data_dir}")
         return PreparedDataset.open(data_dir)
@@ -98,13 +101,14 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
                                        require_assistant=not cfg.regenerate), target, cfg, report)
     say(f"data: {report.summary()}")
     if cfg.regenerate:
-        regen_path = run_dir / f"regenerated-{_key(src_key, cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns)}.jsonl"
+        regen_path = run_dir / f"regenerated-{_key(src_key, *regen_key)}.jsonl"
         regen_cfg = RegenConfig(max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
-                                batch_size=cfg.regen_batch_size, max_turns=cfg.regen_max_turns, seed=cfg.seed)
+                                batch_size=cfg.regen_batch_size, max_turns=cfg.regen_max_turns, seed=cfg.seed,
+                                samples=cfg.regen_samples)
         say(f"regenerating {len(convs)} conversations with the target into {regen_path}")
         rep = regenerate(target, convs, regen_path, regen_cfg, progress=progress)
         say(f"regenerate: {rep.summary()}")
-        convs = _read_regenerated(regen_path, [c.id for c in convs])
+        convs = _read_regenerated(regen_path, sample_ids([c.id for c in convs], cfg.regen_samples))
     prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.max_length, on_bad=cfg.on_bad,
                            target_spec=target.spec, source_summary=report.summary, overwrite=True)
     say(f"prepare: {prep.summary()}")
