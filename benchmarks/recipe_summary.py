@@ -20,17 +20,36 @@ TRAINED = re.compile(r"trained (\d+) steps in (\d+) s \(run (\d+) s\)")
 DATASETS = ("humaneval", "mtbench", "sharegpt")
 
 
+PREPARED = re.compile(r"prepare: \d+ sequences, (\d+) tokens")
+
+
+def data_tokens(d: Path, cfg: dict) -> int | None:
+    """Tokens of the prepared data a variant trained on: its meta.json, else the `prepare:` line of
+    the train.log of the variant that prepared it (the data may live on another machine)."""
+    data = Path(cfg.get("data", ""))
+    for meta in [data / "meta.json", *sorted(d.glob("data-*/meta.json"))]:
+        if meta.is_file():
+            return json.loads(meta.read_text())["tokens"]
+    for log in (d / "train.log", d.parent / data.parent.name / "train.log"):
+        m = PREPARED.search(log.read_text()) if log.is_file() else None
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def label(r: dict) -> str:
+    rec = r["recipe"]
+    return (f"{r['name']}: {rec.get('num_layers')} layers, {rec.get('num_anchors')} anchors, "
+            f"{rec.get('epochs')} epochs, lr {rec.get('lr')}")
+
+
 def variant_summary(d: Path) -> dict:
     code, wall = (d / "train.status").read_text().split()
     cfg = tomllib.loads((d / "config.toml").read_text()) if (d / "config.toml").is_file() else {}
     records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()] \
         if (d / "metrics.jsonl").is_file() else []
     m = TRAINED.search((d / "train.log").read_text()) if (d / "train.log").is_file() else None
-    data = Path(cfg["data"]) if cfg.get("data") and (Path(cfg["data"]) / "meta.json").is_file() else None
-    if data is None:
-        metas = sorted(d.glob("data-*/meta.json"))
-        data = metas[0].parent if metas else None
-    tokens = json.loads((data / "meta.json").read_text())["tokens"] if data else None
+    tokens = data_tokens(d, cfg)
     steps = int(m.group(1)) if m else (records[-1]["step"] if records else 0)
     per_step = tokens * cfg.get("epochs", 0) / steps if tokens and steps and not cfg.get("max_steps") else None
     out = {
@@ -75,11 +94,13 @@ def plot(rows: list[dict], path: Path) -> None:
         if not r["curve"]:
             continue
         x, y = zip(*r["curve"])
-        line, = ax.plot([v / 1e6 for v in x], y, label=f"{r['name']}: {r['recipe']}"[:90])
-        if "tau_humaneval" in r:
-            ax.plot([x[-1] / 1e6], [r["tau_humaneval"]], "o", color=line.get_color())
+        line, = ax.plot([v / 1e6 for v in x], y, label=label(r))
+        for name, marker in (("humaneval", "o"), ("mtbench", "s"), ("sharegpt", "x")):
+            if f"tau_{name}" in r:
+                ax.plot([x[-1] / 1e6], [r[f"tau_{name}"]], marker, color=line.get_color())
     ax.set_xlabel("target tokens trained on (millions)")
-    ax.set_ylabel("tau (line: train estimate; dot: HumanEval)")
+    ax.set_ylabel("tau")
+    ax.set_title("lines: train estimate (seen data); o HumanEval, s MT-Bench, x held-out ShareGPT", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     fig.tight_layout()
