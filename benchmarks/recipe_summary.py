@@ -93,7 +93,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         if not r["curve"]:
             continue
-        x, y = zip(*r["curve"])
+        x, y = zip(*r["curve"], strict=True)
         line, = ax.plot([v / 1e6 for v in x], y, label=label(r))
         for name, marker in (("humaneval", "o"), ("mtbench", "s"), ("sharegpt", "x")):
             if f"tau_{name}" in r:

@@ -263,6 +263,62 @@ def test_fused_head_loss_matches_autograd_reference():
         torch.testing.assert_close(weighted_block_loss(hidden, labels, w, head, B).loss, ref)
 
 
+@pytest.mark.parametrize("kd_weight", [1.0, 0.3])
+def test_distillation_loss_matches_autograd_reference(kd_weight):
+    """Soft labels: CE against a * softmax(W t + b) + (1 - a) * onehot, gradient included, equals autograd."""
+    torch.manual_seed(3)
+    H, V, B, n, S = 16, 37, 4, 5, 11
+    head = torch.nn.Linear(H, V, bias=True).requires_grad_(False)
+    hidden = torch.randn(n * B, H, requires_grad=True)
+    states, rows = torch.randn(S, H), torch.randint(0, S, (n * B,))
+    labels = torch.randint(0, V, (n * B,))
+    labels[::B] = IGNORE
+    labels[5] = IGNORE  # an unlabelled slot inside a block: weight 0, no teacher term either
+    w = slot_weights(B, 2.0).repeat(n) * (labels != IGNORE)
+    out = weighted_block_loss(hidden, labels, w, head, B, chunk_rows=3, teacher=(states, rows, kd_weight))
+    out.loss.backward()
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    logq = torch.log_softmax(head(ref_h), -1)
+    p = torch.softmax(head(states[rows]), -1)
+    soft = -(p * logq).sum(-1)
+    hard = torch.nn.functional.nll_loss(logq, labels.clamp_min(0), reduction="none")
+    ref = ((kd_weight * soft + (1 - kd_weight) * hard) * w).sum() / w.sum()
+    ref.backward()
+    torch.testing.assert_close(out.loss, ref)
+    torch.testing.assert_close(hidden.grad, ref_h.grad)
+
+
+def test_distillation_reads_the_target_at_the_position_before_each_label(tiny_target, make_drafter):
+    """With the target's final hidden states appended to the features, slot k of the block at
+    anchor a distils the target's logits at a + k - 1: a teacher that puts all its mass on the
+    true next token gives exactly the hard-label loss."""
+    b = _packed()
+    anchors = sample_packed_anchors(b, 4, torch.Generator().manual_seed(1))
+    feats = torch.randn(b.num_tokens, 3 * 64)
+    drafter = make_drafter(num_layers=2, block_size=4)
+    # final[i] is a scaled copy of the head row of token i+1 (the next token in the row), so
+    # softmax(W final[i]) is one-hot on that token to float precision
+    nxt = torch.cat([b.input_ids[1:], b.input_ids[-1:]])
+    final = tiny_target.lm_head.weight[nxt] * 1e4
+    hard = DFlashObjective(drafter, tiny_target.embedding_weight, tiny_target.lm_head,
+                           ObjectiveConfig(attention="dense"))
+    kd = DFlashObjective(drafter, tiny_target.embedding_weight, tiny_target.lm_head,
+                         ObjectiveConfig(attention="dense", kd_weight=1.0))
+    with torch.no_grad():
+        want = hard(b, anchors, feats)
+        got = kd(b, anchors, torch.cat([feats, final], dim=1))
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.correct, want.correct)
+
+
+def test_feature_layers_gain_the_last_target_layer_for_distillation(make_drafter):
+    from dflash_train.objective.objective import feature_layer_ids
+
+    cfg = make_drafter().config
+    assert feature_layer_ids(cfg, kd=False) == list(cfg.target_layer_ids)
+    assert feature_layer_ids(cfg, kd=True) == [*cfg.target_layer_ids, cfg.num_target_layers - 1]
+
+
 def _chunk_inputs(device="cpu", dtype=torch.bfloat16):
     torch.manual_seed(2)
     logits = (torch.randn(9, 301) * 4).to(device=device, dtype=dtype)
@@ -283,14 +339,27 @@ def test_fused_chunk_math_equals_the_in_place_chunk():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on CUDA")
 def test_compiled_chunk_equals_the_eager_chunk_on_cuda():
-    from dflash_train.objective.loss import _eager_chunk_ce, _fused_chunk_ce
+    from dflash_train.objective.loss import _compiled_fn, _eager_chunk_ce
 
     args = _chunk_inputs("cuda")
-    ce, correct, grad = _fused_chunk_ce()(*args)
+    ce, correct, grad = _compiled_fn("ce")(*args)
     ref_ce, ref_correct, ref_grad = _eager_chunk_ce(*args, need_grad=True)
     torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-5)
     assert torch.equal(correct, ref_correct)
     torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on CUDA")
+def test_compiled_distillation_chunk_equals_the_eager_one_on_cuda():
+    from dflash_train.objective.loss import _chunk_kd, _compiled_fn
+
+    logits, bias, labels, weights = _chunk_inputs("cuda")
+    teacher = torch.randn_like(logits.float()).mul(4).to(logits.dtype)
+    got = _compiled_fn("kd")(logits, teacher, bias, labels, weights, 0.5)
+    want = _chunk_kd(logits, teacher, bias, labels, weights, 0.5)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -45,6 +45,20 @@ def test_three_processes_reproduce_the_single_device_losses(prepared, tmp_path, 
     assert depths and max(depths) <= 2
 
 
+def test_distillation_through_three_processes_equals_one_device(prepared, tmp_path, monkeypatch):
+    """--kd-weight: the target workers send one more layer (its final hidden states) and the
+    drafter workers distil from it; the losses equal the one-device run's, and differ from hard labels."""
+    monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
+    runs = {"hard": [], "one": ["--device", "cpu", "--grad-accum", "2", "--kd-weight", "0.5"],
+            "three": [*THREE, "--kd-weight", "0.5"]}
+    for name, flags in runs.items():
+        extra = ["--device", "cpu", "--grad-accum", "2"] if name == "hard" else flags
+        assert main([*BASE, "--data", prepared, "--run-dir", str(tmp_path / name), "--max-steps", "4", *extra]) == 0
+    loss = {name: torch.tensor([r["loss"] for r in _records(tmp_path / name / "metrics.jsonl")]) for name in runs}
+    torch.testing.assert_close(loss["three"], loss["one"], rtol=1e-4, atol=1e-5)
+    assert (loss["one"] - loss["hard"]).abs().min() > 1e-3
+
+
 def test_a_pipeline_per_device_reproduces_the_single_device_losses(prepared, tmp_path, monkeypatch):
     """The same list to both flags: each process holds a target and a drafter; only gradients cross."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)

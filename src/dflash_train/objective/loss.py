@@ -9,6 +9,13 @@ recomputing under activation checkpointing would cost.
 
 loss = sum_k w_k CE_k / sum_k w_k over labelled slots (w_k = exp(-(k-1)/gamma)).
 Metrics ride along as device tensors (no host sync): per-slot correct and labelled counts.
+
+Distillation (--kd-weight a > 0): each row's target distribution becomes
+    y = a * softmax(teacher logits) + (1 - a) * onehot(label)
+where the teacher logits are the target's own LM head over its final hidden state at the
+position before the label (what the target predicted for that token). CE against y is the
+soft-label loss; its gradient is (softmax - y) * w, the same form as the hard-label one. The
+teacher's logits are computed per chunk beside the drafter's, never stored.
 """
 
 from __future__ import annotations
@@ -57,17 +64,31 @@ def _chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Ten
     return ce, correct, grad.to(logits.dtype)
 
 
-_compiled_chunk_ce = None
+def _chunk_kd(logits: torch.Tensor, teacher: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+              weights: torch.Tensor, kd_weight: float):
+    """_chunk_ce against y = a * softmax(teacher) + (1 - a) * onehot(label): sum w*CE(y), argmax == label, w * (softmax - y)."""
+    x = _fp32_logits(logits, bias)
+    y, lse, hard, correct = _ce_and_correct(x, labels, weights)
+    p = torch.softmax(_fp32_logits(teacher, bias), dim=-1)
+    soft = ((lse - (p * x).sum(-1)) * weights).sum()  # sum w * (-sum_v p_v log q_v)
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
+    target = kd_weight * p + (1 - kd_weight) * onehot.to(x.dtype)
+    grad = (torch.exp(x - lse[:, None]) - target) * weights[:, None]
+    return kd_weight * soft + (1 - kd_weight) * hard, correct, grad.to(logits.dtype)
 
 
-def _fused_chunk_ce():
-    global _compiled_chunk_ce
-    if _compiled_chunk_ce is None:
+_compiled: dict[str, object] = {}
+
+
+def _compiled_fn(name: str):
+    """_chunk_ce / _chunk_kd under torch.compile, compiled on first CUDA use (not at import)."""
+    if name not in _compiled:
         from dflash_train.models.compiled import compile_serialized
 
-        # compiled on first CUDA use (not at import); rows dynamic: the last chunk is shorter
-        _compiled_chunk_ce = compile_serialized(_chunk_ce, dynamic={0: 0, 2: 0, 3: 0})
-    return _compiled_chunk_ce
+        # rows dynamic: the last chunk is shorter
+        fn, dims = {"ce": (_chunk_ce, {0: 0, 2: 0, 3: 0}), "kd": (_chunk_kd, {0: 0, 1: 0, 3: 0, 4: 0})}[name]
+        _compiled[name] = compile_serialized(fn, dynamic=dims)
+    return _compiled[name]
 
 
 def _eager_chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor,
@@ -84,10 +105,14 @@ def _eager_chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: tor
 
 
 class _FusedHeadCE(torch.autograd.Function):
-    """sum_i w_i CE(W h_i + b, y_i) over row chunks, with d/dh computed in forward (W frozen)."""
+    """sum_i w_i CE(W h_i + b, y_i) over row chunks, with d/dh computed in forward (W frozen).
+
+    teacher: None (hard labels), or (final hidden states [S, H] of the target, row index [N] into
+    them, kd_weight) for distillation.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, chunk_rows: int):
+    def forward(ctx, hidden, weight, bias, labels, weights, chunk_rows: int, teacher=None):
         need_grad = ctx.needs_input_grad[0]
         fused = hidden.is_cuda and need_grad
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -96,8 +121,13 @@ class _FusedHeadCE(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = hidden[sl].to(weight.dtype) @ weight.T  # [c, V] in the head's dtype
-            if fused:
-                ce, correct[sl], g = _fused_chunk_ce()(logits, bias, labels[sl], weights[sl])
+            if teacher is not None:
+                states, rows, kd_weight = teacher
+                t_logits = states[rows[sl]].to(weight.dtype) @ weight.T  # the target's own logits
+                kd = _compiled_fn("kd") if fused else _chunk_kd
+                ce, correct[sl], g = kd(logits, t_logits, bias, labels[sl], weights[sl], kd_weight)
+            elif fused:
+                ce, correct[sl], g = _compiled_fn("ce")(logits, bias, labels[sl], weights[sl])
             else:
                 ce, correct[sl], g = _eager_chunk_ce(logits, bias, labels[sl], weights[sl], need_grad)
             total += ce
@@ -111,13 +141,15 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total, None, None, None, None, None
+        return grad * grad_total, None, None, None, None, None, None
 
 
 def weighted_block_loss(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, head: nn.Module,
-                        block_size: int, chunk_rows: int = 4096) -> LossOutput:
+                        block_size: int, chunk_rows: int = 4096, teacher=None) -> LossOutput:
     """hidden [N, H] block outputs (N = n*B, slot = row % B); labels, weights [N].
 
+    teacher: None, or (target final hidden states [S, H], row index [N] into them, kd_weight);
+    the module docstring has the distillation loss.
     Slot 0 holds the known token and never has a label, so its rows are dropped before the
     head (a static reshape, no host sync): 1/B of the head's cost saved.
     """
@@ -127,7 +159,10 @@ def weighted_block_loss(hidden: torch.Tensor, labels: torch.Tensor, weights: tor
     hidden = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)
     labels = labels.view(-1, B)[:, 1:].reshape(-1)
     weights = weights.view(-1, B)[:, 1:].reshape(-1)
-    total, correct_rows = _FusedHeadCE.apply(hidden, head.weight, head.bias, labels, weights, chunk_rows)
+    if teacher is not None:
+        states, rows, kd_weight = teacher
+        teacher = (states, rows.view(-1, B)[:, 1:].reshape(-1), kd_weight)
+    total, correct_rows = _FusedHeadCE.apply(hidden, head.weight, head.bias, labels, weights, chunk_rows, teacher)
     weight_sum = weights.sum()
     loss = total / weight_sum.clamp_min(1e-8)
     slot = torch.arange(hidden.shape[0], device=hidden.device) % (B - 1) + 1

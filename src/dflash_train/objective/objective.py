@@ -39,6 +39,8 @@ class ObjectiveConfig:
     """flex | dense | auto (flex on CUDA, dense elsewhere) (--attention)."""
     loss_chunk_rows: int = 4096
     """Block tokens per LM-head + loss chunk (--loss-chunk-rows)."""
+    kd_weight: float = 0.0
+    """Share of the target's soft labels in each slot's target distribution, 0..1 (--kd-weight)."""
 
     def __post_init__(self) -> None:
         if self.num_anchors < 1:
@@ -49,6 +51,18 @@ class ObjectiveConfig:
             raise UsageError(f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.loss_chunk_rows < 1:
             raise UsageError(f"--loss-chunk-rows must be >= 1, got {self.loss_chunk_rows}")
+        if not 0 <= self.kd_weight <= 1:
+            raise UsageError(f"--kd-weight must be in [0, 1], got {self.kd_weight}")
+
+
+def feature_layer_ids(drafter_config, kd: bool) -> list[int]:
+    """The target layers whose hidden states a pack's features carry, in order.
+
+    The drafter's context layers, then with distillation the target's last layer (final-normed:
+    its LM head over it gives the target's logits), which the objective splits off again.
+    """
+    ids = list(drafter_config.target_layer_ids)
+    return ids + [drafter_config.num_target_layers - 1] if kd else ids
 
 
 def sample_packed_anchors(batch: PackedBatch, num_anchors: int, gen: torch.Generator | None) -> torch.Tensor:
@@ -92,15 +106,24 @@ class DFlashObjective(nn.Module):
         return build_blocks(batch, anchors, self.drafter.block_size, self.drafter.mask_token_id, self.gamma)
 
     def forward(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor) -> LossOutput:
-        """batch and anchors on the drafter's device; features [S, n*H] (no grad needed)."""
+        """batch and anchors on the drafter's device; features [S, n*H] (no grad needed), with
+        distillation [S, (n+1)*H]: the target's final hidden states last (feature_layer_ids)."""
         prof = self.drafter.profile
         with prof.span("drafter.masks", device=True):
             blocks = self.blocks(batch, anchors)
             masks = self.masks(batch, blocks)
+        teacher = None
+        if self.cfg.kd_weight > 0:
+            width = len(self.drafter.config.target_layer_ids) * self.embed_weight.shape[1]
+            features, final = features[:, :width], features[:, width:]
+            # slot k's label is the token at anchor + k; the target predicted it at anchor + k - 1
+            k = torch.arange(blocks.block_size, device=anchors.device)
+            rows = (anchors[:, None] + k[None, :] - 1).clamp(0, batch.num_tokens - 1).flatten()
+            teacher = (final, rows, self.cfg.kd_weight)
         dtype = next(self.drafter.parameters()).dtype
         embeds = F.embedding(blocks.input_ids, self.embed_weight).to(dtype)  # [n*B, H]
         positions = torch.cat([batch.positions, blocks.positions])[None]  # context, then blocks
         hidden = self.drafter(embeds[None], features[None].to(dtype), positions, masks=masks)
         with prof.span("drafter.lm_head_loss", device=True):
             return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
-                                       self.cfg.loss_chunk_rows)
+                                       self.cfg.loss_chunk_rows, teacher)

@@ -18,6 +18,7 @@ import torch
 
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
+from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.drafter_loop import DrafterTrainLoop, TrainResult
 from dflash_train.pipeline.handoff import Features, LocalHandoff
 from dflash_train.pipeline.stream import PackStream
@@ -121,7 +122,8 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     on_loop(loop)
     stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
     packs = stream.packs(steps)
-    source = local_source(cfg, target, packs, list(drafter.config.target_layer_ids), stats, trace, overlap)
+    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    source = local_source(cfg, target, packs, layer_ids, stats, trace, overlap)
     try:
         with target.compiled_layers(cfg.compile_target):
             return loop.train(source)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.errors import UsageError
+from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.drafter_loop import DataParallel, DrafterTrainLoop, GracefulStop
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.stream import Pack, PackStream, StreamState
@@ -167,11 +168,12 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
     cfg = spec.cfg
     target = load_target(cfg.target, device=device)
     if spec.drafter_dir is not None:
-        layer_ids = list(load_config(spec.drafter_dir).target_layer_ids)
+        drafter_cfg = load_config(spec.drafter_dir)
     else:
         from dflash_train.training.job import drafter_config
 
-        layer_ids = list(drafter_config(cfg, target).target_layer_ids)
+        drafter_cfg = drafter_config(cfg, target)
+    layer_ids = feature_layer_ids(drafter_cfg, cfg.kd_weight > 0)
     stream = _stream(spec, spec.stream, PreparedDataset.open(spec.data_dir, labels=cfg.labels == "target"))
     t_ranks, d_ranks = spec.target_ranks, spec.drafter_ranks
     me = t_ranks.index(spec.rank)
@@ -233,9 +235,10 @@ def _run_drafter(spec: WorkerSpec, device: torch.device, session, group, heartbe
         from dflash_train.pipeline.local import local_source
 
         packs = _with_fault("target", packs)  # fires where this process's target reads the pack
-        source = local_source(cfg, target, packs, list(drafter.config.target_layer_ids), session.stats, session.trace)
+        source = local_source(cfg, target, packs, feature_layer_ids(drafter.config, cfg.kd_weight > 0),
+                              session.stats, session.trace)
     else:
-        width = len(drafter.config.target_layer_ids) * target.hidden_size
+        width = len(feature_layer_ids(drafter.config, cfg.kd_weight > 0)) * target.hidden_size
         source = P2PReceiver(packs, lambda p: t_ranks[p.index % len(t_ranks)], width, cfg.token_budget, target.dtype,
                              device, cfg.queue_depth, cfg.peer_timeout, spec.describe)
     try:

@@ -59,6 +59,8 @@ class TrainConfig:
     gamma: float | None = _opt(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
     attention: str = _opt("auto", "flex | dense | auto (flex on CUDA, dense elsewhere)")
     loss_chunk_rows: int = _opt(4096, "block tokens per LM-head + loss chunk")
+    kd_weight: float = _opt(0.0, "distillation: share of the target's own next-token distribution in each slot's "
+                            "label, 0..1 (0 = hard labels; the target then also runs its last layers)")
     token_budget: int = _opt(512, "context tokens packed into one step")
     cache_features: bool | None = _opt(None, "compute each sequence's target features once and keep them in memory, "
                                        "so the target runs only in the first epoch (small data; default: on for CPU)")
@@ -121,6 +123,8 @@ class TrainConfig:
             raise UsageError("--sliding-window must be >= 1 when --sliding-layers > 0")
         if self.block_size < 2:
             raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
+        if not 0 <= self.kd_weight <= 1:
+            raise UsageError(f"--kd-weight must be in [0, 1], got {self.kd_weight}")
         if self.regen_samples > 1 and not (self.regenerate and self.regen_temperature > 0):
             raise UsageError(f"--regen-samples {self.regen_samples} needs --regenerate and --regen-temperature > 0 "
                              "(at T=0 every sample is the same)")
