@@ -20,6 +20,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -217,6 +218,13 @@ def run_dir_lock(run_dir: Path):
         lock.release()
 
 
+CPU_SPEEDUP_NOTE = (
+    "note: on a CPU the speedup above says little about the drafter. The target's forward over a block "
+    "of B tokens costs several one-token forwards there (its matmuls are compute-bound; on a GPU a "
+    "small block costs about one step), so a DFlash step costs more than it saves unless tau is high: "
+    "read tau. The one-GPU recipe: dflash-train train --config configs/smollm2-h200.toml (docs/quality.md).")
+
+
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
     t0 = time.perf_counter()
     run_dir = prepare_run_dir(cfg, resume, overwrite)
@@ -254,6 +262,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         after = eval_tau(target, load_drafter(export, device=device, dtype=target.dtype), prompts, cfg, "after",
                          run_dir, progress)
         print(after.summary())
+        if device.type == "cpu":
+            print(CPU_SPEEDUP_NOTE)
         print(f"tau on {len(prompts)} held-out {cfg.eval_dataset} prompts: "
               f"untrained {before.tau:.3f} -> trained {after.tau:.3f}" if before else
               f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval_dataset} prompts: {after.tau:.3f}")
@@ -352,7 +362,7 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -> int:
+def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -> NoReturn:
     """One rank of a torchrun launch: the role split of --target/--drafter-devices, repeated per node.
 
     torchrun starts the processes on every node and ends them all when one fails; this rank
@@ -394,7 +404,12 @@ def run_torchrun_worker(cfg: TrainConfig, roles, resume: bool, progress: bool) -
         if drafter is not None and writer:
             export = export_drafter(drafter, run_dir, cfg)
             print(f"drafter exported to {export}; measure it with `dflash-train eval --drafter {export}`")
-    return 0
+    # Leave without interpreter teardown, as the launcher's workers do (pipeline/worker.py): with
+    # the process group's threads still alive at exit, a gloo rank aborted in std::terminate in
+    # about 1 of 4 CPU runs after the work had finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _NoStop:
