@@ -37,8 +37,34 @@ def test_init_drafter_then_eval_writes_report(tiny_drafter_dir, tmp_path, capsys
     rep = json.loads(out.read_text())
     for key in ("tau", "lossless", "speedup", "per_position_acceptance", "histogram"):
         assert key in rep
-    assert rep["lossless"] is True and rep["num_prompts"] == 3 and len(rep["histogram"]) == 4
+    assert rep["lossless"] == "exact" and rep["num_prompts"] == 3 and len(rep["histogram"]) == 4
     assert "tau (mean accepted length)" in capsys.readouterr().out
+
+
+def test_a_real_divergence_is_a_mismatch_and_fails_require_lossless(tiny_drafter_dir, tmp_path, monkeypatch, capsys):
+    """A DFlash loop that commits a wrong token: listed with its gap, `eval --require-lossless` exits 1."""
+    import torch
+
+    from dflash_train.eval import evaluate as ev
+    from dflash_train.eval.speculative import speculative_generate
+
+    def broken(target, drafter, prompt, *args, **kwargs):  # commits the target's least likely token third
+        res = speculative_generate(target, drafter, prompt, *args, **kwargs)
+        with torch.no_grad():
+            res.tokens[2] = int(target.model(torch.tensor([prompt + res.tokens[:2]])).logits[0, -1].argmin())
+        return res
+
+    monkeypatch.setattr(ev, "speculative_generate", broken)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "word " * (30 + i)}) + "\n" for i in range(2)))
+    argv = ["eval", "--target", "random:tiny", "--drafter", str(tiny_drafter_dir), "--dataset", str(prompts),
+            "--limit", "2", "--max-new-tokens", "6", "--quiet", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0  # reported, not fatal, unless asked
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["lossless"] == "mismatch" and rep["mismatched_prompts"] == [0, 1]
+    assert [d["position"] for d in rep["divergences"]] == [2, 2] and all(d["gap"] > 1e-3 for d in rep["divergences"])
+    assert "MISMATCH" in capsys.readouterr().out
+    assert main(argv + ["--require-lossless"]) == 1
 
 
 def _error(argv, capsys):

@@ -31,9 +31,30 @@ def _oracle_drafter(make_drafter, **kw):
 def test_greedy_random_drafter_is_lossless_and_tau_near_one(tiny_target, make_drafter):
     drafter = make_drafter(num_layers=1, block_size=4)
     rep = evaluate(tiny_target, drafter, _prompts(3), EvalConfig(max_new_tokens=24), progress=False)
-    assert rep.lossless is True and rep.mismatched_prompts == []
+    assert rep.lossless == "exact" and rep.mismatched_prompts == [] and rep.divergences == []
     assert 1.0 <= rep.tau < 1.2
     assert sum(rep.histogram) == rep.steps and len(rep.per_position_acceptance) == 3
+
+
+def test_a_divergence_records_the_targets_logit_gap_and_ties_are_told_from_errors(tiny_target):
+    """The first differing token, both tokens and the target's gap between them on the shared prefix."""
+    from dflash_train.eval.evaluate import divergence, lossless_status
+
+    prompt = _prompts(1)[0]
+    base = target_generate(tiny_target, prompt, 8).tokens
+    with torch.no_grad():
+        logits = tiny_target.model(torch.tensor([prompt + base[:3]])).logits[0, -1]
+    ranked = logits.argsort(descending=True)
+    assert ranked[0] == base[3]
+    for other, want in ((int(ranked[1]), "ties-only"), (int(ranked[-1]), "mismatch")):
+        dflash = base[:3] + [other] + base[4:]
+        d = divergence(tiny_target, prompt, 5, dflash, base)
+        assert (d.prompt, d.position, d.target_token, d.dflash_token) == (5, 3, base[3], other)
+        assert d.gap == pytest.approx(float(logits[base[3]] - logits[other]), abs=1e-5)
+        assert d.top2_margin == pytest.approx(float(logits[ranked[0]] - logits[ranked[1]]), abs=1e-5)
+        # a tie threshold just above the top-2 gap: the runner-up is a tie, the last token is not
+        assert lossless_status([d], tie_gap=d.top2_margin + 1e-6 if want == "ties-only" else 1e-3) == want
+    assert lossless_status([], tie_gap=0.0) == "exact"
 
 
 def test_oracle_drafter_reaches_tau_equal_block_size(oracle_target, make_drafter):
@@ -43,7 +64,7 @@ def test_oracle_drafter_reaches_tau_equal_block_size(oracle_target, make_drafter
     assert res.committed == [B] * 4 and res.accepted == [B - 1] * 4
     assert res.tokens == target_generate(oracle_target, _prompts(1)[0], 1 + 4 * B).tokens == [0] * (1 + 4 * B)
     rep = evaluate(oracle_target, drafter, _prompts(2), EvalConfig(max_new_tokens=1 + 3 * B), progress=False)
-    assert rep.tau == B and rep.per_position_acceptance == [1.0] * (B - 1) and rep.lossless
+    assert rep.tau == B and rep.per_position_acceptance == [1.0] * (B - 1) and rep.lossless == "exact"
 
 
 def test_oracle_at_temperature_accepts_everything(oracle_target, make_drafter):
