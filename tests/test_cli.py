@@ -83,6 +83,8 @@ def test_bad_inputs_give_one_line_and_exit_2(tiny_drafter_dir, tmp_path, capsys)
                                      "--out", str(tmp_path / "x")], capsys)
     assert "--target-layer-ids" in _error(["init-drafter", "--target", "random:tiny", "--target-layer-ids", "1,9",
                                            "--out", str(tmp_path / "x")], capsys)
+    assert "--target-layer-ids: 5 is the target's last layer" in _error(
+        ["init-drafter", "--target", "random:tiny", "--target-layer-ids", "1,5", "--out", str(tmp_path / "x")], capsys)
     assert "--mask-token-id" in _error(["init-drafter", "--target", "random:tiny", "--mask-token-id", "65",
                                         "--out", str(tmp_path / "x")], capsys)
     assert "config.json" in _error(ev + ["--drafter", str(tmp_path / "missing")], capsys)
@@ -99,7 +101,7 @@ def _edit_config(src, dst, **changes):
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     for key, value in changes.items():
-        if key in ("mask_token_id", "target_layer_ids"):
+        if key in ("mask_token_id", "target_layer_ids", "causal"):
             cfg["dflash_config"][key] = value
         else:
             cfg[key] = value
@@ -113,12 +115,28 @@ def _edit_config(src, dst, **changes):
     ({"target_layer_ids": [1, 40]}, "target_layer_ids"),
     ({"mask_token_id": 65}, "mask_token_id"),
     ({"num_target_layers": 28}, "num_target_layers"),
+    ({"target_layer_ids": [1, 5]}, "[5] is the target's last layer"),  # random:tiny has 6 layers
+    ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
+    ({"is_causal": True}, "is_causal = True is not supported"),
+    ({"causal": True}, "dflash_config.causal = True is not supported"),
+    ({"input_embedding_scale": 2.0}, "input_embedding_scale = 2.0 is not supported"),
+    ({"output_multiplier": 0.5}, "output_multiplier = 0.5 is not supported"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0 is not supported"),
 ])
 def test_bad_drafter_configs(tiny_drafter_dir, tmp_path, capsys, changes, needle):
     bad = _edit_config(tiny_drafter_dir, tmp_path / "bad", **changes)
     err = _error(["eval", "--target", "random:tiny", "--drafter", str(bad), "--dataset",
                   str(_prompts_file(tmp_path)), "--quiet"], capsys)
     assert needle in err
+
+
+def test_neutral_values_of_unsupported_settings_load(tiny_drafter_dir, tmp_path):
+    """A checkpoint that states the settings we compute (non-causal, no scaling, no softcap) loads."""
+    from dflash_train.models.checkpoint import load_config
+
+    ok = _edit_config(tiny_drafter_dir, tmp_path / "ok", is_causal=False, causal=False, input_embedding_scale=1.0,
+                      output_multiplier=1, final_logit_softcapping=None)
+    assert load_config(ok).target_layer_ids == [1, 2, 3]
 
 
 def test_hidden_size_mismatch(tmp_path, capsys):

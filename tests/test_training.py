@@ -115,6 +115,23 @@ def test_run_dir_with_checkpoints_is_refused(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
 
 
+def test_a_mask_token_inside_the_data_is_refused(prepared, tmp_path, capsys):
+    """The token that marks the slots to guess must never be a token of the data."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(prepared, data)
+    ids = np.load(data / "input_ids.npy")
+    ids[7] = 260  # random:tiny's mask token (its first spare embedding row)
+    np.save(data / "input_ids.npy", ids)
+    argv = ["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "run"), "--data", str(data),
+            "--max-length", "96", "--token-budget", "192", "--max-steps", "1", "--eval-limit", "0", "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dflash-train: error:")]
+    assert len(errors) == 1 and "mask token 260 occurs 1 times in the training data" in errors[0]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--num-anchors", "0"], "--num-anchors"),
     (["--max-length", "4", "--block-size", "8"], "--max-length"),

@@ -210,6 +210,11 @@ class PreparedDataset:
         self.ids = ids
         self.meta = meta
 
+    def count_token(self, token_id: int, chunk: int = 1 << 24) -> int:
+        """Occurrences of token_id in the inputs and (when mapped) the target labels, read in chunks."""
+        arrays = [self.input_ids] + ([self.labels] if self.labels is not None else [])
+        return sum(int(np.count_nonzero(a[i:i + chunk] == token_id)) for a in arrays for i in range(0, len(a), chunk))
+
     @classmethod
     def open(cls, path: str | os.PathLike, labels: bool = False) -> PreparedDataset:
         """labels: also map labels.npy (data/relabel.py), which must then exist."""

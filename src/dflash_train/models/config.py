@@ -81,7 +81,12 @@ class DFlashConfig:
         need(len(self.target_layer_ids) >= 1, "target_layer_ids", "must name at least one target layer")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         need(not bad, "target_layer_ids",
-             f"{bad} out of range for a target of {self.num_target_layers} layers (valid 0..{self.num_target_layers - 1})")
+             f"{bad} out of range for a target of {self.num_target_layers} layers (valid 0..{self.num_target_layers - 2})")
+        # vLLM and SGLang capture layer L's output as the input of layer L+1, which never runs for N-1
+        last = [i for i in self.target_layer_ids if i == self.num_target_layers - 1]
+        need(not last, "target_layer_ids", f"{last} is the target's last layer; serving engines capture a layer's "
+             f"output before the next layer, so ids go up to N-2 = {self.num_target_layers - 2}")
+        need(self.hidden_act == "silu", "hidden_act", f"{self.hidden_act!r} is not supported (the draft MLP is SwiGLU: silu)")
         need(0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
              f"{self.mask_token_id} is not a row of the target's embedding (vocab_size={self.vocab_size})")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
@@ -139,6 +144,7 @@ class DFlashConfig:
         if "DFlashDraftModel" not in archs:
             raise UsageError(f"{source}: architectures is {archs!r}, not a DFlash drafter (expected DFlashDraftModel)")
         dflash = d.get("dflash_config") or {}
+        _refuse_unsupported(d, dflash, source)
         mask = dflash.get("mask_token_id", d.get("mask_token_id"))
         if mask is None:
             raise UsageError(f"{source}: dflash_config.mask_token_id is missing")
@@ -176,6 +182,22 @@ class DFlashConfig:
             )
         except UsageError as e:
             raise UsageError(f"{source}: {e}") from None
+
+
+# Settings other DFlash checkpoints may carry that change the drafter's math, with the value under
+# which our drafter computes the same thing. Any other value is refused rather than dropped: the
+# checkpoint would be evaluated or fine-tuned as a different model.
+_NEUTRAL = {"is_causal": (False, None), "input_embedding_scale": (1, 1.0, None), "output_multiplier": (1, 1.0, None),
+            "final_logit_softcapping": (None,), "attn_logit_softcapping": (None,)}
+_NEUTRAL_DFLASH = {"causal": (False, None), "is_causal": (False, None)}
+
+
+def _refuse_unsupported(d: dict[str, Any], dflash: dict[str, Any], source: str) -> None:
+    for table, where, prefix in ((_NEUTRAL, d, ""), (_NEUTRAL_DFLASH, dflash, "dflash_config.")):
+        for key, ok in table.items():
+            if key in where and where[key] not in ok:
+                raise UsageError(f"{source}: {prefix}{key} = {where[key]!r} is not supported (the drafter here "
+                                 f"computes {prefix}{key} = {ok[0]!r}); refusing to load it as a different model")
 
 
 def _field(d: dict[str, Any], name: str, source: str) -> Any:

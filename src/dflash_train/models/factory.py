@@ -27,6 +27,9 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(n, num_features or min(DEFAULT_NUM_FEATURES, max(1, n - 3)))
     target.check_layer_ids(target_layer_ids, "--target-layer-ids")
+    if n - 1 in target_layer_ids:  # the features of N-1 exist here, but serving engines cannot capture them
+        raise UsageError(f"--target-layer-ids: {n - 1} is the target's last layer; serving engines capture a layer's "
+                         f"output before the next layer runs, so ids go up to {n - 2}")
     if mask_token_id is None:
         mask_token_id = target.default_mask_token_id()
     target.check_mask_token(mask_token_id, "--mask-token-id")

@@ -167,6 +167,16 @@ def drafter_config(cfg: TrainConfig, target: Target):
                               num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window)
 
 
+def check_mask_token_absent(dataset, mask_token_id: int, target: Target) -> None:
+    """The mask token marks the slots to guess; in the data it would be a token the drafter must also read."""
+    hits = dataset.count_token(mask_token_id)
+    if hits:
+        name = f" ({target.tokenizer.convert_ids_to_tokens(mask_token_id)!r})" if mask_token_id < len(target.tokenizer) else ""
+        raise UsageError(f"{dataset.path}: the drafter's mask token {mask_token_id}{name} occurs {hits} times in "
+                         "the training data; pick another (`dflash-train init-drafter --mask-token-id ID`, then "
+                         "`train --init-drafter DIR`) or clean it out of the data")
+
+
 def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashDrafter:
     if resume_ckpt is not None:
         drafter = load_drafter(resume_ckpt / "drafter", dtype=torch.float32)
@@ -237,6 +247,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
                if cfg.eval_limit else [])
     dataset = build_dataset(cfg, target, run_dir, progress)
     drafter = make_drafter(cfg, target, ckpt)
+    check_mask_token_absent(dataset, drafter.mask_token_id, target)
     n_params = sum(p.numel() for p in drafter.parameters())
     say(f"drafter: {n_params / 1e6:.2f}M parameters, {drafter.config.num_hidden_layers} layers, "
         f"B={drafter.block_size}, target layers {drafter.config.target_layer_ids}")
