@@ -28,7 +28,10 @@ def tiny_drafter_dir(tmp_path):
 def test_init_drafter_then_eval_writes_report(tiny_drafter_dir, tmp_path, capsys):
     cfg = json.loads((tiny_drafter_dir / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == {"mask_token_id": 260, "target_layer_ids": [1, 2, 3]}
+    # a spare embedding row has no text, so no mask_token string; no sliding layers: non-causal stated
+    assert cfg["dflash_config"] == {"mask_token_id": 260, "target_layer_ids": [1, 2, 3], "block_size": 4,
+                                    "causal": False}
+    assert cfg["is_causal"] is False
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 6 and len(cfg["layer_types"]) == 2
     out = tmp_path / "report.json"
     code = main(["eval", "--target", "random:tiny", "--drafter", str(tiny_drafter_dir), "--dataset",
@@ -128,6 +131,26 @@ def test_bad_drafter_configs(tiny_drafter_dir, tmp_path, capsys, changes, needle
     err = _error(["eval", "--target", "random:tiny", "--drafter", str(bad), "--dataset",
                   str(_prompts_file(tmp_path)), "--quiet"], capsys)
     assert needle in err
+
+
+def test_export_states_what_each_engine_reads(tmp_path):
+    """The keys vLLM, SGLang and the reference read (docs/models.md), with the values they expect."""
+    from dflash_train.models.checkpoint import load_config
+
+    out = tmp_path / "d"
+    assert main(["init-drafter", "--target", "random:tiny", "--num-layers", "3", "--block-size", "8",
+                 "--sliding-layers", "1", "--sliding-window", "5", "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 8
+    assert cfg["num_target_layers"] == 6 and max(cfg["dflash_config"]["target_layer_ids"]) <= 6 - 2
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
+    # sliding layers: transformers keeps sliding_window only with use_sliding_window; causality per
+    # layer is each engine's default (sliding causal, full not), so no global causal flag is written
+    assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == 5
+    assert "is_causal" not in cfg and "causal" not in cfg["dflash_config"]
+    assert cfg["hidden_act"] == "silu" and cfg["num_hidden_layers"] == 3
+    assert load_config(out).layer_types == cfg["layer_types"]
 
 
 def test_neutral_values_of_unsupported_settings_load(tiny_drafter_dir, tmp_path):

@@ -22,6 +22,10 @@ def test_embedded_target_shape_and_mask_token(smollm2):
     mask = smollm2.default_mask_token_id()
     assert smollm2.tokenizer.convert_ids_to_tokens(mask) == "<empty_output>"
     assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in smollm2.stop_token_ids()
+    # the export names it, so an engine that resolves the mask from its text (SGLang) finds the same id
+    ref = drafter_config_for(smollm2, num_layers=1, block_size=8).to_reference_dict()["dflash_config"]
+    assert ref["mask_token"] == "<empty_output>" and ref["mask_token_id"] == mask
+    assert smollm2.tokenizer.convert_tokens_to_ids(ref["mask_token"]) == mask
 
 
 def test_our_checkpoint_decodes_losslessly_in_the_reference_loop(smollm2, tmp_path, reference_timing):

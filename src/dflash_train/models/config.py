@@ -61,6 +61,9 @@ class DFlashConfig:
     initializer_range: float = 0.02
     dtype: str = "bfloat16"
     """Storage dtype written to config.json (`torch_dtype`)."""
+    mask_token: str | None = None
+    """The mask token's text in the target's tokenizer (SGLang resolves the id from it); None for a
+    spare embedding row, which has no text."""
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -106,11 +109,23 @@ class DFlashConfig:
     def to_reference_dict(self) -> dict[str, Any]:
         """The z-lab `config.json` content."""
         rope_scaling = None if self.rope_parameters.get("rope_type", "default") == "default" else dict(self.rope_parameters)
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                  "block_size": self.block_size}  # SGLang reads dflash_config's block_size first
+        if self.mask_token is not None:
+            dflash["mask_token"] = self.mask_token
+        causality = {}
+        if SLIDING_ATTENTION not in self.layer_types:
+            # Stated, not left to defaults: every layer non-causal (a global flag in vLLM, the reference and
+            # SGLang). With sliding layers no engine has a per-layer key; all three default sliding layers to
+            # causal-within-window and full layers to non-causal, which is what we train (docs/models.md).
+            causality = {"is_causal": False}
+            dflash["causal"] = False
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash,
+            **causality,
             "num_target_layers": self.num_target_layers,
             "layer_types": list(self.layer_types),
             "hidden_size": self.hidden_size,
@@ -145,6 +160,9 @@ class DFlashConfig:
             raise UsageError(f"{source}: architectures is {archs!r}, not a DFlash drafter (expected DFlashDraftModel)")
         dflash = d.get("dflash_config") or {}
         _refuse_unsupported(d, dflash, source)
+        if "block_size" in dflash and "block_size" in d and dflash["block_size"] != d["block_size"]:
+            raise UsageError(f"{source}: block_size {d['block_size']!r} and dflash_config.block_size "
+                             f"{dflash['block_size']!r} differ (engines read one or the other)")
         mask = dflash.get("mask_token_id", d.get("mask_token_id"))
         if mask is None:
             raise UsageError(f"{source}: dflash_config.mask_token_id is missing")
@@ -179,6 +197,7 @@ class DFlashConfig:
                 attention_bias=bool(d.get("attention_bias", False)),
                 hidden_act=d.get("hidden_act", "silu"),
                 dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+                mask_token=dflash.get("mask_token"),
             )
         except UsageError as e:
             raise UsageError(f"{source}: {e}") from None
