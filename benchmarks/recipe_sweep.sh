@@ -2,7 +2,9 @@
 # Recipe levers for the embedded target's drafter, measured side by side on one GPU.
 #   bash benchmarks/recipe_sweep.sh OUT_DIR 'NAME|extra train flags' ['NAME|flags' ...]
 # The first variant runs configs/smollm2-h200.toml end to end (regeneration included, then its own
-# HumanEval eval); the others start once its prepared data exists and train on it. All variants
+# HumanEval eval); the others start once its prepared data exists and train on it, except those
+# whose flags change the data (--regen-*, --max-length, --data-topic, --num-conversations): they
+# regenerate and prepare their own, at the same time. All variants
 # train at once on the one GPU (so each one's wall time is an upper bound of its time alone), then
 # each is evaluated on HumanEval, MT-Bench and held-out ShareGPT (T=0, 40 prompts, 128 tokens).
 # OUT_DIR/summary.json and the table printed at the end come from benchmarks/recipe_summary.py.
@@ -39,8 +41,10 @@ for _ in $(seq 1200); do  # the others wait for the first one's prepared data (a
 done
 [ -n "${meta:-}" ] || { echo "no prepared data in $out/$first" >&2; wait; exit 1; }
 for v in "$@"; do
+  data="--data $(dirname "$meta")"
+  case " ${v#*|}" in *" --regen-"*|*" --max-length"*|*" --data-topic"*|*" --num-conversations"*) data="" ;; esac
   # shellcheck disable=SC2086
-  variant "${v%%|*}" "--data $(dirname "$meta") --eval-limit 0" ${v#*|} &
+  variant "${v%%|*}" "$data --eval-limit 0" ${v#*|} &
 done
 wait
 python3 benchmarks/recipe_summary.py "$out"
