@@ -1,4 +1,5 @@
-"""Drafter checkpoints in the reference (z-lab) HF layout: `config.json` + `model.safetensors`.
+"""Drafter checkpoints in the reference (z-lab) HF layout: `config.json` + `model.safetensors`
+(+ `modeling_dflash.py`, which `config.json`'s auto_map names for AutoModel with trust_remote_code).
 
 The reference `DFlashDraftModel` (PyPI `dflash`), SGLang and vLLM load what we write with
 no missing or unexpected keys; we load theirs. Writes are atomic: a directory is filled
@@ -23,6 +24,10 @@ from dflash_train.models.drafter import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# A standalone implementation of the drafter for AutoModel.from_pretrained(dir, trust_remote_code=True).
+MODELING_NAME = "modeling_dflash.py"
+_MODELING_SOURCE = Path(__file__).with_name(MODELING_NAME)
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,7 +55,7 @@ def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.
     check_replaceable(out, flag)
     dtype = dtype or next(model.parameters()).dtype
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
-    cfg = model.config.to_reference_dict() | {"torch_dtype": dtype_name}
+    cfg = model.config.to_reference_dict() | {"torch_dtype": dtype_name, "auto_map": AUTO_MAP}
     state = drafter_state_dict(model, dtype)
     bad = next((name for name, t in state.items() if not torch.isfinite(t).all()), None)
     if bad is not None:
@@ -63,6 +68,7 @@ def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        shutil.copyfile(_MODELING_SOURCE, tmp / MODELING_NAME)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -95,11 +101,13 @@ def check_replaceable(out: Path, flag: str | None = None) -> None:
 
 
 def _is_drafter_dir(path: Path) -> bool:
-    """Empty, or exactly a drafter's two files with a DFlash config.json (what save_drafter writes)."""
+    """Empty, or exactly a drafter's files with a DFlash config.json (what save_drafter writes, or wrote
+    before it shipped the modeling file)."""
     names = {p.name for p in path.iterdir()}
     if not names:
         return True
-    if names != {CONFIG_NAME, WEIGHTS_NAME} or not (path / WEIGHTS_NAME).is_file():
+    if not {CONFIG_NAME, WEIGHTS_NAME} <= names <= {CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME} \
+            or not (path / WEIGHTS_NAME).is_file():
         return False
     try:
         raw = json.loads((path / CONFIG_NAME).read_text())
