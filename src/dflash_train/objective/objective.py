@@ -105,6 +105,14 @@ class DFlashObjective(nn.Module):
     def blocks(self, batch: PackedBatch, anchors: torch.Tensor) -> Blocks:
         return build_blocks(batch, anchors, self.drafter.block_size, self.drafter.mask_token_id, self.gamma)
 
+    def block_hidden(self, batch: PackedBatch, blocks: Blocks, masks: dict[str, object],
+                     features: torch.Tensor) -> torch.Tensor:
+        """The drafter's final-normed output for every block token [1, n*B, H] (the training path)."""
+        dtype = next(self.drafter.parameters()).dtype
+        embeds = F.embedding(blocks.input_ids, self.embed_weight).to(dtype)  # [n*B, H]
+        positions = torch.cat([batch.positions, blocks.positions])[None]  # context, then blocks
+        return self.drafter(embeds[None], features[None].to(dtype), positions, masks=masks)
+
     def forward(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor) -> LossOutput:
         """batch and anchors on the drafter's device; features [S, n*H] (no grad needed), with
         distillation [S, (n+1)*H]: the target's final hidden states last (feature_layer_ids)."""
@@ -120,10 +128,7 @@ class DFlashObjective(nn.Module):
             k = torch.arange(blocks.block_size, device=anchors.device)
             rows = (anchors[:, None] + k[None, :] - 1).clamp(0, batch.num_tokens - 1).flatten()
             teacher = (final, rows, self.cfg.kd_weight)
-        dtype = next(self.drafter.parameters()).dtype
-        embeds = F.embedding(blocks.input_ids, self.embed_weight).to(dtype)  # [n*B, H]
-        positions = torch.cat([batch.positions, blocks.positions])[None]  # context, then blocks
-        hidden = self.drafter(embeds[None], features[None].to(dtype), positions, masks=masks)
+        hidden = self.block_hidden(batch, blocks, masks, features)
         with prof.span("drafter.lm_head_loss", device=True):
             return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
                                        self.cfg.loss_chunk_rows, teacher)

@@ -1,0 +1,97 @@
+"""Training sees what serving sees: the training path's block outputs equal a decode-style forward.
+
+For every anchor of a packed batch, the drafter's output on the block during training (target
+features of the whole packed row under a document mask, all blocks at once under the DFlash
+mask) must equal what the decode loop computes at that point: the target's features of the
+true prefix alone, then the drafter on [x_a, MASK x (B-1)] at positions a..a+B-1. Label offsets,
+`<=` vs `<` in the context mask, layer ids off by one or blocks leaking across packed sequences
+all break this equality.
+"""
+
+import pytest
+import torch
+
+from dflash_train.models.targets import load_target
+from dflash_train.objective.blocks import PackedBatch
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
+from dflash_train.training.step import packed_features
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _pack(seqs: list[list[int]]) -> PackedBatch:
+    ids = torch.tensor([t for s in seqs for t in s])
+    seq = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    mask = torch.cat([(torch.arange(len(s)) >= 2).long() for s in seqs])
+    return PackedBatch(ids, mask, seq, pos)
+
+
+def _anchors(seqs: list[list[int]]) -> torch.Tensor:
+    """Early, middle and last positions of each sequence: the last ones' blocks run past its end."""
+    out, start = [], 0
+    for s in seqs:
+        out += [start + j for j in sorted({2, len(s) // 2, len(s) - 2, len(s) - 1})]
+        start += len(s)
+    return torch.tensor(out)
+
+
+def _decode_style(target, drafter, tokens: list[int], j: int) -> torch.Tensor:
+    """The drafter's output at anchor j of one sequence, as the decode loop computes it: [B, H]."""
+    B, cfg = drafter.block_size, drafter.config
+    with torch.no_grad():
+        feats = target.features(torch.tensor([tokens[:j]]), cfg.target_layer_ids)  # the true prefix alone
+        block = torch.tensor([[tokens[j]] + [drafter.mask_token_id] * (B - 1)])
+        pos = torch.arange(j + B)[None]
+        return drafter(target.embed(block), feats, pos)[0]
+
+
+def _check(target, drafter, seqs, backend: str, feature_mode: str = "auto") -> None:
+    batch, anchors = _pack(seqs), _anchors(seqs)
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=backend))
+    with torch.no_grad():
+        feats = packed_features(target, batch, list(drafter.config.target_layer_ids), mode=feature_mode)
+        blocks = obj.blocks(batch, anchors)
+        hidden = obj.block_hidden(batch, blocks, obj.masks(batch, blocks), feats)[0]
+    B, starts = drafter.block_size, torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0)
+    for i, a in enumerate(anchors.tolist()):
+        s = int(batch.seq_ids[a])
+        want = _decode_style(target, drafter, seqs[s], a - int(starts[s]))
+        torch.testing.assert_close(hidden[i * B:(i + 1) * B], want, **TOL, msg=f"anchor {a} ({backend})")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+
+
+def _seqs(n_seq=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 250, (9 + 4 * i,), generator=g).tolist() for i in range(n_seq)]
+
+
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+@pytest.mark.parametrize("sliding", [False, True])
+def test_training_blocks_equal_decode_style_forward_on_the_true_prefix(tiny, make_drafter, backend, sliding):
+    kw = {"num_sliding_layers": 1, "sliding_window": 3} if sliding else {}
+    drafter = make_drafter(num_layers=2, block_size=4, **kw)
+    with torch.no_grad():  # norms away from one, so a skipped or swapped norm shows
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    _check(tiny, drafter, _seqs(), backend)
+
+
+@pytest.mark.parametrize("feature_mode", ["padded", "dense"])
+def test_either_target_feature_path_gives_the_same_blocks(tiny, make_drafter, feature_mode):
+    """The padded batch and the document-masked packed row both give the prefix's own features."""
+    _check(tiny, make_drafter(num_layers=1, block_size=5), _seqs(seed=1), "dense", feature_mode)
+
+
+def test_embedded_target_training_blocks_equal_decode_style_forward():
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+
+    target = load_target("smollm2-135m")
+    drafter = new_drafter(drafter_config_for(target, num_layers=1, block_size=4, dtype="float32"), seed=0).float()
+    text = [target.render_chat([{"role": "user", "content": t}]) for t in ("Hi there", "Write a loop in Python")]
+    _check(target, drafter.eval(), [t[:14] for t in text], "dense")
