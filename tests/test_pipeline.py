@@ -59,6 +59,25 @@ def test_distillation_through_three_processes_equals_one_device(prepared, tmp_pa
     assert (loss["one"] - loss["hard"]).abs().min() > 1e-3
 
 
+@pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
+def test_cached_features_train_identically_and_skip_the_target_after_epoch_one(prepared, tmp_path, monkeypatch, overlap):
+    """--cache-features: later epochs read each sequence's features back instead of running the target,
+    inline or on the target thread, and the losses are those of the uncached run."""
+    monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
+    common = [*BASE, "--data", prepared, "--device", "cpu", "--epochs", "3", "--profile-interval", "0.2"]
+    assert main([*common, "--run-dir", str(tmp_path / "plain"), "--no-overlap", "--no-cache-features"]) == 0
+    assert main([*common, "--run-dir", str(tmp_path / "cached"), overlap, "--cache-features"]) == 0
+    loss = {k: torch.tensor([r["loss"] for r in _records(tmp_path / k / "metrics.jsonl")]) for k in ("plain", "cached")}
+    torch.testing.assert_close(loss["cached"], loss["plain"], rtol=1e-5, atol=1e-6)
+
+    def forwards(run: str) -> int:  # target forwards actually run (a cached pack never enters packed_features)
+        return sum(p["loops"].get("target", {}).get("stages", {}).get("target_forward", {}).get("count", 0)
+                   for p in _records(tmp_path / run / "profile.jsonl"))
+
+    steps = len(loss["plain"])
+    assert forwards("plain") == steps and 0 < forwards("cached") <= steps // 3 + 1
+
+
 def test_a_pipeline_per_device_reproduces_the_single_device_losses(prepared, tmp_path, monkeypatch):
     """The same list to both flags: each process holds a target and a drafter; only gradients cross."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)

@@ -1,9 +1,11 @@
 """One process, one device: the target and the drafter share it.
 
     overlap off  InlineSource: each step computes the pack's features, then trains on them, strictly
-                 one after the other (the naive loop; on CPU it can cache features across epochs)
+                 one after the other (the naive loop)
     overlap on   a TargetForwardLoop thread on its own CUDA stream feeds a bounded LocalHandoff
                  queue; target forwards run while the drafter computes, filling its gaps
+Either one keeps each sequence's features after its first pack with --cache-features (FeatureCache),
+so later epochs run only the drafter.
 """
 
 from __future__ import annotations
@@ -22,42 +24,26 @@ from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.drafter_loop import DrafterTrainLoop, TrainResult
 from dflash_train.pipeline.handoff import Features, LocalHandoff
 from dflash_train.pipeline.stream import PackStream
-from dflash_train.pipeline.target_loop import BatchQueue, BusyTimer, TargetForwardLoop
+from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
 from dflash_train.profiling.stats import NULL_LOOP, NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
 from dflash_train.training.config import TrainConfig
-from dflash_train.training.step import packed_features
 
 
 class InlineSource:
     """Features computed on demand, on the drafter's thread (optionally cached per sequence)."""
 
     def __init__(self, target: Target, packs, layer_ids: list[int], cache: bool, prof=NULL_LOOP) -> None:
-        self.target, self.packs, self.layer_ids, self.prof = target, iter(packs), layer_ids, prof
-        self.cache: dict[int, torch.Tensor] | None = {} if cache else None
-        self.timer = BusyTimer(target.device)
+        self.packs, self.prof = iter(packs), prof
+        self.loop = TargetForwardLoop(target, layer_ids, prof, cache=FeatureCache() if cache else None)
 
     def get(self, prof=NULL_LOOP) -> Features:
         """The drafter's `hs_queue_wait` here is the whole inline target step: it waits for it."""
         t0 = time.perf_counter()
         pack = next(self.packs)
-        self.timer.start()
-        feats = self._features(pack)
-        busy = self.timer.stop()
-        self.prof.count("tokens", pack.num_tokens)
+        feats, busy = self.loop.compute(pack)
         prof.add("hs_queue_wait", time.perf_counter() - t0)
         return Features(pack, feats, busy)
-
-    def _features(self, pack) -> torch.Tensor:
-        if self.cache is None:
-            return packed_features(self.target, pack.batch, self.layer_ids, self.prof)
-        if any(i not in self.cache for i in pack.sequence_ids):
-            feats = packed_features(self.target, pack.batch, self.layer_ids, self.prof)
-            lengths = torch.bincount(pack.batch.seq_ids).tolist()  # host tensor: no device sync
-            for i, part in zip(pack.sequence_ids, feats.split(lengths)):
-                self.cache[i] = part
-            return feats
-        return torch.cat([self.cache[i] for i in pack.sequence_ids])
 
     def close(self) -> None:
         pass
@@ -66,10 +52,11 @@ class InlineSource:
 class ThreadedSource:
     """A TargetForwardLoop thread (own CUDA stream) -> LocalHandoff -> the drafter loop."""
 
-    def __init__(self, target: Target, packs, layer_ids: list[int], depth: int, prof=NULL_LOOP, trace=NO_TRACE) -> None:
+    def __init__(self, target: Target, packs, layer_ids: list[int], depth: int, prof=NULL_LOOP, trace=NO_TRACE,
+                 cache: bool = False) -> None:
         self.handoff = LocalHandoff(depth)
         self.batches = BatchQueue(packs, depth, prof)
-        self.loop = TargetForwardLoop(target, layer_ids, prof, trace=trace)
+        self.loop = TargetForwardLoop(target, layer_ids, prof, trace=trace, cache=FeatureCache() if cache else None)
         self.thread = threading.Thread(target=self.loop.run_local, args=(self.batches, self.handoff),
                                        name="target-forward", daemon=True)
         self.thread.start()
@@ -95,9 +82,10 @@ def local_source(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], 
                  overlap: bool | None = None):
     """Features from this process's own target: a thread on its own CUDA stream (overlap), or inline."""
     overlap = use_overlap(cfg, target.device) if overlap is None else overlap
+    cache = cache_features(cfg, target.device)
     if overlap:
-        return ThreadedSource(target, packs, layer_ids, cfg.queue_depth, stats.loop("target"), trace)
-    return InlineSource(target, packs, layer_ids, cache_features(cfg, target.device), stats.loop("target"))
+        return ThreadedSource(target, packs, layer_ids, cfg.queue_depth, stats.loop("target"), trace, cache)
+    return InlineSource(target, packs, layer_ids, cache, stats.loop("target"))
 
 
 def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:

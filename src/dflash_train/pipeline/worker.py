@@ -30,7 +30,7 @@ from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.drafter_loop import DataParallel, DrafterTrainLoop, GracefulStop
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.stream import Pack, PackStream, StreamState
-from dflash_train.pipeline.target_loop import BatchQueue, TargetForwardLoop
+from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
 from dflash_train.profiling.session import profile_session
 from dflash_train.training.config import TrainConfig
 
@@ -179,7 +179,10 @@ def _run_target(spec: WorkerSpec, device: torch.device, session, heartbeats) -> 
     me = t_ranks.index(spec.rank)
     packs = stream.packs(spec.total_steps, keep=lambda p: p.index % len(t_ranks) == me)
     prof = session.stats.loop("target")
-    loop = TargetForwardLoop(target, layer_ids, prof, _fault("target"), session.trace)
+    from dflash_train.pipeline.local import cache_features
+
+    cache = FeatureCache() if cache_features(cfg, device) else None  # each worker caches the packs it serves
+    loop = TargetForwardLoop(target, layer_ids, prof, _fault("target"), session.trace, cache)
     sender = P2PSender(cfg.queue_depth, cfg.peer_timeout, spec.describe)
 
     def beat() -> None:

@@ -62,8 +62,9 @@ class TrainConfig:
     kd_weight: float = _opt(0.0, "distillation: share of the target's own next-token distribution in each slot's "
                             "label, 0..1 (0 = hard labels; the target then also runs its last layers)")
     token_budget: int = _opt(512, "context tokens packed into one step")
-    cache_features: bool | None = _opt(None, "compute each sequence's target features once and keep them in memory, "
-                                       "so the target runs only in the first epoch (small data; default: on for CPU)")
+    cache_features: bool | None = _opt(None, "compute each sequence's target features once and keep them in the "
+                                       "target's device memory (tokens x features x hidden x 2 bytes on a GPU), so the "
+                                       "target runs only in the first epoch (default: on for CPU)")
     # --- optimisation ----------------------------------------------------------------
     lr: float = _opt(3e-3, "peak learning rate (AdamW; the paper recipe's 6e-4 suits long GPU runs)")
     warmup_ratio: float = _opt(0.04, "fraction of steps of linear warm-up before the cosine decay")
