@@ -8,6 +8,7 @@ true prefix alone, then the drafter on [x_a, MASK x (B-1)] at positions a..a+B-1
 all break this equality.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,3 +96,49 @@ def test_embedded_target_training_blocks_equal_decode_style_forward():
     drafter = new_drafter(drafter_config_for(target, num_layers=1, block_size=4, dtype="float32"), seed=0).float()
     text = [target.render_chat([{"role": "user", "content": t}]) for t in ("Hi there", "Write a loop in Python")]
     _check(target, drafter.eval(), [t[:14] for t in text], "dense")
+
+
+class _Memory:
+    """Two sequences as an in-memory dataset (the loader needs lengths() and indexing)."""
+
+    def __init__(self, seqs):
+        self.pairs = [(np.array(s), np.array([0] * 4 + [1] * (len(s) - 4))) for s in seqs]
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def lengths(self):
+        return np.array([len(ids) for ids, _ in self.pairs])
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+
+def test_memorised_sequences_replay_as_whole_blocks(tiny, tmp_path):
+    """End to end: train a drafter until it memorises two sequences, then replay them as the decode loop
+    would (the true prefix's features, the block at the next position, accepted while drafts match the
+    sequence). Any offset between training and serving (labels, context mask, positions, layer ids)
+    leaves it guessing the wrong tokens; here every block is accepted whole."""
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.pipeline.local import train_local
+    from dflash_train.training.config import TrainConfig
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 250, (40,), generator=g).tolist() for _ in range(2)]
+    B = 4
+    cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, num_anchors=64,
+                      block_size=B, num_layers=1, max_steps=150, lr=5e-3, warmup_ratio=0.0, checkpoint_every=0,
+                      log_every=50, seed=3)
+    drafter = new_drafter(drafter_config_for(tiny, num_layers=1, block_size=B, dtype="float32"), cfg.seed).float()
+    train_local(cfg, tiny, drafter, _Memory(seqs), tmp_path, progress=False)
+    drafter.eval()
+    accepted = []
+    for s in seqs:
+        j = 4
+        while j + B <= len(s):
+            with torch.no_grad():
+                draft = tiny.lm_head(_decode_style(tiny, drafter, s, j)[1:]).argmax(-1).tolist()
+            a = next((i for i, (d, t) in enumerate(zip(draft, s[j + 1:j + B])) if d != t), B - 1)
+            accepted.append(a)
+            j += a + 1
+    assert sum(accepted) >= 0.9 * (B - 1) * len(accepted), accepted
