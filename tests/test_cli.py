@@ -1,6 +1,7 @@
 """The command line: init-drafter + eval end to end, and one-line errors with exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -186,6 +187,22 @@ def test_console_script_usage_error_exit_code(tmp_path):
                            "--target", "random:nope"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "random:nope" in proc.stderr
+
+
+def test_filesystem_failures_are_one_line_errors(tmp_path, capsys):
+    """A directory where the output file goes, and a full disk (/dev/full): one line naming the path, exit 2."""
+    data = tmp_path / "convs.jsonl"
+    data.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    base = ["regenerate", "--target", "random:tiny", "--data", str(data), "--split", "all", "--max-new-tokens", "2",
+            "--quiet", "--out"]
+    (tmp_path / "adir").mkdir()
+    assert main([*base, str(tmp_path / "adir")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash-train: error: {tmp_path / 'adir'}: Is a directory")
+    if os.path.exists("/dev/full"):
+        assert main([*base, "/dev/full"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "No space left on device" in err[0]
 
 
 def test_prepare_and_regenerate_commands(tmp_path, capsys):

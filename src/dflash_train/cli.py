@@ -331,6 +331,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        # A full disk, a read-only or missing path, a directory where a file goes: the user's to fix,
+        # so one line naming the path (DFLASH_TRAIN_TRACEBACK=1 shows where it happened).
+        if os.environ.get("DFLASH_TRAIN_TRACEBACK"):
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"dflash-train: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("dflash-train: interrupted", file=sys.stderr)
         return 130
