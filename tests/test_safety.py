@@ -170,6 +170,24 @@ def test_a_truncated_trainer_state_on_resume_is_one_line(prepared, tmp_path, cap
     assert str(state_path) in err
 
 
+def test_leftovers_of_killed_writes_are_swept_on_the_next_run(prepared, tmp_path, capsys):
+    """A SIGKILL mid-write leaves temp checkpoint dirs, a temp `latest` and drafter temporaries; the next
+    run (holding the lock) removes exactly those, and resumes from the last complete checkpoint."""
+    run = tmp_path / "run"
+    argv = [*TRAIN, "--data", prepared, "--run-dir", str(run)]
+    assert main([*argv, "--max-steps", "2"]) == 0
+    leftovers = [run / "checkpoints" / ".step_0000003.tmp-ab12", run / ".drafter.tmp-x9", run / ".drafter.old-77"]
+    for d in leftovers:
+        (d / "drafter").mkdir(parents=True)
+    (run / "checkpoints" / ".latest.k3j").write_text("step_0000003\n")
+    mine = run / ".my-notes"  # the user's own hidden file: untouched
+    mine.write_text("keep")
+    assert main([*argv, "--max-steps", "4", "--resume"]) == 0
+    assert not any(d.exists() for d in leftovers) and not (run / "checkpoints" / ".latest.k3j").exists()
+    assert mine.read_text() == "keep" and (run / "checkpoints" / "step_0000004").is_dir()
+    assert "removed 4 leftover(s) of interrupted writes" in capsys.readouterr().err
+
+
 # --- 4. divergence stops the run; nothing non-finite is exported -------------------------
 
 def test_a_diverging_run_stops_with_one_line_and_exports_nothing(prepared, tmp_path, capsys):

@@ -87,6 +87,25 @@ def has_checkpoints(run_dir: Path) -> bool:
     return root.is_dir() and any(p.name.startswith("step_") or p.name == LATEST for p in root.iterdir())
 
 
+# What an interrupted atomic write leaves behind (a SIGKILL between creating and renaming):
+# checkpoint directories being written, the `latest` pointer's temp file, and save_drafter's
+# temporary and set-aside exports of the run's drafter directories.
+_TEMPORARIES = {"checkpoints": (".step_*.tmp-*", f".{LATEST}.*"),
+                ".": tuple(f".{d}.{kind}-*" for d in ("drafter", "init_drafter") for kind in ("tmp", "old"))}
+
+
+def sweep_temporaries(run_dir: Path) -> list[str]:
+    """Remove the leftovers of interrupted writes; called by the run that holds the run directory's lock."""
+    removed = []
+    for sub, patterns in _TEMPORARIES.items():
+        root = Path(run_dir) / sub
+        for pattern in patterns if root.is_dir() else ():
+            for path in root.glob(pattern):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                removed.append(str(path.relative_to(run_dir)))
+    return removed
+
+
 def _write_atomic(path: Path, text: str) -> None:
     write_atomic(path, lambda f: f.write(text.encode()))
 

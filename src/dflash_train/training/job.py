@@ -33,7 +33,7 @@ from dflash_train.models.checkpoint import check_replaceable, load_drafter, pars
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target, load_target
-from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, load_state
+from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, load_state, sweep_temporaries
 from dflash_train.training.config import TrainConfig
 
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json",
@@ -57,6 +57,10 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
         for name in _RUN_OUTPUTS:  # keep the data caches: they are keyed by their settings
             path = run_dir / name
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    removed = sweep_temporaries(run_dir)  # we hold the run directory's lock: nobody else is writing them
+    if removed:
+        say(f"removed {len(removed)} leftover(s) of interrupted writes: {', '.join(removed[:3])}"
+            + (" ..." if len(removed) > 3 else ""))
     if resume and latest_checkpoint(run_dir) is None:
         raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
     for name in ("drafter", "init_drafter"):  # refused now rather than after the training
