@@ -188,6 +188,17 @@ def test_leftovers_of_killed_writes_are_swept_on_the_next_run(prepared, tmp_path
     assert "removed 4 leftover(s) of interrupted writes" in capsys.readouterr().err
 
 
+def test_resume_refuses_flags_that_would_shape_another_drafter(prepared, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = [*TRAIN, "--data", prepared, "--run-dir", str(run)]
+    assert main([*argv, "--max-steps", "2"]) == 0
+    saved = (run / "config.toml").read_text()
+    err = _error([*argv, "--max-steps", "4", "--resume", "--num-layers", "2", "--block-size", "8"], capsys)
+    assert "--num-layers 2 (the checkpoint's: 1)" in err and "--block-size 8 (the checkpoint's: 4)" in err
+    assert (run / "config.toml").read_text() == saved  # nothing rewritten
+    assert main([*argv, "--max-steps", "4", "--resume", "--lr", "1e-3"]) == 0  # other settings may change
+
+
 # --- 4. divergence stops the run; nothing non-finite is exported -------------------------
 
 def test_a_diverging_run_stops_with_one_line_and_exports_nothing(prepared, tmp_path, capsys):

@@ -29,7 +29,8 @@ from dflash_train.errors import UsageError
 from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.files import DirectoryLock
-from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
+from dflash_train.models.checkpoint import check_replaceable, load_config, load_drafter, parse_dtype, save_drafter
+from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target, load_target
@@ -61,13 +62,33 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
     if removed:
         say(f"removed {len(removed)} leftover(s) of interrupted writes: {', '.join(removed[:3])}"
             + (" ..." if len(removed) > 3 else ""))
-    if resume and latest_checkpoint(run_dir) is None:
-        raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+        if not cfg.init_drafter:  # with --init-drafter that drafter set the shape, not these flags
+            check_resume_shape(cfg, load_config(ckpt / "drafter", "--resume"))  # before config.toml is rewritten
     for name in ("drafter", "init_drafter"):  # refused now rather than after the training
         check_replaceable(run_dir / name, "--run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     return run_dir
+
+
+def check_resume_shape(cfg: TrainConfig, saved) -> None:
+    """--resume continues the checkpoint's drafter: flags that would shape another one are refused, by name."""
+    sliding = sum(t == SLIDING_ATTENTION for t in saved.layer_types)
+    theirs = {"num_layers": saved.num_hidden_layers, "block_size": saved.block_size, "sliding_layers": sliding,
+              "num_features": len(saved.target_layer_ids)}
+    if sliding:
+        theirs["sliding_window"] = saved.sliding_window
+    ours = {k: getattr(cfg, k) for k in theirs}
+    if ours["num_features"] is None:  # unset: the default, whatever the checkpoint has
+        ours["num_features"] = theirs["num_features"]
+    bad = [f"--{k.replace('_', '-')} {ours[k]} (the checkpoint's: {v})" for k, v in theirs.items() if ours[k] != v]
+    if bad:
+        raise UsageError(f"--resume: {', '.join(bad)}; a resumed run trains the checkpoint's drafter: drop these "
+                         "flags, or start a new --run-dir")
 
 
 def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
