@@ -55,6 +55,13 @@ class ObjectiveConfig:
             raise UsageError(f"--kd-weight must be in [0, 1], got {self.kd_weight}")
 
 
+def check_backend_device(attention: str, device: torch.device) -> None:
+    """Training needs the backward of its attention backend; FlexAttention has it on CUDA only."""
+    if attention == "flex" and device.type != "cuda":
+        raise UsageError(f"--attention flex: FlexAttention has no backward on {device.type}; "
+                         "use --attention dense (or auto, which picks it off CUDA)")
+
+
 def feature_layer_ids(drafter_config, kd: bool) -> list[int]:
     """The target layers whose hidden states a pack's features carry, in order.
 

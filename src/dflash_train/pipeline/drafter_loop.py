@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.loss import expected_acceptance_length
-from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device
 from dflash_train.pipeline.stream import StreamState
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
@@ -116,6 +116,7 @@ class DrafterTrainLoop:
         self.target_workers, self.trace, self.checkpoints = target_workers, trace, checkpoints
         self.first_step_at: float | None = None  # perf_counter when the first optimizer step had finished
         self.device = next(drafter.parameters()).device
+        check_backend_device(cfg.attention, self.device)
         obj_cfg = ObjectiveConfig(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention=cfg.attention,
                                   loss_chunk_rows=cfg.loss_chunk_rows, kd_weight=cfg.kd_weight)
         self.objective = DFlashObjective(drafter, embed_weight, lm_head, obj_cfg)

@@ -35,6 +35,7 @@ from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target, load_target
 from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, load_state, sweep_temporaries
+from dflash_train.objective.objective import check_backend_device
 from dflash_train.training.config import TrainConfig
 
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json",
@@ -266,6 +267,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     ckpt = latest_checkpoint(run_dir) if resume else None
     state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
+    for d in [resolve_device(d) for role, d in roles if role != "target"] if roles else [device]:
+        check_backend_device(cfg.attention, d)  # before any data is regenerated
     target = load_target(cfg.target, device=device)
     say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
