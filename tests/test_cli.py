@@ -154,6 +154,20 @@ def test_export_states_what_each_engine_reads(tmp_path):
     assert load_config(out).layer_types == cfg["layer_types"]
 
 
+@pytest.mark.parametrize("text, needle", [("[1, 2]", "is not a JSON object"),
+                                         (None, "a field has the wrong type")])
+def test_malformed_drafter_configs_are_one_line_naming_the_flag(tiny_drafter_dir, tmp_path, capsys, text, needle):
+    bad = _edit_config(tiny_drafter_dir, tmp_path / "bad", rms_norm_eps="small")
+    if text is not None:
+        (bad / "config.json").write_text(text)
+    err = _error(["eval", "--target", "random:tiny", "--drafter", str(bad), "--dataset",
+                  str(_prompts_file(tmp_path)), "--quiet"], capsys)
+    assert needle in err and err.startswith("dflash-train: error: --drafter")
+    err = _error(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"), "--init-drafter", str(bad),
+                  "--quiet"], capsys)
+    assert needle in err and "--init-drafter" in err
+
+
 def test_neutral_values_of_unsupported_settings_load(tiny_drafter_dir, tmp_path):
     """A checkpoint that states the settings we compute (non-causal, no scaling, no softcap) loads."""
     from dflash_train.models.checkpoint import load_config

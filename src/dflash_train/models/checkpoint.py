@@ -125,7 +125,12 @@ def load_config(path: str | os.PathLike, flag: str = "--drafter") -> DFlashConfi
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise UsageError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    return DFlashConfig.from_reference_dict(raw, source=str(cfg_path))
+    if not isinstance(raw, dict):
+        raise UsageError(f"{flag}: {cfg_path} is not a JSON object (a drafter config.json is one)")
+    try:
+        return DFlashConfig.from_reference_dict(raw, source=str(cfg_path))
+    except (TypeError, ValueError) as e:  # e.g. "block_size": "four"
+        raise UsageError(f"{flag}: {cfg_path}: a field has the wrong type ({e})") from None
 
 
 def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -269,6 +269,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
     for d in [resolve_device(d) for role, d in roles if role != "target"] if roles else [device]:
         check_backend_device(cfg.attention, d)  # before any data is regenerated
+    if cfg.init_drafter and not resume:
+        load_config(cfg.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
     target = load_target(cfg.target, device=device)
     say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
