@@ -168,6 +168,18 @@ def test_malformed_drafter_configs_are_one_line_naming_the_flag(tiny_drafter_dir
     assert needle in err and "--init-drafter" in err
 
 
+def test_a_target_without_chat_template_is_one_line(tiny_drafter_dir, tmp_path, capsys):
+    from dflash_train.models.targets import load_target
+
+    target = load_target("random:tiny")
+    target.model.save_pretrained(tmp_path / "base")
+    target.tokenizer.chat_template = None
+    target.tokenizer.save_pretrained(tmp_path / "base")
+    err = _error(["eval", "--target", str(tmp_path / "base"), "--drafter", str(tiny_drafter_dir), "--dataset",
+                  str(_prompts_file(tmp_path)), "--limit", "1", "--quiet"], capsys)
+    assert "its tokenizer has no chat template" in err
+
+
 def test_neutral_values_of_unsupported_settings_load(tiny_drafter_dir, tmp_path):
     """A checkpoint that states the settings we compute (non-causal, no scaling, no softcap) loads."""
     from dflash_train.models.checkpoint import load_config

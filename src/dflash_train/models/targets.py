@@ -220,6 +220,9 @@ class Target:
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of `messages` through the target's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(f"--target {self.spec}: its tokenizer has no chat template, which renders every prompt "
+                             "and conversation; give a chat model, or add a chat_template to its tokenizer_config.json")
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         if hasattr(out, "keys"):
             out = out["input_ids"]
