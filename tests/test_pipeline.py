@@ -128,10 +128,23 @@ def _wait_for_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 1
     raise AssertionError("training did not start")
 
 
+def _wait_for_workers(proc: subprocess.Popen, n: int, timeout: float = 60) -> list[int]:
+    """The worker pids as soon as all n have started (the fault below may end one before training logs)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        workers = _workers(proc.pid)
+        if len(workers) == n:
+            return workers
+        time.sleep(0.05)
+    raise AssertionError(f"the {n} workers did not start")
+
+
 def test_raising_in_a_target_worker_ends_the_run(prepared, tmp_path):
     proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000"],
                   DFLASH_TRAIN_FAULT="target:30")
-    workers = _wait_for_training(proc, tmp_path)
+    # Not "once training logs": a target worker (its features cached after the first epoch, its sends
+    # buffered by gloo) can reach pack 30 and fail before the drafters write their first record.
+    workers = _wait_for_workers(proc, 3)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "injected fault in the target loop at pack 30" in err  # the worker's own traceback
