@@ -231,6 +231,21 @@ def test_filesystem_failures_are_one_line_errors(tmp_path, capsys):
         assert len(err) == 1 and "No space left on device" in err[0]
 
 
+def test_a_users_file_is_used_whole_and_sharegpt_counts_its_held_out_slice(tmp_path, capsys):
+    """Only the embedded ShareGPT keeps a held-out slice (for eval); a file of your own is not split unless asked."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                                                    {"role": "assistant", "content": f"a{i}"}]}) + "\n"
+                            for i in range(200)))
+    base = ["prepare", "--target", "random:tiny", "--data", str(data), "--max-length", "64"]
+    assert main([*base, "--out", str(tmp_path / "whole")]) == 0
+    assert json.loads((tmp_path / "whole" / "meta.json").read_text())["sequences"] == 200
+    assert main([*base, "--split", "train", "--out", str(tmp_path / "train")]) == 0
+    out = capsys.readouterr().out
+    kept = json.loads((tmp_path / "train" / "meta.json").read_text())["sequences"]
+    assert 180 < kept < 200 and f"left out {200 - kept}: {200 - kept} held out for evaluation" in out
+
+
 def test_prepare_and_regenerate_commands(tmp_path, capsys):
     data = tmp_path / "convs.jsonl"
     good = {"id": "g1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]}

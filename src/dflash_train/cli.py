@@ -168,13 +168,14 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     from dflash_train.data.dataset import prepare_dataset
-    from dflash_train.data.sources import SourceReport, iter_conversations
+    from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 
     if args.max_length < 2:
         raise UsageError(f"--max-length must be >= 2, got {args.max_length}")
     target = _load_target(args)
     report = SourceReport()
-    convs = iter_conversations(args.data, split=args.split, on_bad=args.on_bad, limit=args.limit, report=report)
+    convs = iter_conversations(args.data, split=args.split or default_split(args.data), on_bad=args.on_bad,
+                               limit=args.limit, report=report)
     prep = prepare_dataset(target.tokenizer, convs, args.out, max_length=args.max_length, on_bad=args.on_bad,
                            target_spec=target.spec, source_summary=report.summary, overwrite=args.overwrite)
     print(f"source: {report.summary()}")
@@ -195,14 +196,15 @@ def cmd_relabel(args) -> int:
 
 def cmd_regenerate(args) -> int:
     from dflash_train.data.regenerate import RegenConfig, regenerate
-    from dflash_train.data.sources import SourceReport, iter_conversations
+    from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 
     _check_seed(args.seed)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                       max_turns=args.max_turns, seed=args.seed, samples=args.samples)
     target = _load_target(args)
     report = SourceReport()
-    convs = iter_conversations(args.data, split=args.split, on_bad=args.on_bad, limit=args.limit, report=report,
+    convs = iter_conversations(args.data, split=args.split or default_split(args.data), on_bad=args.on_bad,
+                               limit=args.limit, report=report,
                                require_assistant=False)
     rep = regenerate(target, convs, Path(args.out), cfg, progress=not args.quiet)
     print(f"source: {report.summary()}")
@@ -212,7 +214,8 @@ def cmd_regenerate(args) -> int:
 
 def _add_source_args(p: argparse.ArgumentParser, on_bad_default: str = "error") -> None:
     p.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .json/.jsonl file of conversations")
-    p.add_argument("--split", default="train", help="train (default), held-out or all")
+    p.add_argument("--split", default=None, help="train, held-out or all (default: train for the embedded "
+                   "sharegpt, whose held-out 2%% eval uses; all for a file of your own)")
     p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
     p.add_argument("--on-bad", default=on_bad_default, help="error: stop at the first bad record (file:line); "
                    "skip: skip and count bad records")

@@ -65,6 +65,12 @@ class SourceReport:
         return "; ".join([text, *self.notes])
 
 
+def default_split(source: str) -> str:
+    """The embedded ShareGPT keeps its held-out slice for `eval --dataset sharegpt`; a user's own
+    file is used whole unless a split is asked for."""
+    return "train" if source == "sharegpt" else "all"
+
+
 def iter_conversations(source: str, *, split: str = "all", on_bad: str = "error", require_assistant: bool = True,
                        limit: int | None = None, report: SourceReport | None = None,
                        flag: str = "--data") -> Iterator[Conversation]:
@@ -79,6 +85,7 @@ def iter_conversations(source: str, *, split: str = "all", on_bad: str = "error"
             return
         report.read += 1
         if split != "all" and sharegpt.is_held_out(conv_id) != (split == "held-out"):
+            report.drop("held out for evaluation" if split == "train" else "in the train split")
             continue
         try:
             if isinstance(record, BadRecord):

@@ -109,13 +109,15 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
     """Regenerate (optionally) and tokenize the training conversations; reuse cached stages."""
     from dflash_train.data.dataset import PreparedDataset, prepare_dataset
     from dflash_train.data.regenerate import RegenConfig, regenerate, sample_ids
-    from dflash_train.data.sources import SourceReport, iter_conversations
+    from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 
     if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
         return PreparedDataset.open(cfg.data)
     limit = cfg.num_conversations or None
+    split = default_split(cfg.data)
     src_key = _key(cfg.data, limit, cfg.on_bad, target.spec, cfg.data_topic,
-                   cfg.regen_max_prompt_tokens if cfg.regenerate else None)
+                   cfg.regen_max_prompt_tokens if cfg.regenerate else None,
+                   *([split] if split != "train" else []))  # files used whole: not the old 98% caches
     # the sample count joins the keys only when > 1, so the caches of earlier runs stay valid
     regen_key = (cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns,
                  *([cfg.regen_samples] if cfg.regen_samples > 1 else []))
@@ -124,7 +126,7 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
         say(f"using the prepared data in {data_dir}")
         return PreparedDataset.open(data_dir)
     report = SourceReport()
-    convs = _select(iter_conversations(cfg.data, split="train", on_bad=cfg.on_bad, report=report,
+    convs = _select(iter_conversations(cfg.data, split=split, on_bad=cfg.on_bad, report=report,
                                        require_assistant=not cfg.regenerate), target, cfg, report)
     say(f"data: {report.summary()}")
     if cfg.regenerate:
