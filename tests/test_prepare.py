@@ -91,6 +91,25 @@ def test_truncation_keeps_a_prefix(tok):
     assert ids == full_ids[:cut] and mask == full_mask[:cut] and sum(mask) == 3
 
 
+def test_a_huge_record_is_clipped_before_tokenizing_with_the_same_result(tok, monkeypatch):
+    """Only the first max_length tokens are kept, so text that cannot reach them is never tokenized."""
+    import dflash_train.data.tokenize as tz
+
+    reply = " ".join(f"word{i % 97}" for i in range(4000))  # ~30K characters
+    chat = [{"role": "user", "content": "Tell me everything."}, {"role": "assistant", "content": reply}]
+    clipped = tokenize_conversation(tok, chat, max_length=64)
+    monkeypatch.setattr(tz, "CHARS_PER_TOKEN", 10**6)  # no clipping: the whole record is tokenized
+    assert tokenize_conversation(tok, chat, max_length=64) == clipped
+    monkeypatch.undo()
+    seen = []
+    encode = tz.encode_chat
+    monkeypatch.setattr(tz, "encode_chat", lambda t, m, **kw: seen.append(sum(len(x["content"]) for x in m))
+                        or encode(t, m, **kw))
+    huge = [chat[0], {"role": "assistant", "content": reply * 300}]  # ~9 MB
+    assert tokenize_conversation(tok, huge, max_length=64) == clipped
+    assert seen == [tz.CHARS_PER_TOKEN * 64]  # what reached the tokenizer
+
+
 def test_assistant_beyond_max_length_is_a_bad_record(tok):
     first_loss = tokenize_conversation(tok, CHAT, max_length=4096)[1].index(1)
     with pytest.raises(BadRecord, match="no assistant tokens within --max-length"):

@@ -90,6 +90,26 @@ def truncate(ids: Sequence[int], mask: Sequence[int], max_length: int) -> tuple[
     return ids, mask
 
 
+# No token spans more characters than this (the longest are whitespace runs), so the first
+# max_length tokens of a conversation lie within its first CHARS_PER_TOKEN * max_length characters.
+CHARS_PER_TOKEN = 64
+
+
+def clip_messages(messages: list[dict[str, str]], max_chars: int) -> list[dict[str, str]]:
+    """The messages up to max_chars characters of content: the rest cannot reach the kept tokens.
+
+    Tokenizing a 19 MB record to keep its first 512 tokens took 50 s and 5.4 GB; clipped first, it
+    costs what a normal record does.
+    """
+    out, left = [], max_chars
+    for m in messages:
+        if left <= 0:
+            break
+        out.append(m if len(m["content"]) <= left else {**m, "content": m["content"][:left]})
+        left -= len(m["content"])
+    return out
+
+
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length: int, *,
                           stop_ids: Iterable[int] | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of the rendered conversation, cut to max_length tokens.
@@ -98,6 +118,7 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length:
     assistant turn, 0 elsewhere. Raises BadRecord when an assistant turn cannot be located in
     the rendered text or when no assistant token survives truncation.
     """
+    messages = clip_messages(messages, CHARS_PER_TOKEN * max_length)
     return truncate(*encode_chat(tokenizer, messages, stop_ids=stop_ids), max_length)
 
 
