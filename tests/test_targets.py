@@ -141,3 +141,15 @@ def test_keep_only_head_frees_the_layers_and_keeps_embedding_and_lm_head():
     h = torch.randn(1, 3, head.hidden_size)
     torch.testing.assert_close(head.lm_head(h), full.lm_head(h), rtol=0, atol=0)
     assert head.num_layers == full.num_layers  # the config still describes the target (compatibility checks)
+
+
+def test_an_unreachable_hub_fails_at_once_with_one_line(monkeypatch):
+    """No ~50 s of retries: one connect probe, then the local cache or a one-line error."""
+    from dflash_train.errors import UsageError
+    from dflash_train.models import targets
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(targets, "hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(UsageError, match=r"^--target: someone/no-such-model: the hub is unreachable and the model "
+                                         r"is not in the local cache"):
+        targets.load_target("someone/no-such-model")

@@ -409,7 +409,7 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
             raise UsageError(f"{flag}: {spec} is a directory without config.json (not an HF model directory)")
         model, tok = _load_hf(spec, dtype, flag, local=True)
     elif _looks_like_hub_id(spec):
-        model, tok = _load_hf(spec, dtype, flag, local=False)
+        model, tok = _load_hf(spec, dtype, flag, local=False, cache_only=_cache_only(spec, flag))
     else:
         raise UsageError(f"{flag}: unknown target {spec!r} (expected smollm2-135m, random:<preset> with preset in "
                          f"{sorted(presets.PRESETS)}, a .gguf file, an HF model directory or a hub id owner/name)")
@@ -507,12 +507,38 @@ def _write_hf_copy(model: nn.Module, tok, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_hf(name: str, dtype: torch.dtype, flag: str, local: bool):
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connect to the hub's endpoint: without it, an unreachable hub costs ~50 s of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _cache_only(name: str, flag: str) -> bool:
+    """True: load from the local cache only (the hub is unreachable and the cache has the model).
+    Unreachable and not cached: one line at once."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false", "no") or hub_reachable():
+        return False
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return True
+    raise UsageError(f"{flag}: {name}: the hub is unreachable and the model is not in the local cache "
+                     "(download it where there is network, or give a local directory)")
+
+
+def _load_hf(name: str, dtype: torch.dtype, flag: str, local: bool, cache_only: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name, clean_up_tokenization_spaces=False)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(name, clean_up_tokenization_spaces=False, local_files_only=cache_only)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=cache_only)
     except (OSError, ValueError) as e:
         where = "directory" if local else "hub id (is the hub reachable? set HF_HUB_OFFLINE=1 to use the local cache only)"
         raise UsageError(f"{flag}: cannot load {name} as an HF {where}: {str(e).splitlines()[0]}") from None
