@@ -1,5 +1,6 @@
 """The multi-process pipeline on CPU (gloo): equivalence with one device, queue bounds, failures, stops."""
 
+import contextlib
 import json
 import os
 import signal
@@ -159,6 +160,22 @@ def test_raising_in_the_target_of_a_pipeline_per_device_ends_the_run(prepared, t
     assert proc.returncode != 0
     assert "injected fault in the target loop at pack 30" in err
     assert "(both, cpu) exited with code 1" in err
+
+
+def test_a_stopped_worker_is_named_when_progress_stalls(prepared, tmp_path):
+    """SIGSTOP of a drafter worker: after --peer-timeout the run ends naming that worker, not the
+    target that stalled behind it."""
+    proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000",
+                   "--peer-timeout", "15"])  # above the start-up time of 3 CPU workers
+    workers = _wait_for_training(proc, tmp_path)
+    os.kill(workers[-1], signal.SIGSTOP)  # ranks start in order: the last is drafter rank 2
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # normally the launcher has killed it by now
+            os.kill(workers[-1], signal.SIGCONT)
+    assert proc.returncode != 0
+    assert "worker rank 2 (drafter, cpu) is stopped (SIGSTOP or a debugger)" in err
 
 
 def test_kill_9_of_a_drafter_worker_ends_the_run_within_30s(prepared, tmp_path):

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from dflash_train.errors import UsageError
 from dflash_train.pipeline.worker import WorkerSpec, worker_main
@@ -106,9 +107,29 @@ class Launcher:
         def how(i: int) -> str:
             code = self.procs[i].exitcode
             return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        stopped = self._stopped()
+        if stopped is not None:  # the others failed waiting for it: name the cause first
+            ended = ", ".join(f"{self.specs[i].describe(i)} {how(i)}" for i in failed)
+            say(f"worker {self.specs[stopped].describe(stopped)} is stopped (SIGSTOP or a debugger); stopping the run "
+                f"(ended waiting for it: {ended})")
+            return
         first, rest = failed[0], failed[1:]
         also = f" (also ended: {', '.join(f'{self.specs[i].describe(i)} {how(i)}' for i in rest)})" if rest else ""
         say(f"worker {self.specs[first].describe(first)} {how(first)}; stopping the run{also}")
+
+    def _stopped(self) -> int | None:
+        """The index of a worker the OS has stopped (SIGSTOP, a debugger), if any."""
+        return next((i for i, p in enumerate(self.procs) if p.exitcode is None and _process_state(p.pid) in ("T", "t")),
+                    None)
+
+    def _likely_culprit(self, now: float) -> str:
+        """A worker the OS has stopped (SIGSTOP, a debugger) is the cause; else the stalest heartbeat,
+        which can be a target blocked on a full queue rather than the worker that stopped."""
+        stopped = self._stopped()
+        if stopped is not None:
+            return f"worker {self.specs[stopped].describe(stopped)} is stopped (SIGSTOP or a debugger)"
+        stalest = min(range(len(self.specs)), key=lambda i: self.heartbeats[i])
+        return f"stalest worker: {self.specs[stalest].describe(stalest)}, last seen {now - self.heartbeats[stalest]:.0f} s ago"
 
     def _watch(self, peer_timeout: float) -> int:
         drafters = [i for i, s in enumerate(self.specs) if s.trains]
@@ -135,7 +156,15 @@ class Launcher:
             now = time.time()
             newest = max(self.heartbeats[i] for i in drafters)
             if now - newest > peer_timeout:
-                stalest = min(range(len(self.specs)), key=lambda i: self.heartbeats[i])
-                say(f"no drafter progress for {now - newest:.0f} s (--peer-timeout {peer_timeout:g}); stalest worker: "
-                    f"{self.specs[stalest].describe(stalest)}, last seen {now - self.heartbeats[stalest]:.0f} s ago")
+                say(f"no drafter progress for {now - newest:.0f} s (--peer-timeout {peer_timeout:g}); "
+                    f"{self._likely_culprit(now)}")
                 return 1
+
+
+def _process_state(pid: int | None) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, D, T stopped, t traced, Z ...); None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, TypeError):
+        return None
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0]  # the command name may hold spaces and ")"
