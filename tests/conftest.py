@@ -1,5 +1,6 @@
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,6 +36,42 @@ def make_drafter(tiny_target):
         return new_drafter(cfg, seed).float().eval()
 
     return make
+
+
+@pytest.fixture
+def perturb_norms():
+    """Norm weights away from one (a fresh drafter has them all at one), so a skipped or swapped norm shows."""
+
+    def perturb(drafter, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if "norm" in name:
+                    p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        return drafter
+
+    return perturb
+
+
+class InMemoryDataset:
+    """(ids, loss_mask) pairs as a dataset: the pack stream needs only lengths() and indexing."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def lengths(self):
+        return np.array([len(ids) for ids, _ in self.pairs])
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+
+@pytest.fixture
+def in_memory_dataset():
+    return InMemoryDataset
 
 
 @pytest.fixture

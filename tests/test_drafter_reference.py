@@ -20,24 +20,14 @@ def _inputs(drafter, ctx_len=7, gen_seed=0):
     return feats, emb, pos
 
 
-def _perturb_norms(drafter, seed=0):
-    """Norm weights away from one (fresh drafters have them all at one), so a skipped or swapped norm shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    return drafter
-
-
 def _load_reference(path, dtype):
     ref, info = DFlashDraftModel.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
     return ref.eval(), info
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_loads_our_checkpoint_and_matches(make_drafter, tmp_path, dtype):
-    ours = _perturb_norms(make_drafter(num_layers=2))
+def test_reference_loads_our_checkpoint_and_matches(make_drafter, perturb_norms, tmp_path, dtype):
+    ours = perturb_norms(make_drafter(num_layers=2))
     save_drafter(ours, tmp_path, dtype)
     ref, info = _load_reference(tmp_path, dtype)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -69,8 +59,8 @@ def test_we_load_reference_checkpoint(make_drafter, tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_sliding_window_layers_match_reference(make_drafter, tmp_path):
-    ours = _perturb_norms(make_drafter(num_layers=3, block_size=6, num_sliding_layers=2, sliding_window=4))
+def test_sliding_window_layers_match_reference(make_drafter, perturb_norms, tmp_path):
+    ours = perturb_norms(make_drafter(num_layers=3, block_size=6, num_sliding_layers=2, sliding_window=4))
     save_drafter(ours, tmp_path, torch.float32)
     ref, _ = _load_reference(tmp_path, torch.float32)
     assert [l.self_attn.sliding_window for l in ref.layers] == [4, 4, None]
@@ -80,9 +70,9 @@ def test_sliding_window_layers_match_reference(make_drafter, tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_context_cache_matches_reference_over_steps(make_drafter, tmp_path):
+def test_context_cache_matches_reference_over_steps(make_drafter, perturb_norms, tmp_path):
     """Decode-style calls: new context each step, block K/V dropped; same outputs as the reference's cache."""
-    ours = _perturb_norms(make_drafter(num_layers=2, block_size=5))
+    ours = perturb_norms(make_drafter(num_layers=2, block_size=5))
     save_drafter(ours, tmp_path, torch.float32)
     ref, _ = _load_reference(tmp_path, torch.float32)
     cfg = ours.config

@@ -18,20 +18,10 @@ def _auto(path):
     return model.eval()
 
 
-def _perturbed(drafter, seed=0):
-    """Norm weights away from one, so a swapped or skipped norm shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    return drafter
-
-
 @pytest.mark.parametrize("sliding", [False, True])
-def test_automodel_loads_the_export_and_matches_ours_and_the_reference(make_drafter, tmp_path, sliding):
+def test_automodel_loads_the_export_and_matches_ours_and_the_reference(make_drafter, perturb_norms, tmp_path, sliding):
     kw = {"num_sliding_layers": 1, "sliding_window": 4} if sliding else {}
-    ours = _perturbed(make_drafter(num_layers=3, block_size=6, **kw))
+    ours = perturb_norms(make_drafter(num_layers=3, block_size=6, **kw))
     save_drafter(ours, tmp_path, torch.float32)
     auto, ref = _auto(tmp_path), DFlashDraftModel.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
@@ -47,11 +37,11 @@ def test_automodel_loads_the_export_and_matches_ours_and_the_reference(make_draf
     torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_automodel_context_cache_matches_ours_over_steps(make_drafter, tmp_path):
+def test_automodel_context_cache_matches_ours_over_steps(make_drafter, perturb_norms, tmp_path):
     """Decode-style calls (new context each step, block K/V dropped) agree with our ContextCache."""
     from importlib import import_module
 
-    ours = _perturbed(make_drafter(num_layers=2, block_size=5, num_sliding_layers=1, sliding_window=6))
+    ours = perturb_norms(make_drafter(num_layers=2, block_size=5, num_sliding_layers=1, sliding_window=6))
     save_drafter(ours, tmp_path, torch.float32)
     auto = _auto(tmp_path)
     remote_cache = import_module(type(auto).__module__).DFlashContextCache()
@@ -67,8 +57,8 @@ def test_automodel_context_cache_matches_ours_over_steps(make_drafter, tmp_path)
         start += new
 
 
-def test_spec_generate_is_lossless_and_equals_our_decode_loop(tiny_target, make_drafter, tmp_path):
-    drafter = _perturbed(make_drafter(num_layers=2, block_size=4))
+def test_spec_generate_is_lossless_and_equals_our_decode_loop(tiny_target, make_drafter, perturb_norms, tmp_path):
+    drafter = perturb_norms(make_drafter(num_layers=2, block_size=4))
     save_drafter(drafter, tmp_path, torch.float32)
     auto = _auto(tmp_path)
     prompt = tiny_target.render_chat([{"role": "user", "content": "count to ten"}])

@@ -73,14 +73,10 @@ def _seqs(n_seq=3, seed=0):
 
 @pytest.mark.parametrize("backend", ["dense", "flex"])
 @pytest.mark.parametrize("sliding", [False, True])
-def test_training_blocks_equal_decode_style_forward_on_the_true_prefix(tiny, make_drafter, backend, sliding):
+def test_training_blocks_equal_decode_style_forward_on_the_true_prefix(tiny, make_drafter, perturb_norms, backend,
+                                                                       sliding):
     kw = {"num_sliding_layers": 1, "sliding_window": 3} if sliding else {}
-    drafter = make_drafter(num_layers=2, block_size=4, **kw)
-    with torch.no_grad():  # norms away from one, so a skipped or swapped norm shows
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.mul_(1 + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
-    _check(tiny, drafter, _seqs(), backend)
+    _check(tiny, perturb_norms(make_drafter(num_layers=2, block_size=4, **kw), seed=5), _seqs(), backend)
 
 
 @pytest.mark.parametrize("feature_mode", ["padded", "dense"])
@@ -98,23 +94,7 @@ def test_embedded_target_training_blocks_equal_decode_style_forward():
     _check(target, drafter.eval(), [t[:14] for t in text], "dense")
 
 
-class _Memory:
-    """Two sequences as an in-memory dataset (the loader needs lengths() and indexing)."""
-
-    def __init__(self, seqs):
-        self.pairs = [(np.array(s), np.array([0] * 4 + [1] * (len(s) - 4))) for s in seqs]
-
-    def __len__(self):
-        return len(self.pairs)
-
-    def lengths(self):
-        return np.array([len(ids) for ids, _ in self.pairs])
-
-    def __getitem__(self, i):
-        return self.pairs[i]
-
-
-def test_memorised_sequences_replay_as_whole_blocks(tiny, tmp_path):
+def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp_path):
     """End to end: train a drafter until it memorises two sequences, then replay them as the decode loop
     would (the true prefix's features, the block at the next position, accepted while drafts match the
     sequence). Any offset between training and serving (labels, context mask, positions, layer ids)
@@ -130,7 +110,8 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, tmp_path):
                       block_size=B, num_layers=1, max_steps=150, lr=5e-3, warmup_ratio=0.0, checkpoint_every=0,
                       log_every=50, seed=3)
     drafter = new_drafter(drafter_config_for(tiny, num_layers=1, block_size=B, dtype="float32"), cfg.seed).float()
-    train_local(cfg, tiny, drafter, _Memory(seqs), tmp_path, progress=False)
+    pairs = [(np.array(s), np.array([0] * 4 + [1] * (len(s) - 4))) for s in seqs]  # loss after a 4-token prompt
+    train_local(cfg, tiny, drafter, in_memory_dataset(pairs), tmp_path, progress=False)
     drafter.eval()
     accepted = []
     for s in seqs:
@@ -138,7 +119,7 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, tmp_path):
         while j + B <= len(s):
             with torch.no_grad():
                 draft = tiny.lm_head(_decode_style(tiny, drafter, s, j)[1:]).argmax(-1).tolist()
-            a = next((i for i, (d, t) in enumerate(zip(draft, s[j + 1:j + B])) if d != t), B - 1)
+            a = next((i for i, (d, t) in enumerate(zip(draft, s[j + 1:j + B], strict=True)) if d != t), B - 1)
             accepted.append(a)
             j += a + 1
     assert sum(accepted) >= 0.9 * (B - 1) * len(accepted), accepted

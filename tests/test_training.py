@@ -74,23 +74,7 @@ def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_pa
     torch.testing.assert_close(torch.tensor(resumed[3:]), torch.tensor(full[3:]), rtol=1e-6, atol=1e-6)
 
 
-class _Sequences:
-    """An in-memory dataset (the loader needs only lengths() and indexing)."""
-
-    def __init__(self, pairs):
-        self.pairs = pairs
-
-    def __len__(self):
-        return len(self.pairs)
-
-    def lengths(self):
-        return np.array([len(ids) for ids, _ in self.pairs])
-
-    def __getitem__(self, i):
-        return self.pairs[i]
-
-
-def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, tmp_path):
+def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, in_memory_dataset, tmp_path):
     """Train on the target's own greedy continuations of six prompts, then decode those prompts."""
     prompts = [tiny_target.render_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     pairs = []
@@ -100,7 +84,7 @@ def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, tmp_path):
     cfg = _cfg(tmp_path, max_steps=150, checkpoint_every=0, lr=5e-3, warmup_ratio=0.0, num_anchors=64, log_every=10)
     drafter = _drafter(tiny_target, cfg)
     before = evaluate(tiny_target, drafter.eval(), prompts, EvalConfig(max_new_tokens=24), progress=False)
-    train_local(cfg, tiny_target, drafter, _Sequences(pairs), tmp_path, progress=False)
+    train_local(cfg, tiny_target, drafter, in_memory_dataset(pairs), tmp_path, progress=False)
     losses = _losses(tmp_path)
     assert losses[-1] < losses[0] - 0.5  # the frozen random LM head has tiny logits: CE falls slowly
     after = evaluate(tiny_target, drafter.eval(), prompts, EvalConfig(max_new_tokens=24), progress=False)
