@@ -34,7 +34,6 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         mask_token_id = target.default_mask_token_id()
     target.check_mask_token(mask_token_id, "--mask-token-id")
     heads = c.num_attention_heads
-    mask_token = target.tokenizer.convert_ids_to_tokens(mask_token_id) if mask_token_id < len(target.tokenizer) else None
     # Sliding-window layers come first, full-attention layers last (the deepest layers see everything).
     layer_types = [SLIDING_ATTENTION] * num_sliding_layers + [FULL_ATTENTION] * (num_layers - num_sliding_layers)
     return DFlashConfig(
@@ -55,7 +54,7 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         rope_parameters=dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4}),
         max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
         dtype=dtype,
-        mask_token=mask_token,
+        mask_token=target.token_text(mask_token_id),
     )
 
 

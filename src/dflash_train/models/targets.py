@@ -249,6 +249,10 @@ class Target:
         ids.update(vocab[t] for t in ("<|im_start|>", "<|im_end|>") if t in vocab)
         return ids
 
+    def token_text(self, token_id: int) -> str | None:
+        """The token's text in the tokenizer; None for a spare embedding row past it."""
+        return self.tokenizer.convert_ids_to_tokens(token_id) if token_id < len(self.tokenizer) else None
+
     def check_mask_token(self, mask_token_id: int, name: str = "mask_token_id") -> None:
         """MASK must never be a label: a spare row, or a special token the chat format does not use."""
         if not 0 <= mask_token_id < self.vocab_size:
@@ -257,7 +261,7 @@ class Target:
             return
         specials = {i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
         if mask_token_id not in specials or mask_token_id in self.reserved_token_ids():
-            raise UsageError(f"{name}: token {mask_token_id} ({self.tokenizer.convert_ids_to_tokens(mask_token_id)!r}) "
+            raise UsageError(f"{name}: token {mask_token_id} ({self.token_text(mask_token_id)!r}) "
                              "is in the target's normal vocabulary of labels; use a spare row or an unused special token")
 
 

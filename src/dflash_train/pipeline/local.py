@@ -34,7 +34,7 @@ class InlineSource:
     """Features computed on demand, on the drafter's thread (optionally cached per sequence)."""
 
     def __init__(self, target: Target, packs, layer_ids: list[int], cache: bool, prof=NULL_LOOP) -> None:
-        self.packs, self.prof = iter(packs), prof
+        self.packs = iter(packs)
         self.loop = TargetForwardLoop(target, layer_ids, prof, cache=FeatureCache() if cache else None)
 
     def get(self, prof=NULL_LOOP) -> Features:

@@ -50,7 +50,8 @@ def _key(*parts: object) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
+def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Path, Path | None]:
+    """The run directory, ready for this run, and the checkpoint to resume from (None unless --resume)."""
     run_dir = Path(cfg.run_dir)
     if has_checkpoints(run_dir) and not resume:
         if not overwrite:
@@ -63,17 +64,16 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
     if removed:
         say(f"removed {len(removed)} leftover(s) of interrupted writes: {', '.join(removed[:3])}"
             + (" ..." if len(removed) > 3 else ""))
-    if resume:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
-        if not cfg.init_drafter:  # with --init-drafter that drafter set the shape, not these flags
-            check_resume_shape(cfg, load_config(ckpt / "drafter", "--resume"))  # before config.toml is rewritten
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+    if ckpt is not None and not cfg.init_drafter:  # with --init-drafter that drafter set the shape, not these flags
+        check_resume_shape(cfg, load_config(ckpt / "drafter", "--resume"))  # before config.toml is rewritten
     for name in ("drafter", "init_drafter"):  # refused now rather than after the training
         check_replaceable(run_dir / name, "--run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
-    return run_dir
+    return run_dir, ckpt
 
 
 def check_resume_shape(cfg: TrainConfig, saved) -> None:
@@ -199,7 +199,8 @@ def check_mask_token_absent(dataset, mask_token_id: int, target: Target) -> None
     """The mask token marks the slots to guess; in the data it would be a token the drafter must also read."""
     hits = dataset.count_token(mask_token_id)
     if hits:
-        name = f" ({target.tokenizer.convert_ids_to_tokens(mask_token_id)!r})" if mask_token_id < len(target.tokenizer) else ""
+        text = target.token_text(mask_token_id)
+        name = f" ({text!r})" if text is not None else ""
         raise UsageError(f"{dataset.path}: the drafter's mask token {mask_token_id}{name} occurs {hits} times in "
                          "the training data; pick another (`dflash-train init-drafter --mask-token-id ID`, then "
                          "`train --init-drafter DIR`) or clean it out of the data")
@@ -265,8 +266,7 @@ CPU_SPEEDUP_NOTE = (
 
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
     t0 = time.perf_counter()
-    run_dir = prepare_run_dir(cfg, resume, overwrite)
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
     state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
     for d in [resolve_device(d) for role, d in roles if role != "target"] if roles else [device]:
