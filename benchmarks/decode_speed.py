@@ -65,9 +65,9 @@ def batch1_rate(target, prompts, new_tokens, hf: bool) -> dict:
     return {"prompts": len(prompts), "tokens_per_s": round(toks / secs, 1), "ms_per_token": round(1e3 * secs / toks, 3)}
 
 
-def dflash_rate(target, drafter, prompts, new_tokens, hf: bool, monkey) -> dict:
-    if hf:
-        monkey(lambda model: None)
+def dflash_rate(target, drafter, prompts, new_tokens, hf: bool, monkey=None) -> dict:
+    if monkey:
+        monkey()
     spec.speculative_generate(target, drafter, prompts[0], new_tokens)  # warm-up
     runs = [spec.speculative_generate(target, drafter, p, new_tokens) for p in prompts]
     steps = sum(len(r.committed) for r in runs)
@@ -125,8 +125,15 @@ def main(argv=None) -> int:
     print("regen static", out["regen_static"], flush=True)
     out["batch1_static"] = batch1_rate(target, few, args.new_tokens, hf=False)
     print("batch1 static", out["batch1_static"], flush=True)
-    out["dflash_static"] = dflash_rate(target, drafter, few, args.new_tokens, hf=False, monkey=None)
+    out["dflash_static"] = dflash_rate(target, drafter, few, args.new_tokens, hf=False)
     print("dflash static", out["dflash_static"], flush=True)
+    saved_draft = spec._StaticDraft
+    try:  # the same loop with the eager drafter: what graphing the drafter's step saves
+        spec._StaticDraft = lambda target, drafter, capacity: spec._EagerDraft(target, drafter)
+        out["dflash_static_eager_drafter"] = dflash_rate(target, drafter, few, args.new_tokens, hf=False)
+    finally:
+        spec._StaticDraft = saved_draft
+    print("dflash static, eager drafter", out["dflash_static_eager_drafter"], flush=True)
     if not args.skip_hf:
         out["regen_hf"] = regen_rate(target, rows[:args.regen_hf_rows], min(args.new_tokens, 64), hf=True)
         print("regen hf", out["regen_hf"], flush=True)
@@ -135,7 +142,7 @@ def main(argv=None) -> int:
         saved = static_lm.for_model
         try:
             out["dflash_hf"] = dflash_rate(target, drafter, few[:2], min(args.new_tokens, 64), hf=True,
-                                           monkey=lambda f: setattr(static_lm, "for_model", f))
+                                           monkey=lambda: setattr(static_lm, "for_model", lambda model: None))
         finally:
             static_lm.for_model = saved
         print("dflash hf", out["dflash_hf"], flush=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_train.models import static_lm
+from dflash_train.models import static_drafter, static_lm
 from dflash_train.models.drafter import ContextCache, DFlashDrafter
 from dflash_train.models.generate import generate, now
 from dflash_train.models.targets import Target
@@ -176,6 +176,39 @@ class _StaticVerifier:
         pass  # slots past `length` are rewritten before any later query can see them
 
 
+class _EagerDraft:
+    """Draft logits from the drafter's own forward and a growing ContextCache (any verifier)."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter) -> None:
+        self.target, self.drafter = target, drafter
+        self.dtype = next(drafter.parameters()).dtype
+        self.cache = ContextCache()
+
+    def logits(self, feats: torch.Tensor, n: int, block: torch.Tensor, ctx_start: int) -> torch.Tensor:
+        """feats [1, >=n, nH] of positions ctx_start.. (the first n committed); block [1, q] -> [q-1, V]."""
+        start, q_len = ctx_start + n, block.shape[1]
+        positions = torch.arange(ctx_start, start + q_len, device=block.device)[None]
+        hidden = self.drafter(self.target.embed(block).to(self.dtype), feats[:, :n].to(self.dtype), positions,
+                              cache=self.cache)
+        return self.target.lm_head(hidden[:, 1:].to(self.target.dtype))[0]
+
+
+class _StaticDraft:
+    """The same on a StaticDrafter: each full-width step one graph replay on CUDA."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter, capacity: int) -> None:
+        self.engine = static_drafter.for_drafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+        self.cache = self.engine.cache_for(capacity)
+        self.width = drafter.block_size
+
+    def logits(self, feats: torch.Tensor, n: int, block: torch.Tensor, ctx_start: int) -> torch.Tensor:
+        meta = torch.tensor([ctx_start, n], device=block.device)  # a small host-to-device copy, no sync
+        kv_len = static_lm.bucket(ctx_start + n + block.shape[1])
+        if feats.shape[1] == block.shape[1] == self.width:  # every step but the first and a cut-short last
+            return self.engine.step(feats, block, meta, self.cache, kv_len)
+        return self.engine.forward(feats, block, meta, self.cache, kv_len)
+
+
 @torch.inference_mode()
 def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
                          temperature: float = 0.0, block_size: int | None = None, stop_ids: list[int] | None = None,
@@ -185,12 +218,12 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     B = block_size or drafter.block_size
     layer_ids = list(drafter.config.target_layer_ids)
     mask_id = drafter.mask_token_id
-    head = target.lm_head
-    ddtype = next(drafter.parameters()).dtype
     lm = static_lm.for_model(target.model)
-    verifier = (_StaticVerifier(lm, layer_ids, len(prompt), max_new_tokens, B) if lm is not None
-                else _HFVerifier(target, layer_ids))
-    width = B if lm is not None else None  # static: always full blocks
+    if lm is not None:  # static: always full blocks
+        capacity = len(prompt) + max_new_tokens + 2 * B
+        verifier, drafts = _StaticVerifier(lm, layer_ids, len(prompt), max_new_tokens, B), _StaticDraft(target, drafter, capacity)
+    else:
+        verifier, drafts = _HFVerifier(target, layer_ids), _EagerDraft(target, drafter)
 
     t0 = now(dev)
     logits, new_ctx = verifier.prefill(torch.tensor([prompt], device=dev))  # new_ctx: features of [ctx_start, start)
@@ -198,30 +231,20 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     t1 = now(dev)
 
     res = DecodeResult(tokens=[first], prefill_s=t1 - t0, decode_s=0.0)
-    draft_cache = ContextCache()
     start = len(prompt)  # position of the last committed token (block slot 0)
-    ctx_start = 0
+    ctx_start, n_ctx = 0, len(prompt)
     while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stops:
         q_len = min(B, max_new_tokens - len(res.tokens) + 1)  # slots that can still commit a token
-        run_len = width or q_len
-        block = torch.full((1, run_len), mask_id, device=dev, dtype=torch.long)
+        block = torch.full((1, B if lm is not None else q_len), mask_id, device=dev, dtype=torch.long)
         block[0, 0] = res.tokens[-1]
-        positions = torch.arange(ctx_start, start + q_len, device=dev)[None]
         # The drafter sees q_len slots (its block attention is bidirectional: width changes its output).
-        hidden = drafter(target.embed(block[:, :q_len]).to(ddtype), new_ctx.to(ddtype), positions, cache=draft_cache)
-        draft_logits = head(hidden[:, 1:].to(target.dtype))[0]  # [q_len-1, V]
+        draft_logits = drafts.logits(new_ctx, n_ctx, block[:, :q_len], ctx_start)  # [q_len-1, V]
         draft = _pick(draft_logits, temperature, gen)
         block[0, 1:q_len] = draft
 
         logits, feats = verifier.verify(block, start)
         logits = logits[:q_len]  # slot i predicts position start+i+1
-        if temperature <= 0:
-            pred = logits.argmax(-1)
-            accepted = int((draft == pred[:-1]).cumprod(0).sum().item())  # host sync: control flow
-            nxt = int(pred[accepted].item())
-        else:
-            accepted, nxt = rejection_sample(draft, _probs(draft_logits, temperature), _probs(logits, temperature), gen)
-        new = block[0, 1:accepted + 1].tolist() + [nxt]  # host sync: committed tokens
+        accepted, new = _accept(draft, draft_logits, logits, temperature, gen)
         produced = min(len(new), max_new_tokens - len(res.tokens))
         for i, t in enumerate(new[:produced]):
             if t in stops:
@@ -232,8 +255,25 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
         res.accepted.append(accepted)
         res.slots.append(q_len - 1)
         # Keep target K/V of the verified slots 0..produced-1; their features feed the next draft.
-        ctx_start, start = start, start + produced
+        ctx_start, start, n_ctx = start, start + produced, produced
         verifier.commit(start)
-        new_ctx = feats[:, :produced]
+        new_ctx = feats
     res.decode_s = now(dev) - t1
     return res
+
+
+def _accept(draft: torch.Tensor, draft_logits: torch.Tensor, logits: torch.Tensor, temperature: float,
+            gen: torch.Generator | None) -> tuple[int, list[int]]:
+    """(accepted drafts, the tokens to commit: the accepted drafts and the target's next token).
+
+    T=0 copies drafts and target argmaxes to the host once and compares them there: one sync
+    per step instead of three.
+    """
+    if temperature > 0:
+        accepted, token = rejection_sample(draft, _probs(draft_logits, temperature), _probs(logits, temperature), gen)
+        return accepted, draft[:accepted].tolist() + [token]  # host sync: committed tokens
+    both = torch.cat([draft, logits.argmax(-1)]).tolist()  # host sync: acceptance drives control flow
+    n = draft.shape[0]
+    drafted, pred = both[:n], both[n:]
+    accepted = next((i for i in range(n) if drafted[i] != pred[i]), n)
+    return accepted, drafted[:accepted] + [pred[accepted]]

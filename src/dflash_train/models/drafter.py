@@ -120,6 +120,14 @@ class DrafterAttention(nn.Module):
         cache: ContextCache | None,
         layer_idx: int,
     ) -> torch.Tensor:
+        q, k, v = self.qkv(x, ctx, cos, sin)
+        if cache is not None:
+            k, v = cache.extend(layer_idx, k, v, n_ctx=ctx.shape[1])
+        return self.out(attend(q, k, v, mask, self.head_dim**-0.5))
+
+    def qkv(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q of the block [b, heads, q, d]; k, v of the context then the block [b, kv_heads, c+q, d]."""
         b, q_len, _ = x.shape
         c_len = ctx.shape[1]
         kv_in = torch.cat([ctx, x], dim=1)  # same projections for context and block
@@ -129,10 +137,12 @@ class DrafterAttention(nn.Module):
         k = fused.norm_rope(self.k_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim), self.k_norm.weight,
                             self.k_norm.eps, cos, sin).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.extend(layer_idx, k, v, n_ctx=c_len)
-        out = attend(q, k, v, mask, self.head_dim**-0.5)  # [b, Hq, q, d]
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return q, k, v
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """[b, heads, q, d] attention output -> [b, q, H]."""
+        b, _, q_len, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, q_len, -1))
 
 
 class DrafterMLP(nn.Module):

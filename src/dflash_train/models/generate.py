@@ -102,7 +102,7 @@ def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
             ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)  # pads write slots a later step overwrites
         last = torch.tensor([len(p) - 1 for p in part], device=dev)
         pos = torch.arange(width, device=dev).expand(len(part), width)
-        rows = type(cache)([k[r:r + chunk] for k in cache.keys], [v[r:r + chunk] for v in cache.values])
+        rows = type(cache)(keys=[k[r:r + chunk] for k in cache.keys], values=[v[r:r + chunk] for v in cache.values])
         out = lm.forward(ids.to(dev), pos, rows, bucket(width), logits="last", last=last)
         logits.append(out.logits[:, 0])
     return torch.cat(logits)

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dflash_train.models import graphs
 from dflash_train.models.attention import attend
+from dflash_train.models.graphs import GraphStore
 
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
@@ -63,13 +65,11 @@ def bucket(n: int, size: int = KV_BUCKET) -> int:
 
 
 @dataclass
-class StaticCache:
+class StaticCache(GraphStore):
     """K and V of every layer, [batch, kv_heads, capacity, head_dim] each, plus the graphs bound to them."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    graphs: dict = field(default_factory=dict)
-    pool: tuple | None = None  # the graphs' memory pool: they replay one at a time, so they share it
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def batch(self) -> int:
@@ -132,7 +132,7 @@ class StaticLM:
         self._cache = None  # free the old buffers (and graphs) before allocating the new ones
         shape = (batch, self.kv_heads, bucket(capacity, CACHE_BUCKET), self.head_dim)
         make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        self._cache = StaticCache([make() for _ in range(self.n_layers)], [make() for _ in range(self.n_layers)])
+        self._cache = StaticCache(keys=[make() for _ in range(self.n_layers)], values=[make() for _ in range(self.n_layers)])
         return self._cache
 
     # --- the forward -----------------------------------------------------------------------
@@ -180,7 +180,7 @@ class StaticLM:
         slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
         k_cache.scatter_(2, slots, ks)  # the new K/V first: a query at pos p sees slot p
         v_cache.scatter_(2, slots, vs)
-        out = _sdpa(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
+        out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
 
     # --- graphs ----------------------------------------------------------------------------
@@ -194,32 +194,8 @@ class StaticLM:
         """
         if not self.graphs:
             return self.forward(ids, pos, cache, kv_len, layers=layers, logits=logits)
-        key = (tuple(ids.shape), kv_len, layers, logits)
-        graph = cache.graphs.get(key)
-        if graph is None:
-            graph = cache.graphs[key] = self._capture(ids, pos, cache, kv_len, layers, logits)
-        g, ids_in, pos_in, out = graph
-        ids_in.copy_(ids)
-        pos_in.copy_(pos)
-        g.replay()
-        return out
-
-    def _capture(self, ids, pos, cache, kv_len, layers, logits):
-        ids_in, pos_in = ids.clone(), pos.clone()
-        run = lambda: self.forward(ids_in, pos_in, cache, kv_len, layers=layers, logits=logits)  # noqa: E731
-        # Warm up on a side stream (lazy cuBLAS/allocator set-up must not happen during capture).
-        # The warm-up writes the same K/V at the same slots as the replay will: harmless.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if cache.pool is None:
-            cache.pool = torch.cuda.graph_pool_handle()  # per cache: a handle outliving its graphs is invalid
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=cache.pool):
-            out = run()
-        return g, ids_in, pos_in, out
+        run = lambda i, p: self.forward(i, p, cache, kv_len, layers=layers, logits=logits)  # noqa: E731
+        return graphs.replay(cache, (tuple(ids.shape), kv_len, layers, logits), run, ids, pos)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -230,7 +206,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]."""
     b, H, n, d = q.shape
     g = H // k.shape[1]

@@ -1,0 +1,147 @@
+"""The drafter's decode step over a preallocated context cache, replayed as CUDA graphs.
+
+One speculative decode step drafts a block: the drafter reads the target features of the
+tokens the last verify committed (1..B of them), adds their K/V to its context cache and
+attends from the B block slots to the whole cache. Eagerly, a 5-layer drafter's step is a few
+hundred small kernels plus a growing `torch.cat` per layer; on an H200 that was about half of
+a 7.5 ms DFlash step for SmolLM2-135M (docs/evaluation.md), so the drafter, not the method,
+decided the speedup. Here every full-width step has one shape and replays as one graph.
+
+Cache slot j holds the K/V of context position j. A step takes the verify's B feature rows
+(rows past the committed count n belong to rejected slots) and writes all B at slots
+ctx_start.., then writes the block's K/V at slots start = ctx_start + n..: the block's B slots
+cover every rejected row, and the next step's context overwrites the block's. A query sees
+slots < start + q (the committed context and the block, non-causally); sliding-window layers
+also keep their causal window over positions, as the eager drafter does. The math is the
+eager drafter's own modules; only the cache and the masks are ours. On CPU the same function
+runs eagerly: one path, the same math.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dflash_train.models import graphs
+from dflash_train.models.config import SLIDING_ATTENTION
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.graphs import GraphStore
+from dflash_train.models.static_lm import CACHE_BUCKET, bucket, cached_attention
+
+
+@dataclass
+class DraftCache(GraphStore):
+    """Context K and V of every draft layer, [1, kv_heads, capacity, head_dim] each, and their graphs."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+
+_INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def for_drafter(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module) -> StaticDrafter:
+    """The drafter's StaticDrafter for this embedding and head (made once, so its graphs are reused)."""
+    engine = _INSTANCES.get(drafter)
+    if engine is None or engine.embed is not embed or engine.head is not head:
+        engine = _INSTANCES[drafter] = StaticDrafter(drafter, embed, head)
+    return engine
+
+
+class StaticDrafter:
+    """Batch-1 draft steps of a DFlashDrafter over a DraftCache (see the module docstring).
+
+    `embed` and `head` are the target's input embedding and LM head: the step goes from block
+    token ids to draft logits, so one graph holds the whole draft.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, graphs: bool | None = None) -> None:
+        self.drafter, self.embed, self.head = drafter, embed, head
+        cfg = drafter.config
+        self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
+        self.dtype = next(drafter.parameters()).dtype
+        self.device = next(drafter.parameters()).device
+        self._graphs = graphs
+        self._cache: DraftCache | None = None
+
+    @property
+    def graphs(self) -> bool:
+        return self.device.type == "cuda" if self._graphs is None else self._graphs
+
+    def cache_for(self, capacity: int) -> DraftCache:
+        """A cache of at least `capacity` slots: the last one when it fits (keeping its graphs).
+
+        Reuse needs no clearing: a query sees only slots its own decode has written.
+        """
+        last = self._cache
+        if last is not None and last.capacity >= capacity:
+            return last
+        self._cache = None  # free the old buffers and graphs first
+        shape = (1, self.kv_heads, bucket(capacity, CACHE_BUCKET), self.head_dim)
+        n = len(self.drafter.layers)
+        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        self._cache = DraftCache(keys=[make() for _ in range(n)], values=[make() for _ in range(n)])
+        return self._cache
+
+    @torch.inference_mode()
+    def forward(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: DraftCache,
+                kv_len: int) -> torch.Tensor:
+        """Draft logits [q-1, V] for block slots 1..q-1.
+
+        features [1, c, n*H]: target features of positions ctx_start..ctx_start+c-1, of which
+        the first n are committed context; block [1, q]: the last committed token then mask
+        tokens; meta [2] = (ctx_start, n), on the device so that one graph serves every step.
+        """
+        d = self.drafter
+        c, q = features.shape[1], block.shape[1]
+        dev = features.device
+        ctx_slots = meta[0] + torch.arange(c, device=dev)
+        start = meta[0] + meta[1]  # position of block slot 0
+        block_slots = start + torch.arange(q, device=dev)
+        positions = torch.cat([ctx_slots, block_slots])[None]
+        ctx = d.fuse(features.to(self.dtype))
+        x = self.embed(block).to(self.dtype)
+        cos, sin = d.rotary(x, positions)
+        masks = self._masks(block_slots, kv_len)
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            qs, ks, vs = attn.qkv(layer.input_layernorm(x), ctx, cos, sin)
+            for buf, new in ((cache.keys[i], ks), (cache.values[i], vs)):
+                buf.index_copy_(2, ctx_slots, new[:, :, :c])  # then the block over the rejected rows
+                buf.index_copy_(2, block_slots, new[:, :, c:])
+            out = cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len],
+                                   masks[layer.layer_type], attn.head_dim**-0.5)
+            x = x + attn.out(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = d.norm(x)[:, 1:]
+        return self.head(hidden.to(self.head.weight.dtype))[0]
+
+    def _masks(self, block_slots: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
+        """Per layer type, [1, q, kv_len]: which slots each block query sees."""
+        slots = torch.arange(kv_len, device=block_slots.device)
+        diff = block_slots[:, None] - slots[None, :]
+        seen = slots[None, :] <= block_slots[-1]  # written by this decode: the context and the block
+        masks = {t: seen.expand(len(block_slots), -1)[None] for t in set(self.drafter.config.layer_types)}
+        if SLIDING_ATTENTION in masks:
+            window = self.drafter.config.sliding_window
+            masks[SLIDING_ATTENTION] = ((diff >= 0) & (diff < window))[None]
+        return masks
+
+    def step(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: DraftCache,
+             kv_len: int) -> torch.Tensor:
+        """`forward`, on CUDA as a replay of the graph captured for this shape.
+
+        The logits live in the graph's buffer: read them before the next step.
+        """
+        if not self.graphs:
+            return self.forward(features, block, meta, cache, kv_len)
+        run = lambda f, b, m: self.forward(f, b, m, cache, kv_len)  # noqa: E731
+        key = (tuple(features.shape), tuple(block.shape), kv_len)
+        return graphs.replay(cache, key, run, features.to(self.dtype), block, meta)
