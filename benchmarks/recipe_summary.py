@@ -79,7 +79,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         taus = "".join(f"{r.get('tau_' + n, float('nan')):>12.3f}" for n in DATASETS)
         lines.append(f"{r['name']:<10}{r['steps']:>7}{r['train_s'] or 0:>9}{r['wall_s']:>8}"
-                     f"{r['train_tau_estimate'] or float('nan'):>10.3f}{taus}{r.get('speedup_humaneval', float('nan')):>12.2f}")
+                     f"{r['train_tau_estimate'] or float('nan'):>10.3f}{taus}{r.get('speedup_humaneval') or float('nan'):>12.2f}")
     return "\n".join(lines)
 
 

@@ -43,6 +43,12 @@ def test_init_drafter_then_eval_writes_report(tiny_drafter_dir, tmp_path, capsys
         assert key in rep
     assert rep["lossless"] == "exact" and rep["num_prompts"] == 3 and len(rep["histogram"]) == 4
     assert "tau (mean accepted length)" in capsys.readouterr().out
+    # tau only: the same drafts, no target-only decode, so no speedup and no lossless verdict
+    code = main(["eval", "--target", "random:tiny", "--drafter", str(tiny_drafter_dir), "--dataset",
+                 str(_prompts_file(tmp_path)), "--limit", "3", "--max-new-tokens", "16", "--json", str(out), "--quiet",
+                 "--no-baseline"])
+    tau_only = json.loads(out.read_text())
+    assert code == 0 and tau_only["tau"] == rep["tau"] and tau_only["speedup"] is None and tau_only["lossless"] is None
 
 
 def test_a_real_divergence_is_a_mismatch_and_fails_require_lossless(tiny_drafter_dir, tmp_path, monkeypatch, capsys):

@@ -133,7 +133,7 @@ def cmd_eval(args) -> int:
     from dflash_train.models.factory import check_compatible, to_device
 
     cfg = EvalConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                     block_size=args.block_size, seed=args.seed)
+                     block_size=args.block_size, seed=args.seed, baseline=not args.no_baseline)
     _check_seed(args.seed)
     if args.json:
         _check_output_file(args.json, "--json")
@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--require-lossless", action="store_true", help="exit 1 when a T=0 output leaves the target's "
                    "own beyond a numerical tie (lossless: mismatch); ties-only passes")
+    p.add_argument("--no-baseline", action="store_true", help="tau only: skip target-only decoding (no speedup, "
+                   "no lossless check; about half the time)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
 
