@@ -109,3 +109,29 @@ def test_file_without_records_names_path(tmp_path):
     with pytest.raises(UsageError, match="no profile records") as err:
         report(tmp_path)
     assert str(tmp_path / "profile.jsonl") in str(err.value)
+
+
+def test_report_shows_min_busy_columns_and_allocator(tmp_path):
+    clock, cpu = FakeClock(), FakeClock()
+    snaps = iter([{"num_device_alloc": 4, "num_device_free": 0, "reserved_bytes.all.current": 3 << 30},
+                  {"num_device_alloc": 6, "num_device_free": 1, "reserved_bytes.all.current": 2 << 30}])
+    stats = ProfileStats("main/cuda:0", clock=clock, cpu_clock=cpu, memory_stats=lambda: next(snaps))
+    prof = stats.loop("drafter")
+    lines = []
+    for ms in ((4, 2), (6, 3)):  # two windows: the min is over both
+        for m in ms:
+            with prof.span("backward"):
+                clock.now += m / 1e3
+                cpu.now += m / 2e3  # on-CPU half the time
+        prof.add("hs_queue_wait", 0.001)
+        clock.now += 1
+        lines.append(json.dumps(take(stats)))
+    (tmp_path / "profile.jsonl").write_text("\n".join(lines))
+    text, _ = report(tmp_path)
+    assert "min ms" in text and "host" in text and "dev" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("backward")).split()
+    assert row[1:4] == ["4", "0.02", "3.75"] and row[4] == "2.00" and row[-3:-1] == ["50%", "-"]
+    wait = next(line for line in text.splitlines() if line.strip().startswith("hs_queue_wait")).split()
+    assert wait[-3:-1] == ["-", "-"]
+    assert ("allocator (sum over windows): alloc_retries 0, device_allocs 6, device_frees 1 "
+            "| max reserved 3.00 GiB | max allocated 0.00 GiB") in text

@@ -75,7 +75,8 @@ def test_jsonl_schema_and_log_lines(tmp_path):
     assert rec["type"] == "profile" and rec["mode"] == "wall" and rec["process"] == "rank0/target/cpu"
     assert set(rec["loops"]["target"]) == {"stages", "counters", "rates", "gauges", "cumulative"}
     assert set(rec["loops"]["target"]["stages"]["target_forward"]) == {
-        "count", "mean_ms", "p50_ms", "p95_ms", "max_ms", "total_s", "share"}
+        "count", "mean_ms", "p50_ms", "p95_ms", "max_ms", "total_s", "share"} | {
+        "min_ms", "wall_s", "cpu_s", "host_busy"}  # #19 added the min and a span's clocks (no CUDA: no device)
     assert rec["verdict"]["kind"] == "drafter-bound"
     text = lines[0]
     assert "target_forward" in text and "p95 ms" in text and "max ms" in text and "verdict: drafter-bound" in text
@@ -160,3 +161,231 @@ def test_torch_profile_window_writes_a_trace(tmp_path):
     (trace,) = (run / "traces").iterdir()
     assert trace.suffix == ".json" and "traceEvents" in trace.read_text()[:2000]
     assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "x"), "--torch-profile", "3:1"]) == 2
+
+
+# --- #19: three clocks per span, allocator telemetry, launch-/sync-bound and allocator-churn verdicts
+
+
+class CountingClock(Clock):
+    """A mocked clock that also counts its reads (the per-span overhead is a number of clock calls)."""
+
+    def __init__(self, start=100.0):
+        super().__init__()
+        self.t, self.calls = start, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.t
+
+
+def _clocked(prof, wall, cpu, key, wall_s, cpu_s, **span_args):
+    with prof.span(key, **span_args):
+        wall.t += wall_s
+        cpu.t += cpu_s
+
+
+def test_span_reads_wall_and_thread_cpu_once_per_edge():
+    wall, cpu = CountingClock(), CountingClock(0.0)
+    stats = ProfileStats("p", clock=wall, cpu_clock=cpu)
+    prof = stats.loop("drafter")
+    wall.calls = cpu.calls = 0
+    for ms in (3, 1, 2):
+        _clocked(prof, wall, cpu, "drafter_forward", ms / 1000, ms / 2000)
+    assert (wall.calls, cpu.calls) == (6, 6)  # one perf_counter and one thread_time per span edge
+    prof.add("hs_queue_wait", 0.5)  # a wait measured elsewhere carries no clocks
+    _clocked(prof, wall, cpu, "metrics", 0.004, 0.0001, sync="loss read-back")
+    wall.t += 1
+    rec = window_record(stats, stats.take_window())
+    fwd, wait, met = (rec["loops"]["drafter"]["stages"][k] for k in ("drafter_forward", "hs_queue_wait", "metrics"))
+    assert fwd["min_ms"] == pytest.approx(1.0) and fwd["max_ms"] == pytest.approx(3.0)
+    assert fwd["wall_s"] == pytest.approx(0.006) and fwd["cpu_s"] == pytest.approx(0.003)
+    assert fwd["host_busy"] == pytest.approx(0.5)
+    assert "device_s" not in fwd and "device_busy" not in fwd  # no CUDA events: no device clock
+    assert not {"wall_s", "cpu_s", "host_busy"} & set(wait)
+    assert met["sync"] == "loss read-back" and met["host_busy"] == pytest.approx(0.025)
+    cum = rec["loops"]["drafter"]["cumulative"]["stages"]["drafter_forward"]
+    assert cum["wall_s"] == pytest.approx(0.006) and cum["cpu_s"] == pytest.approx(0.003)
+
+
+class FakeEvent:
+    """torch.cuda.Event on a simulated GPU clock: record() stamps the device time; no real device."""
+
+    device_now = 0.0
+    synchronized = 0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = FakeEvent.device_now
+
+    def synchronize(self):
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def test_event_spans_keep_device_time_primary_and_add_wall_and_cpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.device_now, FakeEvent.synchronized = 0.0, 0
+    wall, cpu = CountingClock(), CountingClock(0.0)
+    stats = ProfileStats("p", cuda_events=True, clock=wall, cpu_clock=cpu)
+    prof = stats.loop("drafter")
+    for _ in range(4):  # the host launches for 10 ms; the GPU runs the stage's work for 30 ms
+        with prof.span("drafter_forward", device=True):
+            wall.t += 0.010
+            cpu.t += 0.009
+            FakeEvent.device_now += 0.030
+    assert FakeEvent.synchronized == 0  # spans never wait for the device
+    wall.t += 1
+    s = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]["drafter_forward"]
+    assert FakeEvent.synchronized == 4  # resolved when the window is taken (the reporter thread)
+    assert s["mean_ms"] == pytest.approx(30.0) and s["total_s"] == pytest.approx(0.12)  # device time, as before
+    assert s["wall_s"] == pytest.approx(0.04) and s["cpu_s"] == pytest.approx(0.036)
+    assert s["device_s"] == pytest.approx(0.12)
+    assert s["host_busy"] == pytest.approx(0.9) and s["device_busy"] == pytest.approx(3.0)
+
+
+def test_summary_line_shows_min_and_busy_columns():
+    wall, cpu = CountingClock(), CountingClock(0.0)
+    stats = ProfileStats("p", clock=wall, cpu_clock=cpu)
+    prof = stats.loop("drafter")
+    for ms in (5, 2, 8):
+        _clocked(prof, wall, cpu, "drafter_forward", ms / 1000, ms / 1000 * 0.75)
+    prof.add("hs_queue_wait", 0.001)
+    text = format_record(attach_verdict(window_record(stats, stats.take_window())))
+    head = next(line for line in text.splitlines() if "stage" in line).split()
+    assert head[head.index("count"):] == ["count", "mean", "ms", "p50", "ms", "min", "ms", "p95", "ms", "max", "ms",
+                                          "total", "s", "share", "host", "dev"]
+    fwd = next(line for line in text.splitlines() if "drafter_forward" in line).split()
+    # count, mean, p50, min, p95, max, total, share, host, dev
+    assert fwd[1:6] == ["3", "5.00", "5.00", "2.00", "7.70"] and fwd[6] == "8.00"
+    assert fwd[-2:] == ["75%", "-"]  # no CUDA events: the device column stays empty
+    wait = next(line for line in text.splitlines() if "hs_queue_wait" in line).split()
+    assert wait[-2:] == ["-", "-"]
+
+
+def _stage(wall, cpu, device=None, sync=None, share=None):
+    s = {"wall_s": wall, "cpu_s": cpu, "share": wall / 10 if share is None else share}
+    if device is not None:
+        s["device_s"] = device
+    if sync is not None:
+        s["sync"] = sync
+    return s
+
+
+def _clock_record(allocator=None, **stages):
+    """A 10 s drafter-loop record from stage clocks; keys as in _record ('loop__stage')."""
+    loops = {}
+    for key, s in stages.items():
+        loop, stage = key.split("__")
+        loops.setdefault(loop, {"stages": {}})["stages"][stage] = s
+    record = {"window_s": 10.0, "loops": loops}
+    if allocator is not None:
+        record["allocator"] = allocator
+    return record
+
+
+LAUNCH = {"drafter__drafter_forward": _stage(4.0, 3.8, 4.0), "drafter__backward": _stage(3.0, 2.9, 3.05),
+          "drafter__drafter.L0.mlp": _stage(1.0, 0.95, 1.0)}
+
+
+@pytest.mark.parametrize("stages, kind, says", [
+    # on-CPU ~95% of the GPU stages' wall and the GPU keeps pace: the host's launches are the limit
+    (LAUNCH, "launch-bound", "on-CPU 96%"),
+    # the same loop on CPU (no device clock): no launch claim
+    ({k: {n: v for n, v in s.items() if n != "device_s"} for k, s in LAUNCH.items()}, "balanced", ""),
+    # the GPU runs 5 s behind the host and the metrics read-back waits for it: compute, not sync or launch
+    ({"drafter__drafter_forward": _stage(1.0, 1.0, 6.0), "drafter__metrics": _stage(5.0, 0.1, sync="loss .item()")},
+     "balanced", ""),
+    # a declared sync blocks 50% while the GPU keeps pace: sync-bound, named
+    ({"drafter__drafter_forward": _stage(2.0, 1.9, 2.0), "drafter__metrics": _stage(5.0, 0.1, sync="loss .item()")},
+     "sync-bound", "drafter metrics is blocked 50% of the window"),
+    # CUDA spin-waits in a sync (CPU ~ wall): a declared sync is judged on wall vs device
+    ({"drafter__drafter_forward": _stage(2.0, 1.9, 2.0), "drafter__metrics": _stage(5.0, 4.9, sync="loss .item()")},
+     "sync-bound", "at loss .item()"),
+    # the same spinning span without a declared sync is indistinguishable from host work
+    ({"drafter__drafter_forward": _stage(2.0, 1.9, 2.0), "drafter__metrics": _stage(5.0, 4.9)}, "balanced", ""),
+    # an unnamed block inside a nested stage: the nested stage is named, not its parent
+    ({"drafter__drafter_forward": _stage(4.0, 1.1, 1.3), "drafter__drafter.lm_head_loss": _stage(3.0, 0.2, 0.3)},
+     "sync-bound", "drafter drafter.lm_head_loss is blocked 27%"),
+    # a role verdict (drafters wait on an empty hs_queue) still comes first
+    ({**LAUNCH, "drafter__hs_queue_wait": {"share": 0.3}}, "target-bound", ""),
+])
+def test_clock_verdicts_from_synthetic_stages(stages, kind, says):
+    v = verdict(_clock_record(**stages))
+    assert v.kind == kind, v.message
+    assert v.message.startswith(kind) and says in v.message
+
+
+def test_clock_verdict_messages_carry_the_advice():
+    assert "CUDA graphs" in verdict(_clock_record(**LAUNCH)).message
+    sync = {"drafter__drafter_forward": _stage(2.0, 1.9, 2.0), "drafter__metrics": _stage(5.0, 0.1)}
+    assert "unnamed host sync" in verdict(_clock_record(**sync)).message
+
+
+def _snapshot(allocs, frees, retries=0, reserved=8 << 30, allocated=6 << 30):
+    return {"num_device_alloc": allocs, "num_device_free": frees, "num_alloc_retries": retries,
+            "num_sync_all_streams": retries, "num_ooms": 0,
+            "reserved_bytes.all.current": reserved, "allocated_bytes.all.current": allocated}
+
+
+def test_allocator_window_math_tolerates_missing_keys_and_resets():
+    from dflash_train.profiling.allocator import allocator_window
+
+    rec = allocator_window(_snapshot(10, 2, 1), _snapshot(14, 5, 1), index=3)
+    assert rec == {"window": 3, "alloc_retries": 0, "device_allocs": 4, "device_frees": 3, "sync_all_streams": 0,
+                   "ooms": 0, "reserved_bytes": 8 << 30, "allocated_bytes": 6 << 30}
+    assert allocator_window({}, {"num_device_alloc": 7}, 0) == {"window": 0, "device_allocs": 7}  # older torch
+    assert allocator_window({"num_device_free": 9}, {"num_device_free": 2}, 1)["device_frees"] == 0  # stats reset
+
+
+@pytest.mark.parametrize("window, allocs, frees, retries, kind", [
+    (2, 3, 3, 0, "allocator-churn"),  # steady state, frees and mallocs: churn
+    (2, 0, 0, 1, "allocator-churn"),  # a retried malloc (cache flushed) in steady state
+    (1, 3, 3, 1, "balanced"),  # warm-up window: the pool is still growing to the run's shapes
+    (2, 2, 0, 0, "balanced"),  # growth only (a new longest pack) is not churn
+])
+def test_allocator_churn_verdict(window, allocs, frees, retries, kind):
+    alloc = {"window": window, "device_allocs": allocs, "device_frees": frees, "alloc_retries": retries}
+    v = verdict(_clock_record(allocator=alloc, drafter__backward=_stage(2.0, 1.9)))
+    assert v.kind == kind
+    if kind == "allocator-churn":
+        assert f"{allocs} mallocs/maps, {frees} frees/unmaps, {retries} retries" in v.message
+        assert "expandable_segments" in v.message
+
+
+def test_allocator_telemetry_per_window_through_profile_stats():
+    snapshots = iter([{}, _snapshot(5, 0), _snapshot(9, 0), _snapshot(12, 3, 1)])  # {}: CUDA not started yet
+    clock = Clock()
+    stats = ProfileStats("rank1/drafter/cuda:1", clock=clock, memory_stats=lambda: next(snapshots))
+    prof = stats.loop("drafter")
+    records = []
+    for _ in range(4):
+        _timed(prof, clock, "backward", 1.0)
+        clock.t += 9.0
+        records.append(attach_verdict(window_record(stats, stats.take_window())))
+    assert "allocator" not in records[0]
+    assert [r["allocator"]["window"] for r in records[1:]] == [0, 1, 2]
+    assert [r["allocator"]["device_allocs"] for r in records[1:]] == [5, 4, 3]
+    assert [r["verdict"]["kind"] for r in records] == ["balanced", "balanced", "balanced", "allocator-churn"]
+    text = format_record(records[3])
+    assert "allocator: reserved 8.00 GiB, allocated 6.00 GiB | alloc_retries +1, device_allocs +3" in text
+    assert NULL_PROFILE.take_window().allocator is None
+
+
+def test_memory_stats_source_only_for_cuda_processes(monkeypatch):
+    import torch
+
+    from dflash_train.profiling.session import memory_stats_source
+
+    assert memory_stats_source("rank0/target/cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    seen = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: seen.append(device) or {})
+    memory_stats_source("rank1/drafter/cuda:1")()
+    assert seen == [torch.device("cuda:1")]

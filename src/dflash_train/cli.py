@@ -118,9 +118,14 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile_report(args) -> int:
+    from dflash_train.profiling.compare import compare
     from dflash_train.profiling.report import report
 
-    text, png = report(Path(args.run_dir), Path(args.out) if args.out else None)
+    out = Path(args.out) if args.out else None
+    if args.compare:
+        text, png = compare(Path(args.run_dir), Path(args.compare), out)
+    else:
+        text, png = report(Path(args.run_dir), out)
     print(text)
     print(f"wrote {png}")
     return 0
@@ -283,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile-report", help="summary table, verdict history and a PNG from RUN_DIR/profile.jsonl")
     p.add_argument("run_dir", help="a run directory trained with --profile-interval (or DFLASH_PROFILE_INTERVAL)")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/profile.png)")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/profile.png; "
+                   "with --compare RUN_B/profile-compare.png)")
+    p.add_argument("--compare", default=None, metavar="RUN_B",
+                   help="compare RUN_B against RUN_DIR: per-stage deltas ranked by their share of the throughput change")
     p.set_defaults(func=cmd_profile_report)
 
     p = sub.add_parser("prepare", help="tokenize conversations with the target's chat template (loss on assistant turns)")

@@ -225,7 +225,7 @@ class DrafterTrainLoop:
                 if metrics is not None:
                     metrics.advance()
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    with self.prof.span("metrics"):
+                    with self.prof.span("metrics", sync="the logging step's read-back (sums.cpu())"):
                         last = self._record(window)
                     if metrics is not None:
                         metrics.log(last)  # a non-finite record too: the diagnostic of the stop below

@@ -59,10 +59,20 @@ def _last_cumulative(recs: list[Record], loop: str) -> dict[str, dict[str, float
     return {}
 
 
+def _window_values(recs: list[Record], loop: str, stage: str, field: str) -> list[float]:
+    """The field of the stage in every window that has both (records before #19 lack min_ms)."""
+    stages = (rec["loops"].get(loop, {}).get("stages", {}) for rec in recs)
+    return [s[stage][field] for s in stages if field in s.get(stage, {})]
+
+
 def _window_max(recs: list[Record], loop: str, stage: str, field: str) -> float:
-    values = [rec["loops"][loop]["stages"][stage].get(field, 0.0) for rec in recs
-              if stage in rec["loops"].get(loop, {}).get("stages", {})]
-    return max(values, default=0.0)
+    return max(_window_values(recs, loop, stage, field), default=0.0)
+
+
+def _ratio(stage: dict[str, float], field: str) -> str:
+    """A cumulative clock over the stage's wall time, as a column; '-' where that clock is absent."""
+    wall = stage.get("wall_s", 0.0)
+    return f"{stage[field] / wall * 100:>7.0f}%" if field in stage and wall > 0 else f"{'-':>8}"
 
 
 def _wall_s(recs: list[Record]) -> float:
@@ -72,16 +82,31 @@ def _wall_s(recs: list[Record]) -> float:
 def _stage_table(recs: list[Record], loop: str, wall_s: float) -> list[str]:
     stages = _last_cumulative(recs, loop)
     width = max([len(n) for n in stages] + [len("stage")]) + 2
-    head = f"{'count':>8}{'total s':>10}{'mean ms':>10}{'p95 ms':>10}{'max ms':>10}{'share':>8}"
+    head = (f"{'count':>8}{'total s':>10}{'mean ms':>10}{'min ms':>10}{'p95 ms':>10}{'max ms':>10}"
+            f"{'host':>8}{'dev':>8}{'share':>8}")
     lines = [f"    {'stage':<{width}}{head}"]
     for name in _ordered(stages):
         count, total = stages[name]["count"], stages[name]["total_s"]
         mean_ms = total / count * 1e3 if count else 0.0
         share = total / wall_s if wall_s > 0 else 0.0
+        mins = _window_values(recs, loop, name, "min_ms")
         lines.append(f"    {name:<{width}}{count:>8}{total:>10.2f}{mean_ms:>10.2f}"
-                     f"{_window_max(recs, loop, name, 'p95_ms'):>10.2f}"
-                     f"{_window_max(recs, loop, name, 'max_ms'):>10.2f}{share * 100:>7.1f}%")
+                     + (f"{min(mins):>10.2f}" if mins else f"{'-':>10}")
+                     + f"{_window_max(recs, loop, name, 'p95_ms'):>10.2f}{_window_max(recs, loop, name, 'max_ms'):>10.2f}"
+                     f"{_ratio(stages[name], 'cpu_s')}{_ratio(stages[name], 'device_s')}{share * 100:>7.1f}%")
     return lines
+
+
+def _allocator_line(recs: list[Record]) -> list[str]:
+    """The process's allocator counters summed over its windows, and the largest reserved/allocated."""
+    windows = [r["allocator"] for r in recs if isinstance(r.get("allocator"), dict)]
+    if not windows:
+        return []
+    sums = {k: sum(w.get(k, 0) for w in windows) for k in ("alloc_retries", "device_allocs", "device_frees")}
+    gib = 1 << 30
+    peak = " | ".join(f"max {k.removesuffix('_bytes')} {max(w.get(k, 0) for w in windows) / gib:.2f} GiB"
+                      for k in ("reserved_bytes", "allocated_bytes"))
+    return ["    allocator (sum over windows): " + ", ".join(f"{k} {v}" for k, v in sums.items()) + f" | {peak}"]
 
 
 def _extras(recs: list[Record], loop: str) -> list[str]:
@@ -128,6 +153,7 @@ def summarize(records: list[Record]) -> str:
         for loop in _loops(recs):
             lines.append(f"{process} [{loop}]  profiled {wall:.1f} s over {len(recs)} windows")
             lines += _stage_table(recs, loop, wall) + _extras(recs, loop)
+        lines += _allocator_line(recs)
         lines.append("")
     lines.append("verdicts")
     for process, recs in groups.items():
@@ -209,13 +235,21 @@ def plot(records: list[Record], out_png: str | Path) -> Path:
     return out_png
 
 
-def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[str, Path]:
-    """Summarize RUN_DIR/profile.jsonl; write the figure to out (default RUN_DIR/profile.png)."""
+def read_run(run_dir: str | Path) -> list[Record]:
+    """The records of RUN_DIR/profile.jsonl; a missing run, file or record is a one-line UsageError."""
+    if not Path(run_dir).is_dir():
+        raise UsageError(f"no run directory at {run_dir}")
     path = Path(run_dir) / "profile.jsonl"
     if not path.is_file():
         raise UsageError(f"no profile at {path}: {HINT}")
     records = load_records(path)
     if not records:
         raise UsageError(f"{path} holds no profile records: {HINT}")
+    return records
+
+
+def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[str, Path]:
+    """Summarize RUN_DIR/profile.jsonl; write the figure to out (default RUN_DIR/profile.png)."""
+    records = read_run(run_dir)
     png = plot(records, out if out is not None else Path(run_dir) / "profile.png")
     return summarize(records), png

@@ -85,10 +85,16 @@ class ProfileReporter:
                 for stage, s in data["stages"].items():
                     self.tb.add_scalar(f"profile/{loop}/{stage}/share", s["share"], step)
                     self.tb.add_scalar(f"profile/{loop}/{stage}/p95_ms", s["p95_ms"], step)
+                    for busy in ("host_busy", "device_busy"):  # the span clocks, where measured
+                        if busy in s:
+                            self.tb.add_scalar(f"profile/{loop}/{stage}/{busy}", s[busy], step)
                 for name, rate in data["rates"].items():
                     self.tb.add_scalar(f"profile/{loop}/{name}", rate, step)
                 for name, g in data["gauges"].items():
                     self.tb.add_scalar(f"profile/{loop}/{name}", g["mean"], step)
+            for name, value in record.get("allocator", {}).items():
+                if name != "window":
+                    self.tb.add_scalar(f"profile/allocator/{name}", value, step)
             self.tb.flush()
         self.records += 1
         return record

@@ -6,12 +6,19 @@
         ...
     prof.add("hs_queue_wait", seconds)                  # a duration measured elsewhere
     prof.count("tokens", n); prof.gauge("hs_queue_depth", q.qsize())
+    with prof.span("metrics", sync="loss read-back"):   # sync=: the span knows it waits for the GPU
+        ...
     window = stats.take_window()                        # per-interval values, then reset
 
 Durations are wall clock (`perf_counter`) by default. With `cuda_events=True`, spans marked
 `device=True` record a pair of CUDA events on the current stream instead; they are resolved
 when the window is taken (by the reporter thread), so the loops never wait for the GPU.
 Waits (queue gets, p2p waits) are host time in both modes.
+
+Every span also reads three clocks into `Window.clocks` (sums per stage): wall time, the calling
+thread's CPU time (`time.thread_time`, one call per span edge) and, for event spans, device time.
+Their ratios tell a launch-bound loop (on-CPU all the time, the GPU keeps pace) from one blocked
+at a sync (neither on-CPU nor running its own GPU work); see verdict.py.
 
 When profiling is off the loops hold `NULL_PROFILE`, whose methods do nothing: no `if profile`
 checks in the loops, and a disabled span costs one method call and a shared null context.
@@ -23,12 +30,40 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from dflash_train.profiling.allocator import allocator_window
+
 _NULL_CONTEXT = contextlib.nullcontext()
+Key = tuple[str, str]  # (loop, stage)
+
+
+@dataclass(slots=True)
+class SpanClocks:
+    """Sums over one stage's spans: wall and thread-CPU time always, device time only from CUDA events."""
+
+    count: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    device_s: float | None = None
+
+    def add(self, wall: float, cpu: float, device: float | None = None) -> None:
+        self.count += 1
+        self.wall_s += wall
+        self.cpu_s += cpu
+        if device is not None:
+            self.device_s = (self.device_s or 0.0) + device
+
+    def merge(self, other: SpanClocks) -> None:
+        self.count += other.count
+        self.wall_s += other.wall_s
+        self.cpu_s += other.cpu_s
+        if other.device_s is not None:
+            self.device_s = (self.device_s or 0.0) + other.device_s
 
 
 @dataclass
@@ -37,9 +72,12 @@ class Window:
 
     start: float
     end: float
-    durations: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-    counters: dict[tuple[str, str], float] = field(default_factory=dict)
-    gauges: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    durations: dict[Key, list[float]] = field(default_factory=dict)
+    counters: dict[Key, float] = field(default_factory=dict)
+    gauges: dict[Key, list[float]] = field(default_factory=dict)
+    clocks: dict[Key, SpanClocks] = field(default_factory=dict)  # spans only; add() has no clocks
+    syncs: dict[Key, str] = field(default_factory=dict)  # stage -> the host sync its span declared
+    allocator: dict[str, Any] | None = None  # allocator.allocator_window(); None without CUDA
 
     @property
     def seconds(self) -> float:
@@ -58,29 +96,37 @@ class LoopProfile:
     def __init__(self, stats: ProfileStats, loop: str) -> None:
         self._stats, self.name = stats, loop
 
+    # Both spans read wall then CPU on entry and CPU then wall on exit, so the CPU interval nests
+    # inside the wall one: the per-span cost is one perf_counter and one thread_time per edge.
     @contextlib.contextmanager
-    def _wall_span(self, key: str) -> Iterator[None]:
-        t0 = self._stats.clock()
+    def _wall_span(self, key: str, sync: str | None) -> Iterator[None]:
+        stats = self._stats
+        t0, c0 = stats.clock(), stats.cpu_clock()
         try:
             yield
         finally:
-            self._stats._add(self.name, key, self._stats.clock() - t0)
+            c1 = stats.cpu_clock()
+            stats._add_span(self.name, key, stats.clock() - t0, c1 - c0, sync)
 
     @contextlib.contextmanager
-    def _event_span(self, key: str) -> Iterator[None]:
+    def _event_span(self, key: str, sync: str | None) -> Iterator[None]:
+        stats = self._stats
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0, c0 = stats.clock(), stats.cpu_clock()
         start.record()
         try:
             yield
         finally:
             end.record()
-            self._stats._add_events(self.name, key, start, end)
+            c1 = stats.cpu_clock()
+            stats._add_events(self.name, key, (start, end, stats.clock() - t0, c1 - c0), sync)
 
-    def span(self, key: str, device: bool = False):
-        """Time the block under `key`; device=True marks GPU work (CUDA events in event mode)."""
+    def span(self, key: str, device: bool = False, sync: str | None = None):
+        """Time the block under `key`; device=True marks GPU work (CUDA events in event mode);
+        sync names a host sync the block is known to hold (`.item()`, `.cpu()`), for the verdict."""
         if device and self._stats.cuda_events and torch.cuda.is_available():
-            return self._event_span(key)
-        return self._wall_span(key)
+            return self._event_span(key, sync)
+        return self._wall_span(key, sync)
 
     def add(self, key: str, seconds: float) -> None:
         self._stats._add(self.name, key, seconds)
@@ -98,12 +144,21 @@ class ProfileStats:
     enabled = True
 
     def __init__(self, process: str = "main", *, cuda_events: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.process, self.cuda_events, self.clock = process, cuda_events, clock
+                 clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.thread_time,
+                 memory_stats: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """memory_stats: e.g. `lambda: torch.cuda.memory_stats(device)`, sampled once per window
+        (a host-side read of the allocator's counters, no device sync); None = no allocator telemetry."""
+        self.process, self.cuda_events, self.clock, self.cpu_clock = process, cuda_events, clock, cpu_clock
+        self.memory_stats = memory_stats
         self._lock = threading.Lock()
         self._views: dict[str, LoopProfile] = {}
-        self.cumulative_durations: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # count, total
-        self.cumulative_counters: dict[tuple[str, str], float] = defaultdict(float)
+        self.cumulative_durations: dict[Key, list[float]] = defaultdict(lambda: [0, 0.0])  # count, total
+        self.cumulative_counters: dict[Key, float] = defaultdict(float)
+        self.cumulative_clocks: dict[Key, SpanClocks] = defaultdict(SpanClocks)
+        self.syncs: dict[Key, str] = {}
+        self._alloc_prev: Mapping[str, Any] = {}
+        self._alloc_index = 0
         self.started = clock()
         self._reset(self.started)
 
@@ -114,17 +169,27 @@ class ProfileStats:
     def _reset(self, now: float) -> None:
         self._durations: dict[tuple[str, str], list[float]] = defaultdict(list)
         self._counters: dict[tuple[str, str], float] = defaultdict(float)
-        self._gauges: dict[tuple[str, str], list[float]] = defaultdict(list)
-        self._pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._gauges: dict[Key, list[float]] = defaultdict(list)
+        self._clocks: dict[Key, SpanClocks] = defaultdict(SpanClocks)
+        self._pending: list[tuple[Key, tuple]] = []  # (key, (start event, end event, wall s, cpu s))
         self._window_start = now
 
     def _add(self, loop: str, key: str, seconds: float) -> None:
         with self._lock:
             self._durations[(loop, key)].append(seconds)
 
-    def _add_events(self, loop: str, key: str, start, end) -> None:
+    def _add_span(self, loop: str, key: str, wall: float, cpu: float, sync: str | None) -> None:
         with self._lock:
-            self._pending.append((loop, key, start, end))
+            self._durations[(loop, key)].append(wall)
+            self._clocks[(loop, key)].add(wall, cpu)
+            if sync is not None:
+                self.syncs[(loop, key)] = sync
+
+    def _add_events(self, loop: str, key: str, span: tuple, sync: str | None) -> None:
+        with self._lock:
+            self._pending.append(((loop, key), span))
+            if sync is not None:
+                self.syncs[(loop, key)] = sync
 
     def _count(self, loop: str, key: str, amount: float) -> None:
         with self._lock:
@@ -139,26 +204,42 @@ class ProfileStats:
         with self._lock:
             now = self.clock()
             durations, counters, gauges, pending = self._durations, self._counters, self._gauges, self._pending
-            start = self._window_start
+            clocks, syncs, start = self._clocks, dict(self.syncs), self._window_start
             self._reset(now)
-        for loop, key, ev_start, ev_end in pending:
+        for key, (ev_start, ev_end, wall, cpu) in pending:
             # Waiting here blocks only this (reporter) thread, never the streams the loops feed.
             ev_end.synchronize()
-            durations[(loop, key)].append(ev_start.elapsed_time(ev_end) / 1e3)
+            device = ev_start.elapsed_time(ev_end) / 1e3
+            durations[key].append(device)  # event spans report device time, as before the clocks
+            clocks[key].add(wall, cpu, device)
         for k, values in durations.items():
             acc = self.cumulative_durations[k]
             acc[0] += len(values)
             acc[1] += sum(values)
         for k, v in counters.items():
             self.cumulative_counters[k] += v
-        return Window(start, now, dict(durations), dict(counters), dict(gauges))
+        for k, c in clocks.items():
+            self.cumulative_clocks[k].merge(c)
+        return Window(start, now, dict(durations), dict(counters), dict(gauges), dict(clocks),
+                      {k: v for k, v in syncs.items() if k in clocks}, self._sample_allocator())
+
+    def _sample_allocator(self) -> dict[str, Any] | None:
+        """This window's allocator telemetry; None without a memory_stats source or before CUDA starts."""
+        if self.memory_stats is None:
+            return None
+        snapshot = dict(self.memory_stats())
+        if not snapshot:  # torch.cuda.memory_stats() is {} until CUDA is initialized
+            return None
+        record = allocator_window(self._alloc_prev, snapshot, self._alloc_index)
+        self._alloc_prev, self._alloc_index = snapshot, self._alloc_index + 1
+        return record
 
 
 class _NullLoop:
     enabled = False
     name = "off"
 
-    def span(self, key: str, device: bool = False):
+    def span(self, key: str, device: bool = False, sync: str | None = None):
         return _NULL_CONTEXT
 
     def add(self, key: str, seconds: float) -> None:

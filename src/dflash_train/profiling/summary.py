@@ -4,17 +4,30 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
 
     {"type": "profile", "time": <unix s>, "elapsed_s": <s since the process started profiling>,
      "process": "rank1/drafter/cuda:1", "mode": "wall" | "cuda-events", "window_s": <s>,
-     "loops": {<loop>: {"stages": {<stage>: {"count", "mean_ms", "p50_ms", "p95_ms", "max_ms",
-                                             "total_s", "share"}},
+     "loops": {<loop>: {"stages": {<stage>: {"count", "mean_ms", "p50_ms", "min_ms", "p95_ms", "max_ms",
+                                             "total_s", "share",
+                                             # spans only (not add()ed waits): the three clocks
+                                             "wall_s", "cpu_s", "host_busy",
+                                             "device_s", "device_busy",   # CUDA-event spans only
+                                             "sync"}},                    # if the span declared one
                         "counters": {<name>: <window sum>}, "rates": {<name>_per_s: <sum / window_s>},
                         "gauges": {<name>: {"mean", "max", "last"}},
-                        "cumulative": {"stages": {<stage>: {"count", "total_s"}}, "counters": {...}}}},
-     "verdict": {"kind": "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound" | "balanced" | "idle",
+                        "cumulative": {"stages": {<stage>: {"count", "total_s",
+                                                            "wall_s", "cpu_s", "device_s"}},  # clocks as above
+                                       "counters": {...}}}},
+     "allocator": {...},   # CUDA only: allocator telemetry of the window, schema in allocator.py
+     "verdict": {"kind": "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound" | "allocator-churn"
+                         | "sync-bound" | "launch-bound" | "balanced" | "idle",
                  "message": <one line>}}
 
 `share` is the stage's total time over the window's wall time. Stages nested inside others
 (the drafter's internals inside `drafter_forward`) and overlapping threads mean shares of one
-loop need not add up to 1.
+loop need not add up to 1. `total_s` and the percentiles are device time for CUDA-event spans
+and wall time otherwise (as before the clocks existed); `wall_s` is always wall time.
+`host_busy` = cpu_s / wall_s: the stage's thread was on a CPU (running Python, launching
+kernels, or spin-waiting in a CUDA sync). `device_busy` = device_s / wall_s: above 1 the GPU ran
+behind the host (work queued up), about 1 it kept pace with the host, well below 1 the span
+waited for something other than its own GPU work.
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from dflash_train.profiling.stats import ProfileStats, Window
+from dflash_train.profiling.allocator import format_allocator
+from dflash_train.profiling.stats import ProfileStats, SpanClocks, Window
 
 # Display order; stages not listed follow alphabetically.
 STAGE_ORDER = (
@@ -52,6 +66,7 @@ def stage_stats(values: list[float], window_s: float) -> dict[str, float]:
         "count": int(a.size),
         "mean_ms": float(a.mean() * 1e3) if a.size else 0.0,
         "p50_ms": float(np.percentile(a, 50) * 1e3) if a.size else 0.0,
+        "min_ms": float(a.min() * 1e3) if a.size else 0.0,
         "p95_ms": float(np.percentile(a, 95) * 1e3) if a.size else 0.0,
         "max_ms": float(a.max() * 1e3) if a.size else 0.0,
         "total_s": float(a.sum()),
@@ -59,25 +74,67 @@ def stage_stats(values: list[float], window_s: float) -> dict[str, float]:
     }
 
 
+def clock_totals(c: SpanClocks) -> dict[str, float]:
+    """The clock sums of a stage's spans (device_s only where CUDA events timed them)."""
+    out = {"wall_s": float(c.wall_s), "cpu_s": float(c.cpu_s)}
+    if c.device_s is not None:
+        out["device_s"] = float(c.device_s)
+    return out
+
+
+def clock_stats(c: SpanClocks, sync: str | None = None) -> dict[str, Any]:
+    """clock_totals plus the busy ratios the summary prints (0 for a zero-length span set)."""
+    out: dict[str, Any] = clock_totals(c)
+    out["host_busy"] = c.cpu_s / c.wall_s if c.wall_s > 0 else 0.0
+    if c.device_s is not None:
+        out["device_busy"] = c.device_s / c.wall_s if c.wall_s > 0 else 0.0
+    if sync is not None:
+        out["sync"] = sync
+    return out
+
+
+def _stages(window: Window, loop: str) -> dict[str, dict[str, Any]]:
+    stages = {}
+    for k, v in window.durations.items():
+        if k[0] == loop:
+            stages[k[1]] = stage_stats(v, window.seconds)
+            if k in window.clocks:
+                stages[k[1]].update(clock_stats(window.clocks[k], window.syncs.get(k)))
+    return {n: stages[n] for n in _ordered(stages)}
+
+
+def _cumulative(stats: ProfileStats, loop: str) -> dict[str, Any]:
+    stages = {}
+    for k, (c, t) in stats.cumulative_durations.items():
+        if k[0] == loop:
+            stages[k[1]] = {"count": int(c), "total_s": float(t)}
+            if k in stats.cumulative_clocks:
+                stages[k[1]].update(clock_totals(stats.cumulative_clocks[k]))
+    return {"stages": stages,
+            "counters": {k[1]: float(v) for k, v in stats.cumulative_counters.items() if k[0] == loop}}
+
+
 def window_record(stats: ProfileStats, window: Window) -> dict[str, Any]:
     """The JSON record of one window (without the verdict; see verdict.attach_verdict)."""
     loops: dict[str, Any] = {}
     for loop in window.loops():
-        stages = {k[1]: stage_stats(v, window.seconds) for k, v in window.durations.items() if k[0] == loop}
         counters = {k[1]: v for k, v in window.counters.items() if k[0] == loop}
         gauges = {k[1]: {"mean": float(np.mean(v)), "max": float(np.max(v)), "last": float(v[-1])}
                   for k, v in window.gauges.items() if k[0] == loop and v}
-        cumulative = {
-            "stages": {k[1]: {"count": int(c), "total_s": float(t)}
-                       for k, (c, t) in stats.cumulative_durations.items() if k[0] == loop},
-            "counters": {k[1]: float(v) for k, v in stats.cumulative_counters.items() if k[0] == loop},
-        }
-        loops[loop] = {"stages": {n: stages[n] for n in _ordered(stages)}, "counters": counters,
+        loops[loop] = {"stages": _stages(window, loop), "counters": counters,
                        "rates": {f"{n}_per_s": v / window.seconds for n, v in counters.items()},
-                       "gauges": gauges, "cumulative": cumulative}
-    return {"type": "profile", "time": time.time(), "elapsed_s": window.end - stats.started,
-            "process": stats.process, "mode": "cuda-events" if stats.cuda_events else "wall",
-            "window_s": window.seconds, "loops": loops}
+                       "gauges": gauges, "cumulative": _cumulative(stats, loop)}
+    record = {"type": "profile", "time": time.time(), "elapsed_s": window.end - stats.started,
+              "process": stats.process, "mode": "cuda-events" if stats.cuda_events else "wall",
+              "window_s": window.seconds, "loops": loops}
+    if window.allocator is not None:
+        record["allocator"] = window.allocator
+    return record
+
+
+def _pct(s: dict[str, Any], field: str) -> str:
+    """A busy ratio as a percentage column; '-' where that clock is absent (waits, no CUDA events)."""
+    return f"{s[field] * 100:>6.0f}%" if field in s else f"{'-':>7}"
 
 
 def format_record(record: dict[str, Any], limit: int | None = None) -> str:
@@ -85,17 +142,21 @@ def format_record(record: dict[str, Any], limit: int | None = None) -> str:
     head = (f"profile {record['process']} | window {record['window_s']:.1f} s | {record['mode']} | "
             f"elapsed {record['elapsed_s']:.0f} s")
     lines = [head]
-    cols = f"{'stage':<22}{'count':>7}{'mean ms':>10}{'p50 ms':>10}{'p95 ms':>10}{'max ms':>10}{'total s':>9}{'share':>7}"
+    cols = (f"{'stage':<22}{'count':>7}{'mean ms':>10}{'p50 ms':>10}{'min ms':>10}{'p95 ms':>10}{'max ms':>10}"
+            f"{'total s':>9}{'share':>7}{'host':>7}{'dev':>7}")
     for loop, data in record["loops"].items():
         lines.append(f"  [{loop}] {cols}")
         stages = list(data["stages"].items())
         for name, s in stages[:limit] if limit else stages:
             lines.append(f"  {'':<{len(loop) + 3}}{name:<22}{s['count']:>7}{s['mean_ms']:>10.2f}{s['p50_ms']:>10.2f}"
-                         f"{s['p95_ms']:>10.2f}{s['max_ms']:>10.2f}{s['total_s']:>9.2f}{s['share'] * 100:>6.1f}%")
+                         f"{s.get('min_ms', 0.0):>10.2f}{s['p95_ms']:>10.2f}{s['max_ms']:>10.2f}{s['total_s']:>9.2f}"
+                         f"{s['share'] * 100:>6.1f}%{_pct(s, 'host_busy')}{_pct(s, 'device_busy')}")
         extras = [f"{k} {v:,.0f}" for k, v in data["rates"].items()]
         extras += [f"{k} mean {g['mean']:.1f} max {g['max']:.0f}" for k, g in data["gauges"].items()]
         if extras:
             lines.append(f"  {'':<{len(loop) + 3}}" + " | ".join(extras))
+    if "allocator" in record:
+        lines.append("  " + format_allocator(record["allocator"]))
     if "verdict" in record:
         lines.append(f"  verdict: {record['verdict']['message']}")
     return "\n".join(lines)

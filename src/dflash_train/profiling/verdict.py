@@ -9,8 +9,20 @@ A loop that waits is not the bottleneck; the role it waits on is. The rules, che
                    consume features slower than targets make them.
     target-bound   drafter loops wait >= WAIT on an empty hs_queue (hs_queue_wait).
     handoff-bound  moving features (handoff) takes >= HANDOFF of a loop's time.
+    allocator-churn  after the warm-up windows the CUDA caching allocator still frees and mallocs
+                   device memory (or retries a failed malloc) within a window (allocator.churn).
+    sync-bound     a stage is blocked (wall time neither on a CPU nor covered by its own device
+                   time) for >= SYNC of the window, wall >= SYNC_RATIO x max(CPU, device), and the
+                   block is not the loop's own queued GPU work surfacing (see _sync_bound).
+    launch-bound   a loop's GPU stages take >= WAIT of the window, their thread is on-CPU for
+                   >= HOST_BUSY of their wall time and the GPU keeps pace (see _launch_bound).
     balanced       none of the above: both roles are busy computing.
     idle           the window holds no timed stages.
+
+sync-bound and launch-bound need the device clock (--profile-cuda-events on CUDA): without it a
+host blocked on the GPU's own queued work looks the same as a harmful sync, so neither is
+claimed on CPU-only or wall-mode records. CUDA spin-waits in a sync by default, which counts as
+CPU time; a span that declares its sync (`span(..., sync="...")`) is judged on wall vs device.
 
 A process sees only its own loops (a drafter rank cannot see target waits), so the verdict of
 one process names the role it can diagnose; `profile-report` shows every process's verdicts.
@@ -21,8 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_train.profiling.allocator import churn
+
 WAIT = 0.25
 HANDOFF = 0.25
+SYNC = 0.25  # blocked share of the window that makes a stage the verdict
+SYNC_RATIO = 2.0  # "well above": wall at least twice the larger of CPU and device time
+HOST_BUSY = 0.8  # thread CPU / wall at or above this is "CPU ~ wall"
+KEEPS_PACE = 0.1  # device work queued behind the host, as a share of the GPU stages' wall, below this
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,78 @@ def _busiest(record: dict[str, Any], loop: str, skip: tuple[str, ...]) -> str:
         return ""
     name = max(stages, key=stages.get)
     return f"{loop} {name} {stages[name] * 100:.0f}%"
+
+
+def _has_device_clock(stages: dict[str, Any]) -> bool:
+    return any("device_s" in s for s in stages.values())
+
+
+def _backlog(stages: dict[str, Any]) -> float:
+    """Seconds of device work that ran after its top-level stage's host part ended (the GPU behind)."""
+    return sum(max(s["device_s"] - s["wall_s"], 0.0) for n, s in stages.items()
+               if "." not in n and "device_s" in s and "wall_s" in s)
+
+
+def _blocked(s: dict[str, Any]) -> float:
+    """Wall seconds a stage spent neither on-CPU nor running its own device work.
+
+    A declared sync may spin on the CPU (CUDA's default wait), so its CPU time is not work.
+    Host-only spans of a loop that has a device clock launch no GPU work: device 0.
+    """
+    device = s.get("device_s", 0.0)
+    busy = device if "sync" in s else max(s["cpu_s"], device)
+    return s["wall_s"] - busy if s["wall_s"] >= SYNC_RATIO * busy else 0.0
+
+
+def _sync_bound(record: dict[str, Any]) -> Verdict | None:
+    window = record.get("window_s", 0.0)
+    found = []
+    for loop, data in record["loops"].items():
+        stages = data.get("stages", {})
+        if window <= 0 or not _has_device_clock(stages):
+            continue
+        backlog = _backlog(stages)  # GPU work the loop queued: a sync waiting for it is the GPU's time
+        for name, s in stages.items():
+            if "wall_s" in s and _blocked(s) - backlog >= SYNC * window:
+                # Prefer the span that names its sync, then a nested (more specific) stage, then the longest.
+                found.append((("sync" in s, "." in name, _blocked(s)), loop, name, s))
+    if not found:
+        return None
+    _, loop, name, s = max(found, key=lambda f: f[0])
+    where = f"at {s['sync']}" if "sync" in s else "at an unnamed host sync or wait"
+    return Verdict("sync-bound", f"sync-bound: {loop} {name} is blocked {_blocked(s) / window:.0%} of the window "
+                                 f"(wall {s['wall_s']:.2f} s, CPU {s['cpu_s']:.2f} s, device "
+                                 f"{s.get('device_s', 0.0):.2f} s) {where} — remove the sync from the step "
+                                 "or do it only on logging steps")
+
+
+def _launch_bound(record: dict[str, Any]) -> Verdict | None:
+    window = record.get("window_s", 0.0)
+    for loop, data in record["loops"].items():
+        gpu = [s for n, s in data.get("stages", {}).items() if "." not in n and "device_s" in s]
+        wall, cpu, device = (sum(s[k] for s in gpu) for k in ("wall_s", "cpu_s", "device_s"))
+        if window <= 0 or wall < WAIT * window:
+            continue
+        # The GPU keeps pace: little work queued behind the host, and its clock is not far below the
+        # stages' wall time (that would be spans blocked on something else: the sync rule's case).
+        paced = _backlog(data["stages"]) <= KEEPS_PACE * wall and device * SYNC_RATIO >= wall
+        if cpu >= HOST_BUSY * wall and paced:
+            return Verdict("launch-bound", f"launch-bound: {loop} thread is on-CPU {cpu / wall:.0%} of its GPU "
+                                           f"stages' wall time and the GPU only keeps pace (device {device / wall:.0%}"
+                                           " of wall) — use CUDA graphs / torch.compile (mode='reduce-overhead') "
+                                           "or bigger batches (--token-budget)")
+    return None
+
+
+def _allocator_churn(record: dict[str, Any]) -> Verdict | None:
+    counts = churn(record.get("allocator", {}))
+    if counts is None:
+        return None
+    return Verdict("allocator-churn", f"allocator-churn: after warm-up the CUDA allocator still cycles memory "
+                                      f"(this window: {counts['device_allocs']} mallocs/maps, "
+                                      f"{counts['device_frees']} frees/unmaps, {counts['alloc_retries']} retries; "
+                                      "each syncs the device) — set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                                      "or lower --token-budget / --num-anchors")
 
 
 def verdict(record: dict[str, Any]) -> Verdict:
@@ -64,6 +154,10 @@ def verdict(record: dict[str, Any]) -> Verdict:
     if handoff >= HANDOFF:
         return Verdict("handoff-bound", f"handoff-bound: moving features takes {handoff:.0%} of a loop "
                                         "— put target and drafter on one host/GPU or cut --num-features")
+    for rule in (_allocator_churn, _sync_bound, _launch_bound):
+        found = rule(record)
+        if found is not None:
+            return found
     busy = ", ".join(b for b in (_busiest(record, loop, ()) for loop in loops) if b)
     return Verdict("balanced", f"balanced: no loop waits {WAIT:.0%} or more; busiest: {busy}")
 
