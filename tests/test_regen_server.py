@@ -326,7 +326,7 @@ def test_server_token_ids_are_used_and_said_so(tmp_path):
     """A vLLM answer with return_token_ids: its ids are kept as the server's, not re-tokenised."""
     run = rc._Run([], tmp_path / "x.jsonl", RegenConfig(), rc.ServerConfig(url="http://h:1"),
                   tokenizer=None, tokenizer_name=None, progress=False)
-    run.t0, run.bar = time.perf_counter(), _NoBar()
+    run.bar = _NoBar()
     answer = {"choices": [{"message": {"content": "Hi there"}, "finish_reason": "stop", "token_ids": [5, 6, 2]}],
               "usage": {"completion_tokens": 3}}
     reply = run._reply(answer)

@@ -160,11 +160,14 @@ class _Run:
         self.tokenizer, self.tokenizer_name, self.progress = tokenizer, tokenizer_name, progress
         self.report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
         self.failures_in_row = 0
-        self.model = server.model or ""
+        self.model = server.model or ""  # then the name /v1/models confirms
         self.header: dict = {}
+        self.client: httpx.AsyncClient | None = None  # set while main() runs, with the file and the bar
+        self.out = self.bar = None
+        self.t0 = time.perf_counter()
 
     async def main(self) -> RegenReport:
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         key = self.server.api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         timeout = httpx.Timeout(self.server.request_timeout, connect=min(10.0, self.server.request_timeout))
@@ -184,7 +187,6 @@ class _Run:
             self.out_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.out_path, "ab") as self.out, \
                     tqdm(total=total, desc="regenerate", unit="conv", disable=not self.progress) as self.bar:
-                self.t0 = t0
                 todo = pending(with_samples(convs, self.cfg.samples), done, self.report, self.bar)
                 try:
                     await self._run_all(todo)
