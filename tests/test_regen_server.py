@@ -351,3 +351,8 @@ def test_in_process_run_refuses_a_server_file(tmp_path):
         check_same_run(tmp_path / "f.jsonl", 1, record, in_process)
     del record["server"]
     check_same_run(tmp_path / "f.jsonl", 1, record, in_process)  # an in-process file still resumes
+
+
+def test_server_flags_need_server(tmp_path, capsys):
+    err = _one_line_error(capsys, ["regenerate", "--model", "m", "--out", str(tmp_path / "o.jsonl")])
+    assert err == "--model needs --server (the in-process path runs --target itself)"
