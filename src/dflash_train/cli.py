@@ -206,7 +206,6 @@ def cmd_regenerate(args) -> int:
                             ("--chat-template-kwargs", args.chat_template_kwargs)):
             if value is not None:
                 raise UsageError(f"{flag} needs --server (the in-process path runs --target itself)")
-    _check_output_file(args.out, "--out")
     report = SourceReport()
     convs = iter_conversations(args.data, split=args.split or default_split(args.data), on_bad=args.on_bad,
                                limit=args.limit, report=report,
