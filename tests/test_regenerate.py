@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from dflash_train.data import regen_common
 from dflash_train.data import regenerate as regen
 from dflash_train.data.regenerate import RegenConfig, RegenReport, regenerate
 from dflash_train.data.sources import Conversation
@@ -90,10 +91,10 @@ def test_config_defaults_are_valid():
 def test_reply_points():
     conv = Conversation("c", [sys_("s"), asst("before any user"), user("u1"), asst("a1"), asst("a1 again"),
                               sys_("mid"), user("u2"), asst("a2"), user("u3")])
-    segments = regen._reply_segments(conv, None)
+    segments = regen_common.reply_segments(conv, None)
     assert segments == [[sys_("s"), user("u1")], [sys_("mid"), user("u2")], [user("u3")]]
-    assert regen._reply_segments(conv, 2) == segments[:2]
-    assert regen._reply_segments(Conversation("p", [user("prompt only")]), None) == [[user("prompt only")]]
+    assert regen_common.reply_segments(conv, 2) == segments[:2]
+    assert regen_common.reply_segments(Conversation("p", [user("prompt only")]), None) == [[user("prompt only")]]
 
 
 # --- generation ---------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def test_batched_greedy_equals_unbatched(tiny_target):
     prompts = [tiny_target.render_chat(h) for h in histories]
     assert len({len(p) for p in prompts}) == 3  # distinct lengths: rows are padded differently
     replies = regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=NEW), tiny_target.stop_token_ids())
-    for history, reply in zip(histories, replies):
+    for history, reply in zip(histories, replies, strict=True):
         ref_tokens, ref_text = reference_reply(tiny_target, history)
         assert reply.ids == ref_tokens
         assert reply.text == ref_text
@@ -318,6 +319,6 @@ def test_regenerated_text_with_unicode_line_separators_reads_back(tmp_path):
     path = tmp_path / "r.jsonl"
     msgs = [user("q"), asst("a\u2028b\x85c")]
     with open(path, "ab") as out:
-        regen._append(out, [{"id": "x", "messages": msgs}, {"id": "y", "messages": msgs}])
+        regen_common.append(out, [{"id": "x", "messages": msgs}, {"id": "y", "messages": msgs}])
     convs = _read_regenerated(path, ["y", "x"])
     assert [c.id for c in convs] == ["y", "x"] and convs[0].messages[1]["content"] == "a\u2028b\x85c"

@@ -200,21 +200,46 @@ def cmd_relabel(args) -> int:
 
 
 def cmd_regenerate(args) -> int:
-    from dflash_train.data.regenerate import RegenConfig, regenerate
+    from dflash_train.data.regen_common import RegenConfig
     from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 
     _check_seed(args.seed)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                       max_turns=args.max_turns, seed=args.seed, samples=args.samples)
-    target = _load_target(args)
+    if args.server is None:
+        for flag, value in (("--model", args.model), ("--api-key-env", args.api_key_env),
+                            ("--chat-template-kwargs", args.chat_template_kwargs)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --server (the in-process path runs --target itself)")
     report = SourceReport()
     convs = iter_conversations(args.data, split=args.split or default_split(args.data), on_bad=args.on_bad,
                                limit=args.limit, report=report,
                                require_assistant=False)
-    rep = regenerate(target, convs, Path(args.out), cfg, progress=not args.quiet)
+    if args.server is not None:
+        rep = _regenerate_via_server(args, cfg, convs)
+    else:
+        from dflash_train.data.regenerate import regenerate
+
+        args.target = args.target or "smollm2-135m"
+        target = _load_target(args)
+        rep = regenerate(target, convs, Path(args.out), cfg, progress=not args.quiet)
     print(f"source: {report.summary()}")
     print(f"regenerated: {rep.summary()} -> {args.out}")
     return 0
+
+
+def _regenerate_via_server(args, cfg, convs):
+    from dflash_train.data.regen_client import (ServerConfig, load_tokenizer, parse_template_kwargs,
+                                                regenerate_via_server)
+
+    server = ServerConfig(url=args.server, model=args.model, concurrency=args.concurrency,
+                          api_key_env=args.api_key_env, reasoning=args.reasoning,
+                          chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
+                          request_timeout=args.request_timeout, retries=args.retries, max_failures=args.max_failures)
+    server.api_key()  # a missing key variable fails before the tokenizer loads
+    tokenizer = load_tokenizer(args.target) if args.target else None  # re-tokenises replies; no weights
+    return regenerate_via_server(convs, Path(args.out), cfg, server, tokenizer=tokenizer,
+                                 tokenizer_name=args.target, progress=not args.quiet)
 
 
 def _add_source_args(p: argparse.ArgumentParser, on_bad_default: str = "error") -> None:
@@ -302,18 +327,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("regenerate", help="let the target write the assistant turns (resumable JSONL)")
+    p = sub.add_parser("regenerate", help="let the target write the assistant turns, in-process or through an "
+                       "OpenAI-compatible server (--server; resumable JSONL)")
     _add_target_args(p)
+    p.set_defaults(target=None)  # in-process: smollm2-135m; with --server: only re-tokenises the replies
     _add_source_args(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="conversations per batched decode (in-process)")
     p.add_argument("--max-turns", type=int, default=None, help="assistant turns regenerated per conversation")
     p.add_argument("--samples", type=int, default=1, help="replies sampled per conversation, written as ID#0.. "
                    "(> 1 needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output JSONL (a rerun continues where it stopped)")
     p.add_argument("--quiet", action="store_true")
+    g = p.add_argument_group("server", "regenerate through an OpenAI-compatible server (vLLM, SGLang, llama.cpp) "
+                             "instead of in-process; --target, if given, only re-tokenises the replies")
+    g.add_argument("--server", default=None, metavar="URL", help="base URL, e.g. http://127.0.0.1:8000")
+    g.add_argument("--model", default=None, help="model name as the server lists it (default: its only model)")
+    g.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    g.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
+    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='passed to the chat template, e.g. \'{"enable_thinking": false}\'')
+    g.add_argument("--reasoning", default="keep", choices=("keep", "drop"),
+                   help="reasoning text: keep it inline in <think>...</think> (default) or drop it")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before a retry")
+    g.add_argument("--retries", type=int, default=4, help="retries per request on timeouts, dropped "
+                   "connections, 429 and 5xx (exponential backoff)")
+    g.add_argument("--max-failures", type=int, default=8, help="stop after this many requests in a row "
+                   "failed for good (circuit breaker)")
     p.set_defaults(func=cmd_regenerate)
 
     p = sub.add_parser("relabel", help="add the target's teacher-forced greedy tokens to a prepared dataset "

@@ -33,15 +33,15 @@ redone conversations differ (the random stream restarts at --seed), the distribu
 Several samples per conversation (--samples N, needs T > 0): each conversation is regenerated N
 times, as records `ID#0` .. `ID#N-1` (`sample_ids`), side by side in the same batches. More of
 the target's own trajectories from the same prompts: more distinct contexts for the drafter.
+
+The file format, resume logic, reply points and report are shared with the server path
+(data/regen_client.py, `regenerate --server URL`) through data/regen_common.py.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -49,86 +49,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, append, pending, reply_segments,
+                                            resume, sample_ids, with_samples)
 from dflash_train.data.sources import Conversation
-from dflash_train.errors import UsageError
 from dflash_train.models import static_lm
 from dflash_train.models.generate import generate
 from dflash_train.models.targets import Target
 
-Message = dict[str, str]
-
-
-@dataclass(kw_only=True, slots=True)
-class RegenConfig:
-    max_new_tokens: int = 256
-    """Token limit of each regenerated turn (--max-new-tokens)."""
-    temperature: float = 0.0
-    """0 = greedy; > 0 = sampling from the target's tempered distribution (--temperature)."""
-    batch_size: int = 16
-    """Conversations generated together (--batch-size)."""
-    max_turns: int | None = None
-    """Regenerate at most this many assistant turns per conversation; None = all (--max-turns)."""
-    seed: int = 0
-    """Seeds torch's generator for sampling (--seed)."""
-    samples: int = 1
-    """Replies sampled per conversation; > 1 needs temperature > 0 (--samples)."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
-        if self.batch_size < 1:
-            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise UsageError(f"--max-turns must be >= 1, got {self.max_turns}")
-        if self.samples < 1:
-            raise UsageError(f"--samples must be >= 1, got {self.samples}")
-        if self.samples > 1 and self.temperature == 0:
-            raise UsageError(f"--samples {self.samples} needs a temperature > 0 (at T=0 every sample is the same)")
-
-
-def sample_ids(ids: Iterable[str], samples: int) -> list[str]:
-    """The record ids regeneration writes for these conversation ids: unchanged for one sample."""
-    return list(ids) if samples == 1 else [f"{i}#{k}" for i in ids for k in range(samples)]
-
-
-def _with_samples(conversations: Iterable[Conversation], samples: int) -> Iterator[Conversation]:
-    for conv in conversations:
-        if samples == 1:
-            yield conv
-        else:
-            yield from (Conversation(i, conv.messages) for i in sample_ids([conv.id], samples))
-
-
-@dataclass
-class RegenReport:
-    written: int
-    """Conversations written by this run."""
-    already_done: int
-    """Conversations skipped because their id was already in the output file."""
-    generated_tokens: int
-    """Tokens the target generated (stop tokens included, padding excluded)."""
-    seconds: float
-    hit_length_limit: int
-    """Turns cut at --max-new-tokens without a stop token."""
-    turns: int = 0
-    """Assistant turns generated."""
-    empty_replies: int = 0
-    """Turns whose text is empty or whitespace (the target stopped at once)."""
-    duplicate_ids: int = 0
-    """Input conversations skipped because an earlier one in the same input had their id."""
-
-    def summary(self) -> str:
-        rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-        text = (f"regenerated {self.written} conversations ({self.turns} turns, {self.generated_tokens} tokens, "
-                f"{rate:.1f} tokens/s, {self.seconds:.1f} s); {self.already_done} already done; "
-                f"{self.hit_length_limit} turns hit --max-new-tokens")
-        if self.empty_replies:
-            text += f"; {self.empty_replies} empty replies"
-        if self.duplicate_ids:
-            text += f"; skipped {self.duplicate_ids} conversations with a repeated id"
-        return text
+__all__ = ["RegenConfig", "RegenReport", "regenerate", "sample_ids"]
 
 
 @dataclass
@@ -154,18 +82,18 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     t0 = time.perf_counter()
     header = {"regenerated_by": target.spec, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
               "samples": cfg.samples}
-    done = _resume(out_path, header)
+    done = resume(out_path, header)
     stops = target.stop_token_ids()  # builds the vocabulary dict: once per run, not per turn
     report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
     torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
     total = len(conversations) * cfg.samples if hasattr(conversations, "__len__") else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
-        todo = _pending(_with_samples(conversations, cfg.samples), done, report, bar)
+        todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
         while batch := list(islice(todo, cfg.batch_size)):
-            jobs = [_Job(c.id, _reply_segments(c, cfg.max_turns)) for c in batch]
+            jobs = [_Job(c.id, reply_segments(c, cfg.max_turns)) for c in batch]
             _run_batch(target, jobs, cfg, stops, report)
-            _append(out, [_record(job, header) for job in jobs])
+            append(out, [_record(job, header) for job in jobs])
             report.written += len(jobs)
             bar.update(len(jobs))
             bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")
@@ -173,26 +101,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     return report
 
 
-# --- which turns the target writes -------------------------------------------------------------
-
-def _reply_segments(conv: Conversation, max_turns: int | None) -> list[list[Message]]:
-    """The kept (system / user) messages preceding each reply the target writes, in order."""
-    segments: list[list[Message]] = []
-    pending: list[Message] = []
-    seen_user = False
-    for m in conv.messages:
-        if m["role"] != "assistant":
-            pending.append({"role": m["role"], "content": m["content"]})
-            seen_user = seen_user or m["role"] == "user"
-        elif pending and seen_user:  # an assistant turn right after another one adds no new reply point
-            segments.append(pending)
-            pending = []
-    if any(m["role"] == "user" for m in pending):  # ends on a user turn: the target answers it
-        segments.append(pending)
-    if not segments:
-        raise UsageError(f"conversation {conv.id}: no user turn for the target to answer")
-    return segments[:max_turns]  # later segments have no reply: the conversation ends at the last one
-
+# --- records ------------------------------------------------------------------------------------
 
 def _record(job: _Job, header: dict) -> dict:
     return {"id": job.id, "messages": job.history, **header}
@@ -208,7 +117,7 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
         for job in active:
             job.history.extend(job.segments[k])
         replies = _generate(target, [target.render_chat(j.history) for j in active], cfg, stops)
-        for job, reply in zip(active, replies):
+        for job, reply in zip(active, replies, strict=True):
             job.history.append({"role": "assistant", "content": reply.text})
             report.turns += 1
             report.generated_tokens += len(reply.ids)
@@ -294,79 +203,3 @@ def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
         input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         attention_mask[i, width - len(p):] = 1
     return input_ids, attention_mask  # built on the host, moved in one copy each
-
-
-# --- the resumable output file -----------------------------------------------------------------
-
-def _pending(conversations: Iterable[Conversation], done: set[str], report: RegenReport,
-             bar: tqdm) -> Iterator[Conversation]:
-    """Conversations still to do; skipped ones are counted and advance the bar."""
-    queued: set[str] = set()
-    for conv in conversations:
-        if conv.id in done:
-            report.already_done += 1
-            bar.update(1)
-        elif conv.id in queued:  # the file is keyed by id: a second conversation with it could never resume
-            report.duplicate_ids += 1
-            bar.update(1)
-        else:
-            queued.add(conv.id)
-            yield conv
-
-
-def _resume(path: Path, header: dict) -> set[str]:
-    """Ids of the complete lines of `path`; a torn last line is truncated away."""
-    if not path.is_file():
-        return set()
-    done: set[str] = set()
-    good_end = 0  # byte offset just past the last complete line
-    with open(path, "rb") as f:
-        lines = enumerate(f, 1)
-        for lineno, raw in lines:
-            record = _parse_line(raw)
-            if record is None:
-                if next(lines, None) is not None:  # only the last line can be torn by a kill
-                    raise UsageError(f"{path}:{lineno}: not a regenerated conversation; "
-                                     "this file is not a regeneration output, or was edited; write to a new file")
-                break
-            _check_same_run(path, lineno, record, header)
-            done.add(str(record["id"]))
-            good_end += len(raw)
-    if good_end < path.stat().st_size:
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-            f.flush()
-            os.fsync(f.fileno())
-    return done
-
-
-def _parse_line(raw: bytes) -> dict | None:
-    if not raw.endswith(b"\n"):
-        return None
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)):
-        return None
-    return record
-
-
-# Header keys added after files were written: a record without one has this value.
-HEADER_DEFAULTS = {"samples": 1}
-
-
-def _check_same_run(path: Path, lineno: int, record: dict, header: dict) -> None:
-    """Refuse to mix outputs of different targets or settings in one file."""
-    theirs = {k: record.get(k, HEADER_DEFAULTS.get(k)) for k in header}
-    if theirs != header:
-        diff = ", ".join(f"{k} {theirs[k]!r} (this run: {header[k]!r})" for k in header if theirs[k] != header[k])
-        raise UsageError(f"{path}:{lineno}: was regenerated with {diff}; write to a new file or rerun with "
-                         "the same settings")
-
-
-def _append(out, records: list[dict]) -> None:
-    """Write whole lines and make them durable before the next batch starts."""
-    out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
-    out.flush()
-    os.fsync(out.fileno())

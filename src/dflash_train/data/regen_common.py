@@ -1,0 +1,217 @@
+"""What the two regeneration backends share: settings, reply points, record ids, the resumable
+output file and the report.
+
+The in-process path (data/regenerate.py) and the server path (data/regen_client.py) write the
+same file format, one JSON line per finished conversation:
+
+    {"id": "c7#1", "messages": [...], "regenerated_by": ..., "max_new_tokens": ..., ...}
+
+Every header key (`regenerated_by`, the token limit, the temperature, the sample count, and for a
+server its URL, chat-template arguments and reasoning handling) is repeated on every line, so a
+file written with other settings is refused line by line rather than silently mixed.
+
+Resumable: lines are written whole, flushed and fsync'ed; on start the file is read back, a torn
+last line (no newline or invalid JSON) is truncated away, and conversations whose id is there
+are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflash_train.data.sources import Conversation
+from dflash_train.errors import UsageError
+
+Message = dict[str, str]
+
+
+@dataclass(kw_only=True, slots=True)
+class RegenConfig:
+    max_new_tokens: int = 256
+    """Token limit of each regenerated turn (--max-new-tokens)."""
+    temperature: float = 0.0
+    """0 = greedy; > 0 = sampling from the target's tempered distribution (--temperature)."""
+    batch_size: int = 16
+    """Conversations generated together, in-process only (--batch-size)."""
+    max_turns: int | None = None
+    """Regenerate at most this many assistant turns per conversation; None = all (--max-turns)."""
+    seed: int = 0
+    """Seeds torch's generator for sampling, or the per-request seeds sent to a server (--seed)."""
+    samples: int = 1
+    """Replies sampled per conversation; > 1 needs temperature > 0 (--samples)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise UsageError(f"--max-turns must be >= 1, got {self.max_turns}")
+        if self.samples < 1:
+            raise UsageError(f"--samples must be >= 1, got {self.samples}")
+        if self.samples > 1 and self.temperature == 0:
+            raise UsageError(f"--samples {self.samples} needs a temperature > 0 (at T=0 every sample is the same)")
+
+
+@dataclass
+class RegenReport:
+    written: int
+    """Conversations written by this run."""
+    already_done: int
+    """Conversations skipped because their id was already in the output file."""
+    generated_tokens: int
+    """Tokens the target generated (stop tokens included, padding excluded)."""
+    seconds: float
+    hit_length_limit: int
+    """Turns cut at --max-new-tokens without a stop token."""
+    turns: int = 0
+    """Assistant turns generated."""
+    empty_replies: int = 0
+    """Turns whose text is empty or whitespace (the target stopped at once)."""
+    duplicate_ids: int = 0
+    """Input conversations skipped because an earlier one in the same input had their id."""
+    requests: int = 0
+    """Server path: chat-completion requests answered."""
+    retries: int = 0
+    """Server path: requests sent again after a timeout, a dropped connection, a 429 or a 5xx."""
+    failed: int = 0
+    """Server path: conversations not written because a request failed for good (a rerun retries them)."""
+
+    def summary(self) -> str:
+        rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+        text = (f"regenerated {self.written} conversations ({self.turns} turns, {self.generated_tokens} tokens, "
+                f"{rate:.1f} tokens/s, {self.seconds:.1f} s); {self.already_done} already done; "
+                f"{self.hit_length_limit} turns hit --max-new-tokens")
+        if self.requests:
+            text += f"; {self.requests} requests ({self.requests / max(self.seconds, 1e-9):.1f}/s)"
+        if self.retries:
+            text += f", {self.retries} retried"
+        if self.failed:
+            text += f"; {self.failed} conversations failed (not written; a rerun retries them)"
+        if self.empty_replies:
+            text += f"; {self.empty_replies} empty replies"
+        if self.duplicate_ids:
+            text += f"; skipped {self.duplicate_ids} conversations with a repeated id"
+        return text
+
+
+# --- which conversations, which turns -----------------------------------------------------------
+
+def sample_ids(ids: Iterable[str], samples: int) -> list[str]:
+    """The record ids regeneration writes for these conversation ids: unchanged for one sample."""
+    return list(ids) if samples == 1 else [f"{i}#{k}" for i in ids for k in range(samples)]
+
+
+def with_samples(conversations: Iterable[Conversation], samples: int) -> Iterator[Conversation]:
+    for conv in conversations:
+        if samples == 1:
+            yield conv
+        else:
+            yield from (Conversation(i, conv.messages) for i in sample_ids([conv.id], samples))
+
+
+def reply_segments(conv: Conversation, max_turns: int | None) -> list[list[Message]]:
+    """The kept (system / user) messages preceding each reply the target writes, in order."""
+    segments: list[list[Message]] = []
+    pending: list[Message] = []
+    seen_user = False
+    for m in conv.messages:
+        if m["role"] != "assistant":
+            pending.append({"role": m["role"], "content": m["content"]})
+            seen_user = seen_user or m["role"] == "user"
+        elif pending and seen_user:  # an assistant turn right after another one adds no new reply point
+            segments.append(pending)
+            pending = []
+    if any(m["role"] == "user" for m in pending):  # ends on a user turn: the target answers it
+        segments.append(pending)
+    if not segments:
+        raise UsageError(f"conversation {conv.id}: no user turn for the target to answer")
+    return segments[:max_turns]  # later segments have no reply: the conversation ends at the last one
+
+
+def pending(conversations: Iterable[Conversation], done: set[str], report: RegenReport,
+            bar: tqdm) -> Iterator[Conversation]:
+    """Conversations still to do; skipped ones are counted and advance the bar."""
+    queued: set[str] = set()
+    for conv in conversations:
+        if conv.id in done:
+            report.already_done += 1
+            bar.update(1)
+        elif conv.id in queued:  # the file is keyed by id: a second conversation with it could never resume
+            report.duplicate_ids += 1
+            bar.update(1)
+        else:
+            queued.add(conv.id)
+            yield conv
+
+
+# --- the resumable output file -----------------------------------------------------------------
+
+def resume(path: Path, header: dict) -> set[str]:
+    """Ids of the complete lines of `path`; a torn last line is truncated away."""
+    if not path.is_file():
+        return set()
+    done: set[str] = set()
+    good_end = 0  # byte offset just past the last complete line
+    with open(path, "rb") as f:
+        lines = enumerate(f, 1)
+        for lineno, raw in lines:
+            record = _parse_line(raw)
+            if record is None:
+                if next(lines, None) is not None:  # only the last line can be torn by a kill
+                    raise UsageError(f"{path}:{lineno}: not a regenerated conversation; "
+                                     "this file is not a regeneration output, or was edited; write to a new file")
+                break
+            check_same_run(path, lineno, record, header)
+            done.add(str(record["id"]))
+            good_end += len(raw)
+    if good_end < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+    return done
+
+
+def _parse_line(raw: bytes) -> dict | None:
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)):
+        return None
+    return record
+
+
+# Header keys added after files were written: a record without one has this value. The in-process
+# path writes no "server": its records read as server None, which a server run's URL never equals
+# (and a server's record is refused by an in-process run even when the model names agree).
+HEADER_DEFAULTS = {"samples": 1, "server": None}
+
+
+def check_same_run(path: Path, lineno: int, record: dict, header: dict) -> None:
+    """Refuse to mix outputs of different targets, servers or settings in one file."""
+    ours = {"server": None, **header}
+    theirs = {k: record.get(k, HEADER_DEFAULTS.get(k)) for k in ours}
+    if theirs != ours:
+        diff = ", ".join(f"{k} {theirs[k]!r} (this run: {ours[k]!r})" for k in ours if theirs[k] != ours[k])
+        raise UsageError(f"{path}:{lineno}: was regenerated with {diff}; write to a new file or rerun with "
+                         "the same settings")
+
+
+def append(out, records: list[dict]) -> None:
+    """Write whole lines and make them durable before the next batch starts."""
+    out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    out.flush()
+    os.fsync(out.fileno())
