@@ -356,3 +356,31 @@ def test_in_process_run_refuses_a_server_file(tmp_path):
 def test_server_flags_need_server(tmp_path, capsys):
     err = _one_line_error(capsys, ["regenerate", "--model", "m", "--out", str(tmp_path / "o.jsonl")])
     assert err == "--model needs --server (the in-process path runs --target itself)"
+
+
+# --- train through the server ---------------------------------------------------------------------
+
+def test_train_regenerates_through_the_server_and_trains_on_its_replies(server, tmp_path, monkeypatch):
+    """`train --regen-server`: the server writes the replies the run prepares and trains on, with its
+    URL in the cache key and in the regenerated file's header."""
+    from dflash_train.cli import main
+
+    monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
+    source = write_source(tmp_path / "in.jsonl", convs(6))
+    run = tmp_path / "run"
+    assert main(["train", "--target", "random:tiny", "--data", str(source), "--run-dir", str(run), "--device", "cpu",
+                 "--regen-server", server.url, "--regen-api-key-env", KEY_ENV, "--regen-max-new-tokens", "12",
+                 "--max-length", "96", "--token-budget", "192", "--num-anchors", "8", "--block-size", "4",
+                 "--data-topic", "any", "--max-steps", "2", "--eval-limit", "0", "--quiet"]) == 0
+    regenerated = read_lines(next(run.glob("regenerated-*.jsonl")))
+    records = [r for r in regenerated if "id" in r]
+    assert len(records) == 6 and all(r["messages"][-1]["content"] != "original" for r in records)
+    assert any(server.url.rstrip("/") in json.dumps(r) for r in regenerated[:2])  # the header names the server
+    assert next(run.glob("data-*/meta.json")).is_file() and (run / "drafter" / "config.json").is_file()
+
+
+def test_train_names_its_own_flag_for_a_bad_server_url(tmp_path, capsys):
+    from dflash_train.cli import main
+
+    assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"), "--regen-server", "ftp://x"]) == 2
+    assert "--regen-server must be an http:// or https:// URL" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,11 @@ class TrainConfig:
     regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
     regen_samples: int = _opt(1, "replies sampled per conversation (> 1 needs --regen-temperature > 0)")
     regen_max_prompt_tokens: int = _opt(256, "skip conversations whose first prompt is longer (prefill cost)")
+    regen_server: str | None = _opt(None, "regenerate through this OpenAI-compatible server (vLLM, SGLang, llama.cpp; "
+                                    "base URL) instead of in-process; see `dflash-train regenerate --help`")
+    regen_model: str | None = _opt(None, "model name on --regen-server (default: the only one it serves)")
+    regen_concurrency: int = _opt(64, "requests in flight to --regen-server")
+    regen_api_key_env: str | None = _opt(None, "environment variable holding --regen-server's API key")
     labels: str = _opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
                        "the true prefix, one teacher-forced forward per sequence; cached as labels.npy in the data)")
     max_length: int = _opt(512, "tokens per training sequence (longer ones are truncated)")
@@ -110,7 +116,8 @@ class TrainConfig:
                 raise UsageError(f"--{_flag(f.name)} must be a finite number, got {value}")
         positive = ("num_layers", "block_size", "num_anchors", "token_budget", "max_length", "log_every",
                     "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns", "regen_samples",
-                    "regen_max_prompt_tokens", "eval_max_new_tokens", "loss_chunk_rows", "grad_accum", "queue_depth")
+                    "regen_max_prompt_tokens", "regen_concurrency", "eval_max_new_tokens", "loss_chunk_rows", "grad_accum",
+                    "queue_depth")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -129,6 +136,10 @@ class TrainConfig:
         if self.regen_samples > 1 and not (self.regenerate and self.regen_temperature > 0):
             raise UsageError(f"--regen-samples {self.regen_samples} needs --regenerate and --regen-temperature > 0 "
                              "(at T=0 every sample is the same)")
+        if self.regen_server is not None:
+            if not self.regenerate:
+                raise UsageError("--regen-server needs --regenerate (the server is what regenerates)")
+            self.server_config()  # validates the URL and the rest; errors name the flag
         if self.max_length < self.block_size:
             raise UsageError(f"--max-length {self.max_length} is shorter than a block (--block-size {self.block_size})")
         if self.token_budget < self.max_length:
@@ -167,6 +178,16 @@ class TrainConfig:
         if not sep or a < 0 or b <= a:
             raise UsageError(f"--torch-profile must be START:END steps with 0 <= START < END, got {self.torch_profile!r}")
         return a, b
+
+    def server_config(self):
+        """The regeneration server's settings (--regen-server ...), checked; errors name train's flags."""
+        from dflash_train.data.regen_client import ServerConfig
+
+        try:
+            return ServerConfig(url=self.regen_server, model=self.regen_model, concurrency=self.regen_concurrency,
+                                api_key_env=self.regen_api_key_env)
+        except UsageError as e:  # the client names regenerate's flags
+            raise UsageError(re.sub(r"--(server|model|concurrency|api-key-env)\b", r"--regen-\1", str(e))) from None
 
     # --- files -----------------------------------------------------------------------
 

@@ -108,7 +108,7 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
 def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
     """Regenerate (optionally) and tokenize the training conversations; reuse cached stages."""
     from dflash_train.data.dataset import PreparedDataset, prepare_dataset
-    from dflash_train.data.regenerate import RegenConfig, regenerate, sample_ids
+    from dflash_train.data.regenerate import RegenConfig, sample_ids
     from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 
     if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
@@ -120,7 +120,8 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
                    *([split] if split != "train" else []))  # files used whole: not the old 98% caches
     # the sample count joins the keys only when > 1, so the caches of earlier runs stay valid
     regen_key = (cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns,
-                 *([cfg.regen_samples] if cfg.regen_samples > 1 else []))
+                 *([cfg.regen_samples] if cfg.regen_samples > 1 else []),
+                 *([cfg.regen_server, cfg.regen_model] if cfg.regen_server else []))  # old cache keys unchanged
     data_dir = run_dir / f"data-{_key(src_key, cfg.regenerate, *regen_key, cfg.max_length)}"
     if (data_dir / "meta.json").is_file():
         say(f"using the prepared data in {data_dir}")
@@ -134,14 +135,27 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool):
         regen_cfg = RegenConfig(max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
                                 batch_size=cfg.regen_batch_size, max_turns=cfg.regen_max_turns, seed=cfg.seed,
                                 samples=cfg.regen_samples)
-        say(f"regenerating {len(convs)} conversations with the target into {regen_path}")
-        rep = regenerate(target, convs, regen_path, regen_cfg, progress=progress)
+        rep = _regenerate(cfg, target, convs, regen_path, regen_cfg, progress)
         say(f"regenerate: {rep.summary()}")
         convs = _read_regenerated(regen_path, sample_ids([c.id for c in convs], cfg.regen_samples))
     prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.max_length, on_bad=cfg.on_bad,
                            target_spec=target.spec, source_summary=report.summary, overwrite=True)
     say(f"prepare: {prep.summary()}")
     return PreparedDataset.open(data_dir)
+
+
+def _regenerate(cfg: TrainConfig, target: Target, convs: list, path: Path, regen_cfg, progress: bool):
+    """The target writes the replies: in this process, or through --regen-server."""
+    from dflash_train.data.regen_client import regenerate_via_server
+    from dflash_train.data.regenerate import regenerate
+
+    if not cfg.regen_server:
+        say(f"regenerating {len(convs)} conversations with the target into {path}")
+        return regenerate(target, convs, path, regen_cfg, progress=progress)
+    server = cfg.server_config()
+    say(f"regenerating {len(convs)} conversations through {server.url} into {path}")
+    return regenerate_via_server(convs, path, regen_cfg, server, tokenizer=target.tokenizer, tokenizer_name=target.spec,
+                                 progress=progress)
 
 
 # A first prompt "about code": a fence, a keyword of code or a language name.
