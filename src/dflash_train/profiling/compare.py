@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_train.profiling.report import Record, _by_process, _loops, _wall_s, read_run
+from dflash_train.profiling.report import Record, by_process, loops_of, read_run, save_figure, wall_seconds
 
 SAME = 0.01  # throughputs within 1% are reported as matching
 DOMINANT_WAIT = 0.25  # a wait is the headline when no work stage explains this share of the difference
@@ -80,8 +80,8 @@ def _parent(stage: str) -> str | None:
 
 
 def _add_process(runs: dict[str, LoopRun], recs: list[Record]) -> None:
-    wall = _wall_s(recs)
-    for loop in _loops(recs):
+    wall = wall_seconds(recs)
+    for loop in loops_of(recs):
         last = next(r["loops"][loop] for r in reversed(recs) if loop in r["loops"])
         cum = last.get("cumulative", {})
         run = runs.setdefault(loop, LoopRun())
@@ -100,7 +100,7 @@ def _add_process(runs: dict[str, LoopRun], recs: list[Record]) -> None:
 
 def loop_runs(records: list[Record]) -> dict[str, LoopRun]:
     runs: dict[str, LoopRun] = {}
-    for recs in _by_process(records).values():
+    for recs in by_process(records).values():
         _add_process(runs, recs)
     return runs
 
@@ -239,10 +239,7 @@ def plot_compare(name_a: str, name_b: str, records_a: list[Record], records_b: l
         right.set_ylabel("tokens/s")
         right.set_title("Throughput per loop")
         right.legend(fontsize="small")
-        fig.tight_layout()
-        out_png = Path(out_png)
-        out_png.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out_png, dpi=100, bbox_inches="tight")
+        out_png = save_figure(fig, out_png)
     finally:
         plt.close(fig)
     return out_png

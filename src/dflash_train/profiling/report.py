@@ -38,7 +38,7 @@ def load_records(path: str | Path) -> list[Record]:
     return records
 
 
-def _by_process(records: Iterable[Record]) -> dict[str, list[Record]]:
+def by_process(records: Iterable[Record]) -> dict[str, list[Record]]:
     """Records grouped per process (first-seen order), each group in time order."""
     groups: dict[str, list[Record]] = defaultdict(list)
     for rec in records:
@@ -47,7 +47,7 @@ def _by_process(records: Iterable[Record]) -> dict[str, list[Record]]:
     return {p: sorted(recs, key=lambda r: r.get("elapsed_s", 0.0)) for p, recs in groups.items()}
 
 
-def _loops(recs: list[Record]) -> list[str]:
+def loops_of(recs: list[Record]) -> list[str]:
     return sorted({loop for rec in recs for loop in rec["loops"]})
 
 
@@ -75,7 +75,7 @@ def _ratio(stage: dict[str, float], field: str) -> str:
     return f"{stage[field] / wall * 100:>7.0f}%" if field in stage and wall > 0 else f"{'-':>8}"
 
 
-def _wall_s(recs: list[Record]) -> float:
+def wall_seconds(recs: list[Record]) -> float:
     return sum(rec.get("window_s", 0.0) for rec in recs)
 
 
@@ -146,11 +146,11 @@ def _verdict_runs(recs: list[Record]) -> list[str]:
 
 def summarize(records: list[Record]) -> str:
     """The whole-run text report: per process and loop a stage table, rates, gauges; then verdicts."""
-    groups = _by_process(records)
+    groups = by_process(records)
     lines = []
     for process, recs in groups.items():
-        wall = _wall_s(recs)
-        for loop in _loops(recs):
+        wall = wall_seconds(recs)
+        for loop in loops_of(recs):
             lines.append(f"{process} [{loop}]  profiled {wall:.1f} s over {len(recs)} windows")
             lines += _stage_table(recs, loop, wall) + _extras(recs, loop)
         lines += _allocator_line(recs)
@@ -163,8 +163,8 @@ def summarize(records: list[Record]) -> str:
 
 def _plot_shares(ax, groups: dict[str, list[Record]]) -> None:
     """Stacked horizontal bars: each top-level stage's share of the process's profiled wall time."""
-    rows = [(f"{p} [{loop}]", _last_cumulative(recs, loop), _wall_s(recs))
-            for p, recs in groups.items() for loop in _loops(recs)]
+    rows = [(f"{p} [{loop}]", _last_cumulative(recs, loop), wall_seconds(recs))
+            for p, recs in groups.items() for loop in loops_of(recs)]
     # Nested stages (drafter.L0.attention) are already inside drafter_forward: stacking them double counts.
     names = _ordered({n for _, stages, _ in rows for n in stages if "." not in n})
     left = [0.0] * len(rows)
@@ -192,7 +192,7 @@ def _plot_timeline(ax, groups: dict[str, list[Record]]) -> None:
     """tokens/s per process/loop on the left axis, queue depths (mean per window) on the right."""
     depth_ax = None
     for p, recs in groups.items():
-        for loop in _loops(recs):
+        for loop in loops_of(recs):
             t, v = _series(recs, loop, lambda d: d.get("rates", {}).get("tokens_per_s"))
             if v:
                 ax.plot(t, v, marker=".", label=f"{p} [{loop}] tokens/s")
@@ -220,16 +220,13 @@ def plot(records: list[Record], out_png: str | Path) -> Path:
     matplotlib.use("Agg")  # headless: training hosts have no display
     import matplotlib.pyplot as plt
 
-    groups = _by_process(records)
-    n_rows = sum(len(_loops(recs)) for recs in groups.values())
+    groups = by_process(records)
+    n_rows = sum(len(loops_of(recs)) for recs in groups.values())
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 8 + 0.45 * n_rows))
     try:
         _plot_shares(top, groups)
         _plot_timeline(bottom, groups)
-        fig.tight_layout()
-        out_png = Path(out_png)
-        out_png.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out_png, dpi=100, bbox_inches="tight")
+        out_png = save_figure(fig, out_png)
     finally:
         plt.close(fig)
     return out_png
@@ -253,3 +250,12 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[str, Pat
     records = read_run(run_dir)
     png = plot(records, out if out is not None else Path(run_dir) / "profile.png")
     return summarize(records), png
+
+
+def save_figure(fig, out_png: str | Path) -> Path:
+    """Lay out `fig` and write it as a PNG (creating the folder); the caller closes the figure."""
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100, bbox_inches="tight")
+    return out_png
