@@ -20,7 +20,6 @@ runs eagerly: one path, the same math.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -28,20 +27,7 @@ from torch import nn
 from dflash_train.models import graphs
 from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.graphs import GraphStore
-from dflash_train.models.static_lm import CACHE_BUCKET, bucket, cached_attention
-
-
-@dataclass
-class DraftCache(GraphStore):
-    """Context K and V of every draft layer, [1, kv_heads, capacity, head_dim] each, and their graphs."""
-
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
+from dflash_train.models.static_lm import StaticCache, cached_attention
 
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -56,7 +42,7 @@ def for_drafter(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module) -> St
 
 
 class StaticDrafter:
-    """Batch-1 draft steps of a DFlashDrafter over a DraftCache (see the module docstring).
+    """Batch-1 draft steps of a DFlashDrafter over a StaticCache (see the module docstring).
 
     `embed` and `head` are the target's input embedding and LM head: the step goes from block
     token ids to draft logits, so one graph holds the whole draft.
@@ -69,29 +55,26 @@ class StaticDrafter:
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device
         self._graphs = graphs
-        self._cache: DraftCache | None = None
+        self._cache: StaticCache | None = None
 
     @property
     def graphs(self) -> bool:
         return self.device.type == "cuda" if self._graphs is None else self._graphs
 
-    def cache_for(self, capacity: int) -> DraftCache:
+    def cache_for(self, capacity: int) -> StaticCache:
         """A cache of at least `capacity` slots: the last one when it fits (keeping its graphs).
 
         Reuse needs no clearing: a query sees only slots its own decode has written.
         """
-        last = self._cache
-        if last is not None and last.capacity >= capacity:
-            return last
+        if self._cache is not None and self._cache.fits(1, capacity, self.device):
+            return self._cache
         self._cache = None  # free the old buffers and graphs first
-        shape = (1, self.kv_heads, bucket(capacity, CACHE_BUCKET), self.head_dim)
-        n = len(self.drafter.layers)
-        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        self._cache = DraftCache(keys=[make() for _ in range(n)], values=[make() for _ in range(n)])
+        self._cache = StaticCache.allocate(len(self.drafter.layers), 1, self.kv_heads, capacity, self.head_dim,
+                                           self.dtype, self.device)
         return self._cache
 
     @torch.inference_mode()
-    def forward(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: DraftCache,
+    def forward(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: StaticCache,
                 kv_len: int) -> torch.Tensor:
         """Draft logits [q-1, V] for block slots 1..q-1.
 
@@ -134,7 +117,7 @@ class StaticDrafter:
             masks[SLIDING_ATTENTION] = ((diff >= 0) & (diff < window))[None]
         return masks
 
-    def step(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: DraftCache,
+    def step(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: StaticCache,
              kv_len: int) -> torch.Tensor:
         """`forward`, on CUDA as a replay of the graph captured for this shape.
 

@@ -83,6 +83,18 @@ class StaticCache(GraphStore):
     def device(self) -> torch.device:
         return self.keys[0].device
 
+    @classmethod
+    def allocate(cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> StaticCache:
+        """Zeroed K/V for `layers` layers, capacity rounded up to CACHE_BUCKET slots."""
+        shape = (batch, kv_heads, bucket(capacity, CACHE_BUCKET), head_dim)
+        make = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(keys=[make() for _ in range(layers)], values=[make() for _ in range(layers)])
+
+    def fits(self, batch: int, capacity: int, device: torch.device) -> bool:
+        """Whether a decode of `batch` rows and `capacity` slots on `device` can reuse this cache (and its graphs)."""
+        return self.batch == batch and self.capacity >= capacity and self.device == device
+
 
 @dataclass
 class StepOut:
@@ -126,13 +138,11 @@ class StaticLM:
         (see the module docstring). Graphs are bound to a cache's buffers, so reuse is also what
         lets a decode loop replay the graphs captured by the previous one (eval: every prompt).
         """
-        last = self._cache
-        if last is not None and last.batch == batch and last.capacity >= capacity and last.device == self.device:
-            return last
+        if self._cache is not None and self._cache.fits(batch, capacity, self.device):
+            return self._cache
         self._cache = None  # free the old buffers (and graphs) before allocating the new ones
-        shape = (batch, self.kv_heads, bucket(capacity, CACHE_BUCKET), self.head_dim)
-        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        self._cache = StaticCache(keys=[make() for _ in range(self.n_layers)], values=[make() for _ in range(self.n_layers)])
+        self._cache = StaticCache.allocate(self.n_layers, batch, self.kv_heads, capacity, self.head_dim, self.dtype,
+                                           self.device)
         return self._cache
 
     # --- the forward -----------------------------------------------------------------------
