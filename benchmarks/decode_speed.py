@@ -8,7 +8,9 @@ forward it replaced, in one process on one device:
 Random weights never emit a stop token, so every row decodes the full --new-tokens: tokens/s
 counts real work. DFlash decoding is reported per verify step (a random drafter accepts ~0
 drafts); `break_even_tau` = DFlash step time / target-only token time is the acceptance
-length at which DFlash decoding starts to pay off, and speedup = tau / break_even_tau.
+length at which DFlash decoding starts to pay off, and speedup = tau / break_even_tau. The DFlash
+step is timed three ways: the T=0 loop with its state on the device (what eval runs), the host
+loop (a sync per step: what T>0 runs) and the device loop's steps back to back (the GPU's share).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from dflash_train.data import regenerate as regen
 from dflash_train.data.regenerate import RegenConfig
+from dflash_train.eval import greedy_loop
 from dflash_train.eval import speculative as spec
 from dflash_train.models import static_lm
 from dflash_train.models.factory import drafter_config_for, new_drafter
@@ -65,15 +68,30 @@ def batch1_rate(target, prompts, new_tokens, hf: bool) -> dict:
     return {"prompts": len(prompts), "tokens_per_s": round(toks / secs, 1), "ms_per_token": round(1e3 * secs / toks, 3)}
 
 
-def dflash_rate(target, drafter, prompts, new_tokens, hf: bool, monkey=None) -> dict:
+def dflash_rate(target, drafter, prompts, new_tokens, hf: bool, monkey=None, device_loop=True) -> dict:
     if monkey:
         monkey()
-    spec.speculative_generate(target, drafter, prompts[0], new_tokens)  # warm-up
-    runs = [spec.speculative_generate(target, drafter, p, new_tokens) for p in prompts]
+    spec.speculative_generate(target, drafter, prompts[0], new_tokens, device_loop=device_loop)  # warm-up
+    runs = [spec.speculative_generate(target, drafter, p, new_tokens, device_loop=device_loop) for p in prompts]
     steps = sum(len(r.committed) for r in runs)
     secs = sum(r.decode_s for r in runs)
     taus = [sum(r.committed) / len(r.committed) for r in runs]
     return {"prompts": len(prompts), "ms_per_step": round(1e3 * secs / steps, 3), "tau": round(statistics.mean(taus), 3)}
+
+
+def device_steps(target, drafter, prompt, steps: int = 64) -> dict:
+    """The device loop's steps back to back with no host sync between them: the GPU's time per step."""
+    loop = greedy_loop.for_pair(target, drafter)
+    kv = static_lm.bucket(len(prompt) + (steps + 2) * drafter.block_size)
+    for _ in range(2):  # the first round captures the graph
+        loop.start(prompt, steps * drafter.block_size)
+        loop.first_step()
+        _sync(target.device)
+        t0 = time.perf_counter()
+        loop.advance(steps, kv)
+        _sync(target.device)
+        secs = time.perf_counter() - t0
+    return {"steps": steps, "ms_per_step": round(1e3 * secs / steps, 3)}
 
 
 def _profile(target, drafter, rows, prompt, path):
@@ -126,14 +144,11 @@ def main(argv=None) -> int:
     out["batch1_static"] = batch1_rate(target, few, args.new_tokens, hf=False)
     print("batch1 static", out["batch1_static"], flush=True)
     out["dflash_static"] = dflash_rate(target, drafter, few, args.new_tokens, hf=False)
-    print("dflash static", out["dflash_static"], flush=True)
-    saved_draft = spec._StaticDraft
-    try:  # the same loop with the eager drafter: what graphing the drafter's step saves
-        spec._StaticDraft = lambda target, drafter, capacity: spec._EagerDraft(target, drafter)
-        out["dflash_static_eager_drafter"] = dflash_rate(target, drafter, few, args.new_tokens, hf=False)
-    finally:
-        spec._StaticDraft = saved_draft
-    print("dflash static, eager drafter", out["dflash_static_eager_drafter"], flush=True)
+    print("dflash static (device loop)", out["dflash_static"], flush=True)
+    out["dflash_static_host_loop"] = dflash_rate(target, drafter, few, args.new_tokens, hf=False, device_loop=False)
+    print("dflash static, host loop (a sync per step)", out["dflash_static_host_loop"], flush=True)
+    out["dflash_static_gpu_only"] = device_steps(target, drafter, few[0])
+    print("dflash static, steps back to back", out["dflash_static_gpu_only"], flush=True)
     if not args.skip_hf:
         out["regen_hf"] = regen_rate(target, rows[:args.regen_hf_rows], min(args.new_tokens, 64), hf=True)
         print("regen hf", out["regen_hf"], flush=True)

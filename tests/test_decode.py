@@ -6,6 +6,7 @@ import torch
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.eval.speculative import rejection_sample, speculative_generate, target_generate
 from dflash_train.models.checkpoint import save_drafter
+from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.targets import load_target
 
 
@@ -133,3 +134,79 @@ def test_rejection_sampling_identical_distributions_accept_all():
     draft = torch.tensor([1, 2, 3])
     acc, _ = rejection_sample(draft, p[:3], p, torch.Generator().manual_seed(0))
     assert acc == 3
+
+
+@pytest.fixture(scope="module")
+def partial_pair():
+    """An oracle target (always token 0) and a drafter that drafts 0 in some slots only: token 0's
+    LM-head row is a large random direction, so a slot drafts 0 when its hidden state leans that way.
+    With these seeds the steps accept 0, 2 and 4 of 4 drafts, and the last block is cut short."""
+    t = load_target("random:tiny", seed=1, dtype=torch.float32)
+    t.decoder.norm.weight.data.zero_()
+    drafter = new_drafter(drafter_config_for(t, num_layers=2, block_size=5, dtype="float32"), 5).float().eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + torch.randn(p.shape, generator=g))
+        W = t.lm_head.weight
+        W[0] = torch.randn(W.shape[1], generator=g) * 30 * W[1:].norm(dim=1).mean() / W.shape[1] ** 0.5
+    return t, drafter, torch.randint(0, 256, (12,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("max_new", [40, 23, 2])
+def test_the_device_loop_takes_the_host_loops_steps(partial_pair, max_new):
+    """T=0 on a StaticLM target: the device-state loop commits, accepts and counts exactly what the host loop does."""
+    target, drafter, prompt = partial_pair
+    ours = speculative_generate(target, drafter, prompt, max_new)
+    host = speculative_generate(target, drafter, prompt, max_new, device_loop=False)
+    assert (ours.tokens, ours.committed, ours.accepted, ours.slots) == (host.tokens, host.committed, host.accepted,
+                                                                         host.slots)
+    if max_new == 40:
+        assert {0, 2, 4} <= set(ours.accepted) and ours.slots[-1] < 4  # partial, full and cut-short steps
+
+
+def test_the_device_loop_starts_each_block_at_the_last_committed_token():
+    """A target that alternates 0, 1, 0, ... (its layers add nothing; token 0 maps to 1, any other to 0)
+    and a drafter that always drafts 0: after the first block (which starts at 0), every step
+    accepts one draft, and only if the next block starts at the token the target committed last."""
+    t = load_target("random:tiny", seed=2, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, t.hidden_size, generator=g)
+    b -= (a @ b) / (a @ a) * a  # orthogonal: token 0's and the others' embeddings score apart
+    with torch.no_grad():
+        for layer in t.decoder.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        E, W = t.model.get_input_embeddings().weight, t.lm_head.weight
+        E[:] = a
+        E[0] = b
+        W.mul_(0.01)
+        W[0], W[1] = a, b
+    drafter = new_drafter(drafter_config_for(t, num_layers=1, block_size=5, dtype="float32"), 0).float().eval()
+    drafter.norm.weight.data.zero_()  # zero logits: drafts token 0 everywhere
+    prompt = _prompts(1)[0]
+    for device_loop in (True, False):
+        res = speculative_generate(t, drafter, prompt, 21, device_loop=device_loop)
+        assert res.tokens == [0, 1] * 10 + [0] and res.accepted == [0] + [1] * 10
+
+
+def test_the_device_loop_stops_at_a_stop_token(tiny_target, make_drafter):
+    drafter = make_drafter(block_size=4)
+    prompt = _prompts(1, seed=3)[0]
+    base = target_generate(tiny_target, prompt, 30).tokens
+    stop = base[9]
+    want = base[:base.index(stop) + 1]
+    for device_loop in (True, False):
+        assert speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop], device_loop=device_loop).tokens == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_graphed_device_loop_takes_the_host_loops_steps(make_drafter):
+    """On CUDA the device loop replays one graph per step and checks the end every few steps."""
+    t = load_target("random:tiny", device="cuda", dtype=torch.float32, seed=0)
+    drafter = new_drafter(drafter_config_for(t, num_layers=2, block_size=4, dtype="float32"), 1).float().cuda().eval()
+    for prompt in _prompts(3, seed=7):
+        ours = speculative_generate(t, drafter, prompt, 150)
+        host = speculative_generate(t, drafter, prompt, 150, device_loop=False)
+        assert (ours.tokens, ours.committed, ours.accepted) == (host.tokens, host.committed, host.accepted)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_train.eval import greedy_loop
 from dflash_train.models import static_drafter, static_lm
 from dflash_train.models.drafter import ContextCache, DFlashDrafter
 from dflash_train.models.generate import generate, now
@@ -184,9 +185,10 @@ class _EagerDraft:
         self.dtype = next(drafter.parameters()).dtype
         self.cache = ContextCache()
 
-    def logits(self, feats: torch.Tensor, n: int, block: torch.Tensor, ctx_start: int) -> torch.Tensor:
-        """feats [1, >=n, nH] of positions ctx_start.. (the first n committed); block [1, q] -> [q-1, V]."""
-        start, q_len = ctx_start + n, block.shape[1]
+    def logits(self, feats: torch.Tensor, n: int, block: torch.Tensor, q_len: int, ctx_start: int) -> torch.Tensor:
+        """feats [1, >=n, nH] of positions ctx_start.. (the first n committed); block [1, >=q] -> [q-1, V]."""
+        block = block[:, :q_len]  # the drafter's block attention is bidirectional: width changes its output
+        start = ctx_start + n
         positions = torch.arange(ctx_start, start + q_len, device=block.device)[None]
         hidden = self.drafter(self.target.embed(block).to(self.dtype), feats[:, :n].to(self.dtype), positions,
                               cache=self.cache)
@@ -201,21 +203,28 @@ class _StaticDraft:
         self.cache = self.engine.cache_for(capacity)
         self.width = drafter.block_size
 
-    def logits(self, feats: torch.Tensor, n: int, block: torch.Tensor, ctx_start: int) -> torch.Tensor:
-        meta = torch.tensor([ctx_start, n], device=block.device)  # a small host-to-device copy, no sync
+    def logits(self, feats: torch.Tensor, n: int, block: torch.Tensor, q_len: int, ctx_start: int) -> torch.Tensor:
+        """block [1, B] always: a block cut short to q_len slots is masked to them (static_drafter)."""
+        meta = torch.tensor([ctx_start, n, q_len], device=block.device)  # a small host-to-device copy
         kv_len = static_lm.bucket(ctx_start + n + block.shape[1])
-        if feats.shape[1] == block.shape[1] == self.width:  # every step but the first and a cut-short last
-            return self.engine.step(feats, block, meta, self.cache, kv_len)
-        return self.engine.forward(feats, block, meta, self.cache, kv_len)
+        if feats.shape[1] == block.shape[1] == self.width:  # every step but the first
+            return self.engine.step(feats, block, meta, self.cache, kv_len)[:q_len - 1]
+        return self.engine.forward(feats, block, meta, self.cache, kv_len)[:q_len - 1]
 
 
 @torch.inference_mode()
 def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
                          temperature: float = 0.0, block_size: int | None = None, stop_ids: list[int] | None = None,
-                         gen: torch.Generator | None = None) -> DecodeResult:
-    """DFlash speculative decoding of one prompt (batch 1)."""
+                         gen: torch.Generator | None = None, device_loop: bool = True) -> DecodeResult:
+    """DFlash speculative decoding of one prompt (batch 1).
+
+    At T=0 on a StaticLM target the loop's state stays on the device (greedy_loop: no host
+    sync per step); otherwise the host decides each step (the same steps and statistics).
+    """
     dev, stops = target.device, set(stop_ids or [])
     B = block_size or drafter.block_size
+    if temperature <= 0 and B == drafter.block_size and device_loop and (loop := greedy_loop.for_pair(target, drafter)):
+        return _greedy_generate(loop, prompt, max_new_tokens, stops)
     layer_ids = list(drafter.config.target_layer_ids)
     mask_id = drafter.mask_token_id
     lm = static_lm.for_model(target.model)
@@ -233,33 +242,80 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     res = DecodeResult(tokens=[first], prefill_s=t1 - t0, decode_s=0.0)
     start = len(prompt)  # position of the last committed token (block slot 0)
     ctx_start, n_ctx = 0, len(prompt)
-    while len(res.tokens) < max_new_tokens and res.tokens[-1] not in stops:
+    while not _finished(res, max_new_tokens, stops):
         q_len = min(B, max_new_tokens - len(res.tokens) + 1)  # slots that can still commit a token
         block = torch.full((1, B if lm is not None else q_len), mask_id, device=dev, dtype=torch.long)
         block[0, 0] = res.tokens[-1]
-        # The drafter sees q_len slots (its block attention is bidirectional: width changes its output).
-        draft_logits = drafts.logits(new_ctx, n_ctx, block[:, :q_len], ctx_start)  # [q_len-1, V]
+        draft_logits = drafts.logits(new_ctx, n_ctx, block, q_len, ctx_start)  # [q_len-1, V]
         draft = _pick(draft_logits, temperature, gen)
         block[0, 1:q_len] = draft
 
         logits, feats = verifier.verify(block, start)
         logits = logits[:q_len]  # slot i predicts position start+i+1
         accepted, new = _accept(draft, draft_logits, logits, temperature, gen)
-        produced = min(len(new), max_new_tokens - len(res.tokens))
-        for i, t in enumerate(new[:produced]):
-            if t in stops:
-                produced = i + 1
-                break
-        res.tokens.extend(new[:produced])
-        res.committed.append(produced)
-        res.accepted.append(accepted)
-        res.slots.append(q_len - 1)
+        produced = _extend(res, accepted, new, q_len, max_new_tokens, stops)
         # Keep target K/V of the verified slots 0..produced-1; their features feed the next draft.
         ctx_start, start, n_ctx = start, start + produced, produced
         verifier.commit(start)
         new_ctx = feats
     res.decode_s = now(dev) - t1
     return res
+
+
+def _greedy_generate(loop: greedy_loop.GreedyLoop, prompt: list[int], max_new_tokens: int,
+                     stops: set[int]) -> DecodeResult:
+    """The T=0 decode on the device; the host reads the steps back in chunks and applies the host loop's rules."""
+    dev, B = loop.device, loop.B
+    t0 = now(dev)
+    res = DecodeResult(tokens=[loop.start(prompt, max_new_tokens)], prefill_s=0.0, decode_s=0.0)
+    t1 = now(dev)
+    res.prefill_s = t1 - t0
+    done = _finished(res, max_new_tokens, stops)
+    if not done:
+        loop.first_step()
+    queued, read = (0 if done else 1), 0  # steps run on the device, steps applied here
+    while not done:
+        for accepted, *pred in loop.records(read, queued):
+            read += 1
+            # The accepted drafts equal the target's argmaxes; then comes its next token.
+            q_len = min(B, max_new_tokens - len(res.tokens) + 1)
+            _extend(res, accepted, pred[:accepted + 1], q_len, max_new_tokens, stops)
+            done = _finished(res, max_new_tokens, stops)
+            if done:
+                break
+        if not done:
+            steps = _chunk(res, max_new_tokens, dev)
+            loop.advance(steps, static_lm.bucket(len(prompt) + len(res.tokens) - 1 + steps * B))
+            queued += steps
+    res.decode_s = now(dev) - t1
+    return res
+
+
+def _chunk(res: DecodeResult, max_new_tokens: int, dev: torch.device) -> int:
+    """Steps to run before the next check: those the observed tau says are still needed (1 on CPU)."""
+    if dev.type != "cuda":
+        return 1  # syncs cost nothing on the CPU, and steps past the end would
+    tau = (len(res.tokens) - 1) / max(len(res.committed), 1)
+    return max(1, min(greedy_loop.MAX_CHUNK, int((max_new_tokens - len(res.tokens)) / max(tau, 1.0))))
+
+
+def _finished(res: DecodeResult, max_new_tokens: int, stops: set[int]) -> bool:
+    return len(res.tokens) >= max_new_tokens or res.tokens[-1] in stops
+
+
+def _extend(res: DecodeResult, accepted: int, new: list[int], q_len: int, max_new_tokens: int,
+            stops: set[int]) -> int:
+    """Commit a step's tokens (`accepted` drafts and the target's next token) up to the limit or a stop token."""
+    produced = min(len(new), max_new_tokens - len(res.tokens))
+    for i, t in enumerate(new[:produced]):
+        if t in stops:
+            produced = i + 1
+            break
+    res.tokens.extend(new[:produced])
+    res.committed.append(produced)
+    res.accepted.append(accepted)
+    res.slots.append(q_len - 1)
+    return produced
 
 
 def _accept(draft: torch.Tensor, draft_logits: torch.Tensor, logits: torch.Tensor, temperature: float,

@@ -32,27 +32,40 @@ def replay(store: GraphStore, key: Any, fn: Callable[..., Any], *inputs: torch.T
     """
     graph = store.graphs.get(key)
     if graph is None:
-        graph = store.graphs[key] = _capture(store, fn, inputs)
-    g, static_inputs, out = graph
+        static_inputs = tuple(x.clone() for x in inputs)
+        graph = store.graphs[key] = (*_capture(store, fn, static_inputs, static_inputs[0].device), static_inputs)
+    g, out, static_inputs = graph
     for dst, src in zip(static_inputs, inputs, strict=True):
         dst.copy_(src)
     g.replay()
     return out
 
 
-def _capture(store: GraphStore, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]):
-    static_inputs = tuple(x.clone() for x in inputs)
-    device = static_inputs[0].device
+def advance(store: GraphStore, key: Any, fn: Callable[[], None], device: torch.device) -> None:
+    """fn(), a step that reads and updates buffers in place, as a replay of the graph captured for `key`.
+
+    The first call of a key runs fn once, as the capture's warm-up: that run is this call's
+    step (capturing executes nothing), so every call advances the buffers exactly once.
+    """
+    graph = store.graphs.get(key)
+    if graph is None:
+        store.graphs[key] = _capture(store, fn, (), device)
+        return
+    graph[0].replay()
+
+
+def _capture(store: GraphStore, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], device: torch.device):
+    """(graph, outputs) of fn(*inputs), after one warm-up run of it."""
     # Warm up on a side stream: lazy cuBLAS/allocator/compiler set-up must not happen during
-    # capture. Callers' warm-up writes are the same writes the replay makes: harmless.
+    # capture. replay's warm-up writes are the same writes its replays make: harmless.
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        fn(*static_inputs)
+        fn(*inputs)
     torch.cuda.current_stream(device).wait_stream(side)
     if store.pool is None:
         store.pool = torch.cuda.graph_pool_handle()  # per store: a handle outliving its graphs is invalid
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=store.pool):
-        out = fn(*static_inputs)
-    return g, static_inputs, out
+        out = fn(*inputs)
+    return g, out

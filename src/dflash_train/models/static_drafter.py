@@ -10,9 +10,11 @@ decided the speedup. Here every full-width step has one shape and replays as one
 Cache slot j holds the K/V of context position j. A step takes the verify's B feature rows
 (rows past the committed count n belong to rejected slots) and writes all B at slots
 ctx_start.., then writes the block's K/V at slots start = ctx_start + n..: the block's B slots
-cover every rejected row, and the next step's context overwrites the block's. A query sees
-slots < start + q (the committed context and the block, non-causally); sliding-window layers
-also keep their causal window over positions, as the eager drafter does. The math is the
+cover every rejected row, and the next step's context overwrites the block's. A block is
+always written B wide; one cut short to q slots by the token limit masks its slots >= q, which
+computes what a q-wide block would. A query sees slots < start + q (the committed context and
+the block, non-causally); sliding-window layers also keep their causal window over positions,
+as the eager drafter does. The math is the
 eager drafter's own modules; only the cache and the masks are ours. On CPU the same function
 runs eagerly: one path, the same math.
 """
@@ -76,11 +78,12 @@ class StaticDrafter:
     @torch.inference_mode()
     def forward(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: StaticCache,
                 kv_len: int) -> torch.Tensor:
-        """Draft logits [q-1, V] for block slots 1..q-1.
+        """Draft logits [w-1, V] for block slots 1..w-1, of which the first q-1 are the draft.
 
         features [1, c, n*H]: target features of positions ctx_start..ctx_start+c-1, of which
-        the first n are committed context; block [1, q]: the last committed token then mask
-        tokens; meta [2] = (ctx_start, n), on the device so that one graph serves every step.
+        the first n are committed context; block [1, w]: the last committed token then mask
+        tokens; meta [3] = (ctx_start, n, q), on the device so that one graph serves every step
+        (q <= w: the block's width, its slots from q on are masked out).
         """
         d = self.drafter
         c, q = features.shape[1], block.shape[1]
@@ -92,7 +95,7 @@ class StaticDrafter:
         ctx = d.fuse(features.to(self.dtype))
         x = self.embed(block).to(self.dtype)
         cos, sin = d.rotary(x, positions)
-        masks = self._masks(block_slots, kv_len)
+        masks = self._masks(block_slots, start + meta[2], kv_len)
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             qs, ks, vs = attn.qkv(layer.input_layernorm(x), ctx, cos, sin)
@@ -106,11 +109,11 @@ class StaticDrafter:
         hidden = d.norm(x)[:, 1:]
         return self.head(hidden.to(self.head.weight.dtype))[0]
 
-    def _masks(self, block_slots: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
-        """Per layer type, [1, q, kv_len]: which slots each block query sees."""
+    def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
+        """Per layer type, [1, w, kv_len]: which slots each block query sees (`end`: one past the block's q slots)."""
         slots = torch.arange(kv_len, device=block_slots.device)
         diff = block_slots[:, None] - slots[None, :]
-        seen = slots[None, :] <= block_slots[-1]  # written by this decode: the context and the block
+        seen = slots[None, :] < end  # written by this decode: the context and the block's q slots
         masks = {t: seen.expand(len(block_slots), -1)[None] for t in set(self.drafter.config.layer_types)}
         if SLIDING_ATTENTION in masks:
             window = self.drafter.config.sliding_window

@@ -1,0 +1,122 @@
+"""Where a batch-1 DFlash step's time goes: each part's graph replayed back to back, eager and compiled.
+
+    python3 benchmarks/decode_parts.py --draft-layers 5 --json benchmarks/results/decode-parts-h200.json
+
+Parts: the target's one-token step (the baseline's unit), its B-token verify (logits and
+features), the drafter's step, and the whole T=0 device-loop step (draft, verify, accept).
+Each is captured as a CUDA graph and replayed `--reps` times with no host sync in between, so
+the figure is the GPU's time (kernels and the gaps between them), not Python's. `kernels` counts
+the kernels one eager call launches (torch.profiler): at batch 1 a small model's step costs about
+its kernel count times a few microseconds. `--compile` also times each part through
+torch.compile (inductor fuses the elementwise kernels; the graph capture stays ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from datetime import date
+
+import torch
+
+from dflash_train.eval import greedy_loop
+from dflash_train.models import graphs, static_drafter, static_lm
+from dflash_train.models.factory import drafter_config_for, new_drafter
+from dflash_train.models.graphs import GraphStore
+from dflash_train.models.targets import load_target
+
+
+def _time(fn, reps: int) -> float:
+    """ms per call of fn() replayed as a graph (no inputs: it reads fixed buffers)."""
+    store = GraphStore()
+    graphs.replay(store, "k", fn, torch.zeros(1, device="cuda"))  # warm-up and capture
+    torch.cuda.synchronize()  # host sync: honest wall time
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graphs.replay(store, "k", fn, torch.zeros(1, device="cuda"))
+    torch.cuda.synchronize()  # host sync: honest wall time
+    return round(1e3 * (time.perf_counter() - t0) / reps, 4)
+
+
+def _plain(method):
+    """A bound method without its inference_mode decorator."""
+    return functools.partial(type(method.__self__).__dict__[method.__name__].__wrapped__, method.__self__)
+
+
+def _kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(None)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(None)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="random:smollm2-135m")
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--context", type=int, default=512, help="tokens already in the caches")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev, B = torch.device("cuda"), args.block_size
+    target = load_target(args.target, device=dev)
+    drafter = new_drafter(drafter_config_for(target, num_layers=args.draft_layers, block_size=B), 0, dev)
+    drafter = drafter.to(target.dtype).eval()
+    lm = static_lm.for_model(target.model)
+    layers = tuple(drafter.config.target_layer_ids)
+    kv = static_lm.bucket(args.context + 2 * B)
+    cache = lm.cache_for(1, kv)
+    engine = static_drafter.StaticDrafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+    dcache = engine.cache_for(kv)
+    one, block = torch.ones(1, 1, dtype=torch.long, device=dev), torch.ones(1, B, dtype=torch.long, device=dev)
+    pos1 = torch.full((1, 1), args.context, device=dev)
+    posB = (args.context + torch.arange(B, device=dev))[None]
+    feats = torch.randn(1, B, len(layers) * target.hidden_size, device=dev, dtype=target.dtype)
+    meta = torch.tensor([args.context - B, B, B], device=dev)
+    loop = greedy_loop.for_pair(target, drafter)
+    loop.start(list(range(1, args.context + 1)), 10 * B)
+    loop.first_step()
+
+    def parts(compiled: bool) -> dict:
+        # compile traces the undecorated functions, run under no_grad: inductor rejects inference_mode's tensors
+        wrap = (lambda f: torch.compile(_plain(f), dynamic=False)) if compiled else (lambda f: f)
+        lm_fwd, d_fwd = wrap(lm.forward), wrap(engine.forward)
+        step_fn = wrap(loop._step)
+        fns = {
+            "target_token": lambda _: lm_fwd(one, pos1, cache, kv, logits="all").logits,
+            "target_verify": lambda _: lm_fwd(block, posB, cache, kv, layers=layers, logits="all").logits,
+            "draft": lambda _: d_fwd(feats, block, meta, dcache, kv),
+            "dflash_step": lambda _: step_fn(loop.state.feats, kv),
+        }
+        out = {}
+        for name, fn in fns.items():
+            out[name] = {"ms": _time(fn, args.reps), "kernels": _kernels(fn)}
+            print(("compiled " if compiled else "eager ") + name, out[name], flush=True)
+        out["step_over_token"] = round(out["dflash_step"]["ms"] / out["target_token"]["ms"], 3)
+        return out
+
+    res = {"target": args.target, "device": torch.cuda.get_device_name(dev), "date": date.today().isoformat(),
+           "torch": torch.__version__, "draft_layers": args.draft_layers, "block_size": B, "context": args.context,
+           "command": "python3 benchmarks/decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "graphed": parts(False)}
+    if args.compile:
+        with torch.no_grad():
+            res["graphed_compiled"] = parts(True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

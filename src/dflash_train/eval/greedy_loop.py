@@ -1,0 +1,149 @@
+"""DFlash decoding at T=0 with the loop's state on the device: no host sync per step.
+
+A batch-1 DFlash step is a draft, a verify and an acceptance test. When the host decides
+acceptance, every step ends in a sync and the GPU idles while Python reads the tokens and
+builds the next block. At T=0 acceptance is a comparison the device can make itself, so here
+a whole step (draft, verify, accept, the next step's state) is one function of device
+buffers, on CUDA one graph replay, and the host reads the steps' records back only every few
+steps to see whether the decode has ended. Steps past the end are wasted work, never wrong
+output: the host replays the records with the host loop's own rules (the token limit, stop
+tokens) and ignores the rest.
+
+The semantics are `speculative_generate`'s host loop, step for step: the same block widths
+(a block cut short by the token limit is masked to its width, see `static_drafter`), the same
+acceptance and the same per-step statistics.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.models import graphs, static_drafter, static_lm
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.graphs import GraphStore
+from dflash_train.models.static_lm import StaticCache, StaticLM, bucket
+from dflash_train.models.targets import Target
+
+MAX_CHUNK = 8  # steps between two checks at most: bounds the steps wasted past a stop token
+
+
+@dataclass
+class _State:
+    """The decode's state between steps, all on the device."""
+
+    feats: torch.Tensor  # [1, B, n*H] the last verify's target features
+    meta: torch.Tensor  # [3] (ctx_start, n committed of feats, q: the next block's width)
+    last: torch.Tensor  # [1] the last committed token: the next block's slot 0
+    count: torch.Tensor  # [] tokens committed so far
+    step: torch.Tensor  # [1] records written
+    records: torch.Tensor  # [steps, 1 + B] per step: drafts accepted, then the target's B argmaxes
+
+
+class GreedyLoop:
+    """The device half of a T=0 DFlash decode of one (target, drafter) pair; reused across prompts."""
+
+    def __init__(self, lm: StaticLM, drafter: DFlashDrafter, engine: static_drafter.StaticDrafter) -> None:
+        self.lm, self.drafter, self.engine = lm, drafter, engine
+        self.B = drafter.block_size
+        self.layers = tuple(drafter.config.target_layer_ids)
+        self.device = lm.device
+        self.caches: tuple[StaticCache, StaticCache] | None = None
+        self.store = GraphStore()
+        self.state: _State | None = None
+        self.max_new = 0
+        self._prompt: tuple[torch.Tensor, int] | None = None  # the prompt's features, until the first step
+
+    @torch.inference_mode()
+    def start(self, prompt: list[int], max_new_tokens: int) -> int:
+        """Prefill the prompt; returns the first token (host sync: the caller's stop check)."""
+        B, dev = self.B, self.device
+        self._allocate(len(prompt) + max_new_tokens + (MAX_CHUNK + 2) * B, max_new_tokens + MAX_CHUNK + 1)
+        target_cache, _ = self.caches
+        ids = torch.tensor([prompt], device=dev)
+        pos = torch.arange(len(prompt), device=dev)[None]
+        out = self.lm.forward(ids, pos, target_cache, bucket(len(prompt)), layers=self.layers, logits="last")
+        first = out.logits[0, -1].argmax()
+        s, self.max_new = self.state, max_new_tokens
+        s.last.copy_(first[None])
+        s.count.fill_(1)
+        s.step.zero_()
+        s.meta.copy_(torch.tensor([0, len(prompt), min(B, max_new_tokens)]))
+        self._prompt = (out.features, bucket(len(prompt) + B))
+        return int(first)  # host sync: the caller's stop check
+
+    def first_step(self) -> None:
+        """The step on the prompt's features: eager (any prompt length), no host sync."""
+        feats, kv_len = self._prompt
+        self._prompt = None
+        self._step(feats, kv_len)
+
+    @torch.inference_mode()
+    def advance(self, steps: int, kv_len: int) -> None:
+        """Run `steps` more full steps whose keys all lie below kv_len; no host sync."""
+        for _ in range(steps):
+            if self.engine.graphs:
+                graphs.advance(self.store, kv_len, lambda: self._step(self.state.feats, kv_len), self.device)
+            else:
+                self._step(self.state.feats, kv_len)
+
+    def records(self, lo: int, hi: int) -> list[list[int]]:
+        return self.state.records[lo:hi].tolist()  # host sync: the steps' outcomes, once per chunk
+
+    @torch.inference_mode()
+    def _step(self, feats: torch.Tensor, kv_len: int) -> None:
+        s, B = self.state, self.B
+        _, draft_cache = self.caches
+        block = torch.cat([s.last, self._masks])[None]
+        draft = self.engine.forward(feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
+        start = s.meta[0] + s.meta[1]  # position of block slot 0
+        block = torch.cat([s.last, draft])[None]
+        out = self.lm.forward(block, (start + self._slots)[None], self.caches[0], kv_len, layers=self.layers,
+                              logits="all")
+        pred = out.logits[0].argmax(-1)  # [B]: slot i's target token for position start+i+1
+        ok = (draft == pred[:-1]) & (self._slots[:-1] < s.meta[2] - 1)  # only the block's q-1 drafts count
+        accepted = ok.long().cumprod(0).sum()
+        s.records.index_copy_(0, s.step, torch.cat([accepted[None], pred])[None])
+        s.step += 1
+        s.count += accepted + 1
+        s.last.copy_(pred.gather(0, accepted[None]))
+        s.feats.copy_(out.features)
+        width = (self.max_new - s.count + 1).clamp(1, B)  # the host loop's q_len for the next block
+        s.meta.copy_(torch.stack([start, accepted + 1, width]))
+
+    def _allocate(self, capacity: int, steps: int) -> None:
+        """Caches and state for this decode; the last ones (and their graphs) when they fit."""
+        target_cache, draft_cache = self.caches or (None, None)
+        if self.caches and target_cache.fits(1, capacity, self.device) and self.state.records.shape[0] >= steps:
+            return
+        self.caches = self.state = None
+        self.store = GraphStore()  # graphs are bound to the buffers they were captured with
+        lm, d, dev = self.lm, self.drafter, self.device
+        n_feat = len(self.layers) * lm.model.config.hidden_size
+        self.caches = (StaticCache.allocate(lm.n_layers, 1, lm.kv_heads, capacity, lm.head_dim, lm.dtype, dev),
+                       StaticCache.allocate(len(d.layers), 1, self.engine.kv_heads, capacity, self.engine.head_dim,
+                                            self.engine.dtype, dev))
+        steps = bucket(steps, 256)
+        long = dict(dtype=torch.long, device=dev)
+        self.state = _State(torch.zeros(1, self.B, n_feat, dtype=lm.dtype, device=dev), torch.zeros(3, **long),
+                            torch.zeros(1, **long), torch.zeros((), **long), torch.zeros(1, **long),
+                            torch.zeros(steps, 1 + self.B, **long))
+        self._masks = torch.full((self.B - 1,), self.drafter.mask_token_id, **long)
+        self._slots = torch.arange(self.B, device=dev)
+
+
+_INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def for_pair(target: Target, drafter: DFlashDrafter) -> GreedyLoop | None:
+    """The pair's GreedyLoop (made once, so its buffers and graphs are reused), or None off StaticLM targets."""
+    lm = static_lm.for_model(target.model)
+    if lm is None:
+        return None
+    loop = _INSTANCES.get(drafter)
+    if loop is None or loop.lm is not lm:
+        engine = static_drafter.for_drafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+        loop = _INSTANCES[drafter] = GreedyLoop(lm, drafter, engine)
+    return loop
