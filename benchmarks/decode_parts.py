@@ -28,16 +28,19 @@ from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.graphs import GraphStore
 from dflash_train.models.targets import load_target
 
+DEVICE = torch.device("cuda")
+
 
 def _time(fn, reps: int) -> float:
     """ms per call of fn() replayed as a graph (no inputs: it reads fixed buffers)."""
-    store = GraphStore()
-    graphs.replay(store, "k", fn, torch.zeros(1, device="cuda"))  # warm-up and capture
-    torch.cuda.synchronize()  # host sync: honest wall time
+    store, dummy = GraphStore(), torch.zeros(1, device=DEVICE)
+    run = (lambda: graphs.replay(store, "k", fn, dummy)) if DEVICE.type == "cuda" else (lambda: fn(dummy))
+    run()  # warm-up (and capture)
+    _sync()
     t0 = time.perf_counter()
     for _ in range(reps):
-        graphs.replay(store, "k", fn, torch.zeros(1, device="cuda"))
-    torch.cuda.synchronize()  # host sync: honest wall time
+        run()
+    _sync()
     return round(1e3 * (time.perf_counter() - t0) / reps, 4)
 
 
@@ -46,14 +49,21 @@ def _plain(method):
     return functools.partial(type(method.__self__).__dict__[method.__name__].__wrapped__, method.__self__)
 
 
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # host sync: honest wall time
+
+
 def _kernels(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    if DEVICE.type != "cuda":
+        return 0
     fn(None)
-    torch.cuda.synchronize()
+    _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(None)
-        torch.cuda.synchronize()
+        _sync()
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
@@ -66,8 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a check of the script (no graphs, no kernel counts)")
     args = ap.parse_args(argv)
-    dev, B = torch.device("cuda"), args.block_size
+    global DEVICE
+    DEVICE = dev = torch.device(args.device)
+    B = args.block_size
     target = load_target(args.target, device=dev)
     drafter = new_drafter(drafter_config_for(target, num_layers=args.draft_layers, block_size=B), 0, dev)
     drafter = drafter.to(target.dtype).eval()
@@ -101,21 +114,28 @@ def main(argv=None) -> int:
         for name, fn in fns.items():
             out[name] = {"ms": _time(fn, args.reps), "kernels": _kernels(fn)}
             print(("compiled " if compiled else "eager ") + name, out[name], flush=True)
+            if args.json:  # after every part: a later failure keeps what was measured
+                _write(args.json, res | {("graphed_compiled" if compiled else "graphed"): out})
         out["step_over_token"] = round(out["dflash_step"]["ms"] / out["target_token"]["ms"], 3)
         return out
 
-    res = {"target": args.target, "device": torch.cuda.get_device_name(dev), "date": date.today().isoformat(),
+    res = {"target": args.target, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "date": date.today().isoformat(),
            "torch": torch.__version__, "draft_layers": args.draft_layers, "block_size": B, "context": args.context,
            "command": "python3 benchmarks/decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "graphed": parts(False)}
+           }
+    res["graphed"] = parts(False)
     if args.compile:
         with torch.no_grad():
             res["graphed_compiled"] = parts(True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+        _write(args.json, res)
     return 0
+
+
+def _write(path: str, res: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
 
 
 if __name__ == "__main__":

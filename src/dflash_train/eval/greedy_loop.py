@@ -56,7 +56,7 @@ class GreedyLoop:
         self.max_new = 0
         self._prompt: tuple[torch.Tensor, int] | None = None  # the prompt's features, until the first step
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def start(self, prompt: list[int], max_new_tokens: int) -> int:
         """Prefill the prompt; returns the first token (host sync: the caller's stop check)."""
         B, dev = self.B, self.device
@@ -80,7 +80,7 @@ class GreedyLoop:
         self._prompt = None
         self._step(feats, kv_len)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def advance(self, steps: int, kv_len: int) -> None:
         """Run `steps` more full steps whose keys all lie below kv_len; no host sync."""
         for _ in range(steps):
@@ -92,7 +92,7 @@ class GreedyLoop:
     def records(self, lo: int, hi: int) -> list[list[int]]:
         return self.state.records[lo:hi].tolist()  # host sync: the steps' outcomes, once per chunk
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _step(self, feats: torch.Tensor, kv_len: int) -> None:
         s, B = self.state, self.B
         _, draft_cache = self.caches

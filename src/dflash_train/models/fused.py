@@ -56,8 +56,8 @@ def _enabled() -> bool:
 
 
 def _pick(fn: Callable, x: torch.Tensor) -> Callable:
-    if not (x.is_cuda and _enabled()):
-        return fn
+    if not (x.is_cuda and _enabled()) or torch.compiler.is_compiling():
+        return fn  # inside a caller's torch.compile: its trace fuses the plain function
     if fn.__name__ not in _COMPILED:  # compiled on first CUDA use, not at import
         from dflash_train.models.compiled import compile_serialized
 

@@ -75,7 +75,7 @@ class StaticDrafter:
                                            self.dtype, self.device)
         return self._cache
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: torch.compile rejects its tensors
     def forward(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: StaticCache,
                 kv_len: int) -> torch.Tensor:
         """Draft logits [w-1, V] for block slots 1..w-1, of which the first q-1 are the draft.

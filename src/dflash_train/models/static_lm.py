@@ -147,7 +147,7 @@ class StaticLM:
 
     # --- the forward -----------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: torch.compile rejects its tensors
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: StaticCache, kv_len: int, *,
                 layers: tuple[int, ...] = (), logits: str = "all", last: torch.Tensor | None = None) -> StepOut:
         """ids, pos [b, q]: write their K/V at slots pos, attend to slots < kv_len (masked to <= pos).
