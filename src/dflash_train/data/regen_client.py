@@ -50,7 +50,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx2 as httpx  # the maintained httpx line (same API); huggingface_hub depends on it too
+try:
+    import httpx2 as httpx  # the maintained httpx line (same API); huggingface_hub depends on it too
+except ImportError:  # older huggingface_hub stacks ship httpx; train imports this module's config either way
+    try:
+        import httpx
+    except ImportError:
+        httpx = None  # only --server needs it (checked when the client starts)
 from tqdm import tqdm
 
 from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, append, pending, reply_segments,
@@ -170,6 +176,8 @@ class _Run:
         t0 = self.t0 = time.perf_counter()
         key = self.server.api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if httpx is None:
+            raise UsageError("--server needs PyPI httpx2 (or httpx): pip install httpx2")
         timeout = httpx.Timeout(self.server.request_timeout, connect=min(10.0, self.server.request_timeout))
         limits = httpx.Limits(max_connections=self.server.concurrency,
                               max_keepalive_connections=self.server.concurrency)
