@@ -1,0 +1,1 @@
+"""The train job's training loop: optimizer, schedule, data parallelism, metrics, checkpoints."""
