@@ -25,6 +25,7 @@ from dflash_train.objective.anchors import sample_anchors
 from dflash_train.objective.blocks import Blocks, PackedBatch, build_blocks, gamma_for
 from dflash_train.objective.loss import LossOutput, weighted_block_loss
 from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
+from dflash_train.profiling.stats import NULL_LOOP
 
 ATTENTION_BACKENDS = ("auto", "flex", "dense")
 
@@ -85,15 +86,20 @@ def sample_packed_anchors(batch: PackedBatch, num_anchors: int, gen: torch.Gener
 
 
 class DFlashObjective(nn.Module):
-    """Drafter forward + weighted block loss for packed batches."""
+    """Drafter forward + weighted block loss for packed batches.
+
+    prof: a training loop's profile view; the objective times its masks and its LM head + loss
+    into it (profiling/hooks.py times the drafter's own internals).
+    """
 
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: nn.Module,
-                 cfg: ObjectiveConfig) -> None:
+                 cfg: ObjectiveConfig, prof=NULL_LOOP) -> None:
         super().__init__()
         self.drafter = drafter
         self.embed_weight = embed_weight  # frozen target embedding (not a parameter of ours)
         self.lm_head = lm_head  # frozen target LM head
         self.cfg = cfg
+        self.prof = prof
         self.gamma = gamma_for(drafter.block_size, cfg.gamma)
 
     def backend(self, device: torch.device) -> str:
@@ -123,7 +129,7 @@ class DFlashObjective(nn.Module):
     def forward(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor) -> LossOutput:
         """batch and anchors on the drafter's device; features [S, n*H] (no grad needed), with
         distillation [S, (n+1)*H]: the target's final hidden states last (feature_layer_ids)."""
-        prof = self.drafter.profile
+        prof = self.prof
         with prof.span("drafter.masks", device=True):
             blocks = self.blocks(batch, anchors)
             masks = self.masks(batch, blocks)

@@ -25,6 +25,7 @@ from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.loss import expected_acceptance_length
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device
 from dflash_train.pipeline.stream import StreamState
+from dflash_train.profiling.hooks import drafter_spans
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 from dflash_train.training.checkpoint import save_checkpoint
@@ -119,8 +120,7 @@ class DrafterTrainLoop:
         check_backend_device(cfg.attention, self.device)
         obj_cfg = ObjectiveConfig(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention=cfg.attention,
                                   loss_chunk_rows=cfg.loss_chunk_rows, kd_weight=cfg.kd_weight)
-        self.objective = DFlashObjective(drafter, embed_weight, lm_head, obj_cfg)
-        drafter.profile = prof  # the drafter times its internals (fc, attention, MLP) into this loop's view
+        self.objective = DFlashObjective(drafter, embed_weight, lm_head, obj_cfg, prof)
         module = self.objective
         if self.dp.size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -194,6 +194,10 @@ class DrafterTrainLoop:
 
     def train(self, source) -> TrainResult:
         """Run steps until total_steps, taking `grad_accum` packs per step from `source`."""
+        with drafter_spans(self.drafter, self.prof):  # its fusion, attention and MLP into this loop's view
+            return self._train(source)
+
+    def _train(self, source) -> TrainResult:
         cfg, t_start = self.cfg, time.perf_counter()
         accum = cfg.grad_accum
         self.drafter.train()
