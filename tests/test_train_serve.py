@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_train.data.packing import PackedBatch
 from dflash_train.models.targets import load_target
-from dflash_train.objective.blocks import PackedBatch
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 from dflash_train.training.step import packed_features
 

@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.anchors import sample_anchors
-from dflash_train.objective.blocks import Blocks, PackedBatch, build_blocks, gamma_for
+from dflash_train.objective.blocks import Blocks, build_blocks, gamma_for
 from dflash_train.objective.loss import LossOutput, weighted_block_loss
 from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
 from dflash_train.profiling.stats import NULL_LOOP

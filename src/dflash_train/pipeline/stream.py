@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_train.data.packing import LoaderState, PackedBatch, PackedLoader
 from dflash_train.errors import UsageError
-from dflash_train.objective.blocks import PackedBatch
 from dflash_train.objective.objective import sample_packed_anchors
-from dflash_train.training.loader import LoaderState, PackedLoader
 
 
 @dataclass

@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from dflash_train.data.packing import PackedBatch
 from dflash_train.models.targets import Target, document_block_mask, document_dense_mask
-from dflash_train.objective.blocks import PackedBatch
 from dflash_train.objective.loss import LossOutput
 from dflash_train.objective.objective import DFlashObjective
 from dflash_train.profiling.stats import NULL_LOOP
