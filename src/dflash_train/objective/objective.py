@@ -22,7 +22,6 @@ from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.objective.anchors import sample_anchors
 from dflash_train.objective.blocks import Blocks, build_blocks, gamma_for
 from dflash_train.objective.loss import LossOutput, weighted_block_loss
 from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
@@ -72,18 +71,6 @@ def feature_layer_ids(drafter_config, kd: bool) -> list[int]:
     """
     ids = list(drafter_config.target_layer_ids)
     return ids + [drafter_config.num_target_layers - 1] if kd else ids
-
-
-def sample_packed_anchors(batch: PackedBatch, num_anchors: int, gen: torch.Generator | None) -> torch.Tensor:
-    """Up to num_anchors anchors per packed sequence, as sorted indices into the packed row.
-
-    Runs on the host copy of the batch (the loader's), so sampling costs no device sync.
-    """
-    seq = batch.seq_ids
-    bounds = torch.nonzero(seq[1:] != seq[:-1]).flatten() + 1
-    starts = [0, *bounds.tolist(), seq.numel()]
-    parts = [sample_anchors(batch.loss_mask[s:e], num_anchors, gen) + s for s, e in zip(starts[:-1], starts[1:])]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 class DFlashObjective(nn.Module):
