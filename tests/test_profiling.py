@@ -396,7 +396,7 @@ def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, i
     sits inside drafter_forward, once per micro-batch."""
     import numpy as np
 
-    from dflash_train.pipeline.local import train_local
+    from dflash_train.app.local import train_local
     from dflash_train.training.config import TrainConfig
 
     cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=48, token_budget=96, block_size=4,

@@ -23,7 +23,7 @@ from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.blocks import Blocks, build_blocks, gamma_for
-from dflash_train.objective.loss import LossOutput, weighted_block_loss
+from dflash_train.objective.loss import LossOutput, expected_acceptance_length, weighted_block_loss
 from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
 from dflash_train.profiling.stats import NULL_LOOP
 
@@ -74,7 +74,7 @@ def feature_layer_ids(drafter_config, kd: bool) -> list[int]:
 
 
 class DFlashObjective(nn.Module):
-    """Drafter forward + weighted block loss for packed batches.
+    """Drafter forward + weighted block loss for packed batches, and the metrics of the loss.
 
     prof: a training loop's profile view; the objective times its masks and its LM head + loss
     into it (profiling/hooks.py times the drafter's own internals).
@@ -89,6 +89,11 @@ class DFlashObjective(nn.Module):
         self.cfg = cfg
         self.prof = prof
         self.gamma = gamma_for(drafter.block_size, cfg.gamma)
+
+    @property
+    def model(self) -> DFlashDrafter:
+        """What is trained: the optimizer's parameters, the checkpoints' weights."""
+        return self.drafter
 
     def backend(self, device: torch.device) -> str:
         if self.cfg.attention == "auto":
@@ -133,3 +138,30 @@ class DFlashObjective(nn.Module):
         with prof.span("drafter.lm_head_loss", device=True):
             return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
                                        self.cfg.loss_chunk_rows, teacher)
+
+
+    # --- metrics: device-side sums between two log records, read back only when one is written ---
+
+    @property
+    def metric_width(self) -> int:
+        """[weighted CE, weight, block tokens, correct per slot [B], labelled per slot [B]]."""
+        return 3 + 2 * self.drafter.block_size
+
+    def add_metrics(self, sums: torch.Tensor, out: LossOutput, anchors: torch.Tensor) -> None:
+        """Adds one micro-batch to `sums` in place, on the device (no host sync)."""
+        B = self.drafter.block_size
+        sums[0] += out.weighted_ce_sum
+        sums[1] += out.weight_sum
+        sums[2] += anchors.numel() * B  # anchors: the host copy, so this is a Python int
+        sums[3:3 + B] += out.correct
+        sums[3 + B:] += out.labelled
+
+    def metrics(self, sums: torch.Tensor) -> tuple[dict[str, object], dict[str, float]]:
+        """A log record's values from the host sums, and its counts (the record has them per second)."""
+        B = self.drafter.block_size
+        ce, wsum, block_tokens = sums[:3].tolist()
+        correct, labelled = sums[3:3 + B], sums[3 + B:]
+        acc = (correct / labelled.clamp_min(1)).tolist()
+        values = {"loss": ce / max(wsum, 1e-8), "acc": [round(a, 4) for a in acc[1:]],
+                  "expected_tau": float(expected_acceptance_length(correct, labelled))}
+        return values, {"block_tokens": block_tokens}
