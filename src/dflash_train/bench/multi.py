@@ -64,7 +64,7 @@ def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: f
     with tempfile.TemporaryDirectory(prefix="dflash-bench-split-") as tmp:
         t_dev, d_dev = split.devices(kind)
         cfg = train_config(bench_cfg, Path(tmp), "overlap", total, data=str(data_dir), target_devices=t_dev,
-                         drafter_devices=d_dev, profile_interval=1.0, init_from_target=False)
+                           drafter_devices=d_dev, profile_interval=1.0, init_from_target=False)
         t0 = time.perf_counter()
         # drafter_dir None: every drafter worker builds the same seeded drafter; no checkpoint files
         code = launch_workers(cfg, worker_roles(cfg), Path(tmp), data_dir, None, None, None, total, progress=False,

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.errors import UsageError
+from dflash_train.models.targets import Target
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.stream import Pack, PackStream
 from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
@@ -172,7 +173,7 @@ def join_group(spec: WorkerSpec, peers: Peers) -> Any:
     return dist.new_group(spec.drafter_ranks)  # every rank takes part in creating it
 
 
-def serve_features(spec: WorkerSpec, peers: Peers, target, layer_ids: list[int], stream: PackStream,
+def serve_features(spec: WorkerSpec, peers: Peers, target: Target, layer_ids: list[int], stream: PackStream,
                    total_steps: int, *, depth: int, cache: bool, prof=NULL_LOOP, trace=NO_TRACE) -> None:
     """A target rank: the features of its share of the packs, each sent to the drafter rank that trains on it."""
     me, n = spec.target_ranks.index(spec.rank), len(spec.target_ranks)
