@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
 
 
@@ -181,8 +182,6 @@ class TrainConfig:
 
     def server_config(self):
         """The regeneration server's settings (--regen-server ...), checked; errors name train's flags."""
-        from dflash_train.data.regen_client import ServerConfig
-
         try:
             return ServerConfig(url=self.regen_server, model=self.regen_model, concurrency=self.regen_concurrency,
                                 api_key_env=self.regen_api_key_env)
