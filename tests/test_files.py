@@ -1,4 +1,4 @@
-"""files.py: the one atomic writer (files and directories) and its leftovers."""
+"""files.py: the one atomic writer (files and directories), its leftovers, the package-file locator."""
 
 import fnmatch
 import os
@@ -6,7 +6,8 @@ import os
 import pytest
 
 from dflash_train import files
-from dflash_train.files import AtomicDirectory, leftovers, write_atomic
+from dflash_train.errors import UsageError
+from dflash_train.files import AtomicDirectory, leftovers, package_file, write_atomic
 
 
 def _fill(tmp, text):
@@ -113,3 +114,18 @@ def test_leftovers_match_every_temporary_name_and_nothing_else(tmp_path, monkeyp
     assert all(any(fnmatch.fnmatch(n, p) for p in leftovers("step_*")) for n in temporaries if "step" in n)
     assert not any(fnmatch.fnmatch(n, p) for n in ("step_0000003", ".lock", ".my-notes", "latest")
                    for p in leftovers("step_*") + leftovers("latest"))
+
+
+def test_package_file_is_found_without_importing_the_package(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake_pkg_h18"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('needs a dependency a --no-deps install lacks')\n")
+    (pkg / "data" / "x.json").write_text("[]")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert package_file("fake_pkg_h18", "data/x.json", dist="fake-pkg", flag="--f") == pkg / "data" / "x.json"
+    with pytest.raises(UsageError, match=r"^--f: fake-pkg is installed but data/y.json is missing"):
+        package_file("fake_pkg_h18", "data/y.json", dist="fake-pkg", flag="--f")
+    with pytest.raises(UsageError, match=r"^--f: needs PyPI no-pkg \(pip install --no-deps no-pkg\)$"):
+        package_file("no_such_pkg_h18", "x", dist="no-pkg", flag="--f")
+    with pytest.raises(UsageError, match=r"\(pip install no-pkg\)$"):
+        package_file("no_such_pkg_h18", "x", dist="no-pkg", flag="--f", no_deps=False)

