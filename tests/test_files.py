@@ -1,4 +1,4 @@
-"""files.py: the one atomic writer (files and directories), its leftovers, the package-file locator."""
+"""files.py: the one atomic writer (files and directories), its leftovers, the package-file locator; errors.say."""
 
 import fnmatch
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from dflash_train import files
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 from dflash_train.files import AtomicDirectory, leftovers, package_file, write_atomic
 
 
@@ -129,3 +129,9 @@ def test_package_file_is_found_without_importing_the_package(tmp_path, monkeypat
         package_file("no_such_pkg_h18", "x", dist="no-pkg", flag="--f")
     with pytest.raises(UsageError, match=r"\(pip install no-pkg\)$"):
         package_file("no_such_pkg_h18", "x", dist="no-pkg", flag="--f", no_deps=False)
+
+
+def test_say_writes_one_prefixed_line_to_stderr(capsys):
+    say("hello")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "[dflash-train] hello\n"

@@ -20,11 +20,10 @@ import multiprocessing.connection
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 from dflash_train.pipeline.worker import WorkerSpec, worker_main
 
 
@@ -51,10 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def say(msg: str) -> None:
-    print(f"[dflash-train] {msg}", file=sys.stderr, flush=True)
 
 
 class Launcher:

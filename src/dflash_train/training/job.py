@@ -25,7 +25,7 @@ from typing import NoReturn
 import torch
 
 from dflash_train.devices import resolve_device
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.files import DirectoryLock
@@ -40,10 +40,6 @@ from dflash_train.training.config import TrainConfig
 
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json",
                 "profile.jsonl", "traces", "init_drafter")
-
-
-def say(msg: str) -> None:
-    print(f"[dflash-train] {msg}", file=sys.stderr, flush=True)
 
 
 def _key(*parts: object) -> str:
