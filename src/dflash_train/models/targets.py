@@ -8,7 +8,7 @@ SPEC is one of:
     owner/name          a hub id (needs the hub; a one-line error when it is unreachable)
 
 Feature convention: layer id L is the OUTPUT of decoder layer L = HF `hidden_states[L + 1]`.
-For L = N-1 HF's last hidden state has the final norm applied; `features` matches that.
+For L = N-1 HF's last hidden state has the final norm applied; `Target.capture` matches that.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,19 +121,34 @@ class Target:
         through FlexAttention.
         """
         self.check_layer_ids(layer_ids, "target_layer_ids")
+        with self.capture(layer_ids) as features, self._truncated(max(layer_ids) + 1), \
+                self._attention_for(attention_mask):
+            self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+        return features()
+
+    @contextlib.contextmanager
+    def capture(self, layer_ids: Sequence[int]) -> Iterator[Callable[[], torch.Tensor]]:
+        """Inside: forwards record the outputs of decoder layers `layer_ids`; the function yielded
+        concatenates the last ones recorded, [b, n, len(layer_ids) * H], in the order of `layer_ids`.
+
+        The one feature extractor, for any forward: the truncated one above and a decode or verify
+        forward with a KV cache and logits. Hooks rather than HF's output_hidden_states: those keep
+        every layer's states, and under truncation HF would final-norm the last layer run instead
+        of layer N-1. Id N-1 gets the final norm here, as HF's hidden_states[N] has it.
+        """
         captured: dict[int, torch.Tensor] = {}
-        last = max(layer_ids)
         layers = self.decoder.layers
         hooks = [layers[i].register_forward_hook(_capture(captured, i)) for i in set(layer_ids)]
+
+        def features() -> torch.Tensor:
+            return torch.cat([self.decoder.norm(captured[i]) if i == self.num_layers - 1 else captured[i]
+                              for i in layer_ids], dim=-1)
+
         try:
-            with self._truncated(last + 1), self._attention_for(attention_mask):
-                self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+            yield features
         finally:
             for h in hooks:
                 h.remove()
-        if last == self.num_layers - 1:  # HF's hidden_states[N] is the final-normed output
-            captured[last] = self.decoder.norm(captured[last])
-        return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
     @contextlib.contextmanager
     def compiled_layers(self, enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
