@@ -117,7 +117,7 @@ class DrafterTrainLoop:
         self.first_step_at: float | None = None  # perf_counter when the first optimizer step had finished
         self.device = next(drafter.parameters()).device
         check_backend_device(cfg.attention, self.device)
-        obj_cfg = ObjectiveConfig(num_anchors=cfg.num_anchors, gamma=cfg.gamma, attention=cfg.attention,
+        obj_cfg = ObjectiveConfig(gamma=cfg.gamma, attention=cfg.attention,
                                   loss_chunk_rows=cfg.loss_chunk_rows, kd_weight=cfg.kd_weight)
         self.objective = DFlashObjective(drafter, embed_weight, lm_head, obj_cfg)
         drafter.profile = prof  # the drafter times its internals (fc, attention, MLP) into this loop's view
