@@ -1,4 +1,4 @@
-"""Speculative decoding with a DFlash drafter (DESIGN §2), and the target-only baseline.
+"""Speculative decoding with a DFlash drafter (docs/design.md#speculative-decoding-and-tau), and the target-only baseline.
 
 One step: the drafter sees the features of the newly verified context plus the block
 [last token, MASK x (B-1)] and proposes slots 1..B-1 in ONE forward (its cache keeps only
