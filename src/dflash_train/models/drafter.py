@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §1): Qwen3-style layers that draft a whole block at once.
+"""The DFlash drafter (docs/design.md#the-drafter): Qwen3-style layers that draft a whole block at once.
 
 Per layer, queries come from the block tokens only; keys and values are
 `[k_proj(context) | k_proj(block)]` through the layer's own projections, `k_norm` over all

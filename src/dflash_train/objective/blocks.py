@@ -69,7 +69,7 @@ def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mas
 
 
 def gamma_for(block_size: int, gamma: float | None = None) -> float:
-    """gamma from the config, else DESIGN §3's values (7 for B=16, 5 for B=10, 4 for B=8)."""
+    """gamma from the config, else the defaults of docs/design.md#the-objective (7 for B=16, 5 for B=10, 4 for B=8)."""
     if gamma is not None:
         return gamma
     # Piecewise-linear through the published points, (2, 1) below them, slope 1/3 above B=16.

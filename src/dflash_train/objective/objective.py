@@ -32,8 +32,6 @@ ATTENTION_BACKENDS = ("auto", "flex", "dense")
 
 @dataclass(kw_only=True, slots=True)
 class ObjectiveConfig:
-    num_anchors: int = 512
-    """Anchors drawn per sequence each time it is seen (--num-anchors)."""
     gamma: float | None = None
     """Slot-weight decay; default by block size: 7 (B=16), 5 (B=10), 4 (B=8) (--gamma)."""
     attention: str = "auto"
@@ -44,8 +42,6 @@ class ObjectiveConfig:
     """Share of the target's soft labels in each slot's target distribution, 0..1 (--kd-weight)."""
 
     def __post_init__(self) -> None:
-        if self.num_anchors < 1:
-            raise UsageError(f"--num-anchors must be >= 1, got {self.num_anchors}")
         if self.gamma is not None and self.gamma <= 0:
             raise UsageError(f"--gamma must be > 0, got {self.gamma}")
         if self.attention not in ATTENTION_BACKENDS:

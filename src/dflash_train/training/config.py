@@ -190,11 +190,6 @@ class TrainConfig:
 
     # --- files -----------------------------------------------------------------------
 
-    @classmethod
-    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-        values = read_toml(path)
-        return cls(**(values | (overrides or {})))
-
     def to_toml(self) -> str:
         lines = ["# dflash-train resolved configuration"]
         for f in dataclasses.fields(self):
