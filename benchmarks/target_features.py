@@ -4,12 +4,12 @@
     python3 benchmarks/target_features.py --data .gpu/prep-sharegpt --steps 20 --compile-target
     python3 benchmarks/target_features.py --steps 20          # random lengths, no data needed
 
-Packs are made as training makes them (training/loader.py PackedLoader, --token-budget tokens)
+Packs are made as training makes them (data/packing.py PackedLoader, --token-budget tokens)
 from a prepared dataset (`dflash-train prepare ... --out DIR`), or without --data from random
 sequence lengths (log-normal, median --median-length, capped at --max-length; a stand-in for
 chat data with regenerated replies). Each path first runs --warmup packs (compilation,
 allocator; excluded), then --steps other packs, each between two CUDA events; one host sync
-at the end of the timed window. Paths (training/step.py packed_features):
+at the end of the timed window. Paths (pipeline/features.py packed_features):
 
     padded   the right-padded [n_seq, longest] batch (the path before the packed row)
     auto     what training runs: the packed row with a document mask (FlexAttention on CUDA),
