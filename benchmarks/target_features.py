@@ -4,12 +4,12 @@
     python3 benchmarks/target_features.py --data .gpu/prep-sharegpt --steps 20 --compile-target
     python3 benchmarks/target_features.py --steps 20          # random lengths, no data needed
 
-Packs are made as training makes them (training/loader.py PackedLoader, --token-budget tokens)
+Packs are made as training makes them (data/packing.py PackedLoader, --token-budget tokens)
 from a prepared dataset (`dflash-train prepare ... --out DIR`), or without --data from random
 sequence lengths (log-normal, median --median-length, capped at --max-length; a stand-in for
 chat data with regenerated replies). Each path first runs --warmup packs (compilation,
 allocator; excluded), then --steps other packs, each between two CUDA events; one host sync
-at the end of the timed window. Paths (training/step.py packed_features):
+at the end of the timed window. Paths (pipeline/features.py packed_features):
 
     padded   the right-padded [n_seq, longest] batch (the path before the packed row)
     auto     what training runs: the packed row with a document mask (FlexAttention on CUDA),
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from dflash_train.devices import resolve_device  # noqa: E402
 from dflash_train.models.config import default_target_layer_ids  # noqa: E402
 from dflash_train.models.targets import load_target  # noqa: E402
-from dflash_train.training.loader import PackedLoader  # noqa: E402
-from dflash_train.training.step import FLEX_TILE, feature_mode, packed_features, sequence_lengths  # noqa: E402
+from dflash_train.data.packing import PackedLoader  # noqa: E402
+from dflash_train.pipeline.features import FLEX_TILE, feature_mode, packed_features, sequence_lengths  # noqa: E402
 
 PATHS = ("padded", "auto", "flex", "dense")
 

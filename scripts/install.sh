@@ -2,8 +2,8 @@
 # Install dflash-train into the current Python environment (a venv is recommended).
 #   bash scripts/install.sh         the tool, its embedded target and data
 #   bash scripts/install.sh test    ... plus the test dependencies (pytest; xllamacpp, a prebuilt llama.cpp
-#                                   OpenAI-compatible server the regenerate --server tests run) and the
-#                                   reference `dflash` package
+#                                   OpenAI-compatible server the regenerate --server tests run; import-linter,
+#                                   which checks the package's layers) and the reference `dflash` package
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -8,7 +8,8 @@ import torch
 
 from dflash_train.bench.flops import Shape, drafter_flops, target_flops
 from dflash_train.cli import main
-from dflash_train.objective.blocks import PackedBatch, build_blocks
+from dflash_train.data.packing import PackedBatch
+from dflash_train.objective.blocks import build_blocks
 from dflash_train.objective.masks import MaskSpec, dense_mask
 
 

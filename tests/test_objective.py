@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 
-from dflash_train.objective.anchors import eligible_anchors, sample_anchors
-from dflash_train.objective.blocks import IGNORE, PackedBatch, build_blocks, gamma_for, slot_weights
+from dflash_train.data.packing import PackedBatch
+from dflash_train.objective.anchors import eligible_anchors, sample_anchors, sample_packed_anchors
+from dflash_train.objective.blocks import IGNORE, build_blocks, gamma_for, slot_weights
 from dflash_train.objective.loss import expected_acceptance_length, weighted_block_loss
 from dflash_train.objective.masks import MaskSpec, dense_mask, flex_block_mask, structured_block_mask
-from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, sample_packed_anchors
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 
 
 def _packed(lens=(13, 9, 11), seed=0):

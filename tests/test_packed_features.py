@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_train.models.targets import (document_block_mask, document_dense_mask, document_starts, load_target)
-from dflash_train.training.loader import pack
-from dflash_train.training.step import FLEX_TILE, feature_mode, packed_features, sequence_lengths
+from dflash_train.data.packing import pack
+from dflash_train.models.targets import document_block_mask, document_dense_mask, document_starts, load_target
+from dflash_train.pipeline.features import FLEX_TILE, feature_mode, packed_features, sequence_lengths
 
 LAYERS = [0, 2, 5]  # random:tiny has 6 layers; 5 is the last (its output gets the final norm)
 
@@ -101,7 +101,7 @@ def test_feature_mode_keeps_the_plain_causal_path_when_nothing_is_padded():
 
 def test_sliding_window_targets_keep_the_padded_batch(monkeypatch):
     """A document mask replaces every layer's mask: with sliding-window layers only the padded batch is right."""
-    from dflash_train.training import step
+    from dflash_train.pipeline import features as step
 
     target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
     assert target.full_attention_only

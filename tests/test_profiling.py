@@ -389,3 +389,24 @@ def test_memory_stats_source_only_for_cuda_processes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: seen.append(device) or {})
     memory_stats_source("rank1/drafter/cuda:1")()
     assert seen == [torch.device("cuda:1")]
+
+
+def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, in_memory_dataset, tmp_path):
+    """The drafter's breakdown (fusion, each layer's attention and MLP; the objective's masks and LM head + loss)
+    sits inside drafter_forward, once per micro-batch."""
+    import numpy as np
+
+    from dflash_train.app.local import train_local
+    from dflash_train.training.config import TrainConfig
+
+    cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=48, token_budget=96, block_size=4,
+                      num_layers=2, max_steps=2, grad_accum=2, log_every=1, checkpoint_every=0, overlap=False)
+    pairs = [(np.arange(3, 43), np.array([0] * 4 + [1] * 36)) for _ in range(4)]
+    stats = ProfileStats("test")
+    train_local(cfg, tiny_target, make_drafter(num_layers=2, block_size=4).train(), in_memory_dataset(pairs), tmp_path,
+                progress=False, stats=stats, checkpoints=False)
+    stages = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]
+    internals = ["drafter.masks", "drafter.fc", "drafter.L0.attention", "drafter.L0.mlp", "drafter.L1.attention",
+                 "drafter.L1.mlp", "drafter.lm_head_loss"]
+    assert all(stages[k]["count"] == 4 for k in ["drafter_forward", *internals])
+    assert sum(stages[k]["total_s"] for k in internals) <= stages["drafter_forward"]["total_s"]

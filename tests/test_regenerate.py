@@ -314,11 +314,11 @@ def test_progress_bar_runs(tiny_target, tmp_path, capsys):
 
 def test_regenerated_text_with_unicode_line_separators_reads_back(tmp_path):
     """Replies may hold U+2028 / U+0085 raw (ensure_ascii=False); only "\\n" ends a record."""
-    from dflash_train.training.job import _read_regenerated
+    from dflash_train.data.regen_common import read_regenerated
 
     path = tmp_path / "r.jsonl"
     msgs = [user("q"), asst("a\u2028b\x85c")]
     with open(path, "ab") as out:
         regen_common.append(out, [{"id": "x", "messages": msgs}, {"id": "y", "messages": msgs}])
-    convs = _read_regenerated(path, ["y", "x"])
+    convs = read_regenerated(path, ["y", "x"])
     assert [c.id for c in convs] == ["y", "x"] and convs[0].messages[1]["content"] == "a\u2028b\x85c"

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dflash_train.data.dataset import LABELS, PreparedDataset
+from dflash_train.data.packing import pack
 from dflash_train.data.relabel import relabel
 from dflash_train.errors import UsageError
-from dflash_train.training.loader import pack
 
 
 @pytest.fixture

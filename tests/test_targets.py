@@ -18,6 +18,47 @@ def test_layer_ids_index_hf_hidden_states(tiny_target):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_train.models.targets import Target, byte_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=byte_tokenizer(), spec="tiny-llama")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_capture_is_hf_hidden_states_in_a_cached_forward(arch, tiny_target):
+    """The one feature extractor, in the forwards of speculative verification (KV cache, logits):
+    Target.capture's hooks give exactly HF's hidden_states[i + 1], the last layer's final norm included."""
+    from transformers import DynamicCache
+
+    target = tiny_target if arch == "qwen3" else _tiny_llama()
+    n = target.num_layers
+    norm = target.decoder.norm.weight
+    saved = norm.detach().clone()
+    with torch.no_grad():
+        norm.mul_(1 + 0.5 * torch.rand(norm.shape, generator=torch.Generator().manual_seed(1)))  # a non-trivial norm
+    try:
+        cache = DynamicCache(config=target.config)
+        layer_ids = [n - 1, 0, 2]
+        for ids, start in ((torch.randint(0, 256, (1, 9)), 0), (torch.randint(0, 256, (1, 4)), 9)):  # prefill, verify
+            pos = torch.arange(start, start + ids.shape[1])[None]
+            with torch.no_grad(), target.capture(layer_ids) as features:
+                out = target.model(ids, position_ids=pos, past_key_values=cache, use_cache=True,
+                                   output_hidden_states=True)
+            want = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+            assert torch.equal(features(), want)
+        hooks = [h for layer in target.decoder.layers for h in layer._forward_hooks.values()]  # HF's own stay
+        assert not any(h.__qualname__.startswith("_capture.") for h in hooks)  # ours are removed on exit
+    finally:
+        with torch.no_grad():
+            norm.copy_(saved)
+
+
 def test_features_run_only_needed_layers(tiny_target):
     ran = []
     hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_train.data.packing import PackedBatch
 from dflash_train.models.targets import load_target
-from dflash_train.objective.blocks import PackedBatch
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
-from dflash_train.training.step import packed_features
+from dflash_train.pipeline.features import packed_features
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -100,7 +100,7 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp
     sequence). Any offset between training and serving (labels, context mask, positions, layer ids)
     leaves it guessing the wrong tokens; here every block is accepted whole."""
     from dflash_train.models.factory import drafter_config_for, new_drafter
-    from dflash_train.pipeline.local import train_local
+    from dflash_train.app.local import train_local
     from dflash_train.training.config import TrainConfig
 
     g = torch.Generator().manual_seed(0)

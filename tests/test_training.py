@@ -17,7 +17,7 @@ from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
 from dflash_train.training.config import TrainConfig
-from dflash_train.pipeline.local import train_local
+from dflash_train.app.local import train_local
 
 PROMPTS = ["def add(a, b):", "count to five", "hello there", "sort a list", "what is 2+2", "name a color"]
 

@@ -10,12 +10,34 @@ Usage errors print one line naming the flag, field or file and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 
+from dflash_train.app.train import run as run_train
+from dflash_train.bench.config import BenchConfig
+from dflash_train.bench.run import run_bench
+from dflash_train.data.dataset import prepare_dataset
+from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
+from dflash_train.data.regen_common import RegenConfig
+from dflash_train.data.regenerate import regenerate
+from dflash_train.data.relabel import relabel
+from dflash_train.data.sources import SourceReport, default_split, iter_conversations
+from dflash_train.devices import resolve_device
 from dflash_train.errors import UsageError
+from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.eval.prompts import load_prompts
+from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
+from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device
+from dflash_train.models.targets import load_target
+from dflash_train.profiling.compare import compare as compare_profiles
+from dflash_train.profiling.report import report as profile_report
+from dflash_train.training import config as train_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,10 +48,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _load_target(args):
-    from dflash_train.devices import resolve_device
-    from dflash_train.models.checkpoint import parse_dtype
-    from dflash_train.models.targets import load_target
-
     dtype = parse_dtype(args.dtype) if args.dtype else None
     return load_target(args.target, device=resolve_device(args.device), dtype=dtype, seed=args.target_seed)
 
@@ -60,9 +78,6 @@ def _check_output_file(path: str, flag: str) -> None:
 
 
 def cmd_init_drafter(args) -> int:
-    from dflash_train.models.checkpoint import check_replaceable, parse_dtype, save_drafter
-    from dflash_train.models.factory import drafter_config_for, new_drafter
-
     if args.num_layers < 1:
         raise UsageError(f"--num-layers must be >= 1, got {args.num_layers}")
     if args.block_size < 2:
@@ -84,10 +99,6 @@ def cmd_init_drafter(args) -> int:
 
 
 def _add_bench_args(p) -> None:
-    from dataclasses import fields
-
-    from dflash_train.bench.run import BenchConfig
-
     for f in fields(BenchConfig):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):  # --x / --no-x (type=bool would take "False" as true)
@@ -98,13 +109,6 @@ def _add_bench_args(p) -> None:
 
 
 def cmd_bench(args) -> int:
-    import json
-    import shlex
-    import time
-    from dataclasses import fields
-
-    from dflash_train.bench.run import BenchConfig, run_bench
-
     cfg = BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)})
     result = run_bench(cfg)
     result["date"] = time.strftime("%Y-%m-%d")
@@ -118,25 +122,17 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile_report(args) -> int:
-    from dflash_train.profiling.compare import compare
-    from dflash_train.profiling.report import report
-
     out = Path(args.out) if args.out else None
     if args.compare:
-        text, png = compare(Path(args.run_dir), Path(args.compare), out)
+        text, png = compare_profiles(Path(args.run_dir), Path(args.compare), out)
     else:
-        text, png = report(Path(args.run_dir), out)
+        text, png = profile_report(Path(args.run_dir), out)
     print(text)
     print(f"wrote {png}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from dflash_train.eval.evaluate import EvalConfig, evaluate
-    from dflash_train.eval.prompts import load_prompts
-    from dflash_train.models.checkpoint import load_drafter
-    from dflash_train.models.factory import check_compatible, to_device
-
     cfg = EvalConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      block_size=args.block_size, seed=args.seed, baseline=not args.no_baseline)
     _check_seed(args.seed)
@@ -159,22 +155,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from dflash_train.training import config as train_config
-    from dflash_train.training.job import run
-
     base = train_config.read_toml(args.config) if args.config else {}
     if args.resume and not args.config:
         saved = Path(getattr(args, "run_dir", None) or base.get("run_dir") or train_config.TrainConfig().run_dir) / "config.toml"
         if saved.is_file():
             base = train_config.read_toml(saved)  # resume with the run's own settings unless overridden
     cfg = train_config.from_args(args, base)
-    return run(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    return run_train(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
 
 
 def cmd_prepare(args) -> int:
-    from dflash_train.data.dataset import prepare_dataset
-    from dflash_train.data.sources import SourceReport, default_split, iter_conversations
-
     if args.max_length < 2:
         raise UsageError(f"--max-length must be >= 2, got {args.max_length}")
     target = _load_target(args)
@@ -189,8 +179,6 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_relabel(args) -> int:
-    from dflash_train.data.relabel import relabel
-
     if args.batch_tokens < 1:
         raise UsageError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
     target = _load_target(args)
@@ -200,9 +188,6 @@ def cmd_relabel(args) -> int:
 
 
 def cmd_regenerate(args) -> int:
-    from dflash_train.data.regen_common import RegenConfig
-    from dflash_train.data.sources import SourceReport, default_split, iter_conversations
-
     _check_seed(args.seed)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                       max_turns=args.max_turns, seed=args.seed, samples=args.samples)
@@ -218,8 +203,6 @@ def cmd_regenerate(args) -> int:
     if args.server is not None:
         rep = _regenerate_via_server(args, cfg, convs)
     else:
-        from dflash_train.data.regenerate import regenerate
-
         args.target = args.target or "smollm2-135m"
         target = _load_target(args)
         rep = regenerate(target, convs, Path(args.out), cfg, progress=not args.quiet)
@@ -229,9 +212,6 @@ def cmd_regenerate(args) -> int:
 
 
 def _regenerate_via_server(args, cfg, convs):
-    from dflash_train.data.regen_client import (ServerConfig, load_tokenizer, parse_template_kwargs,
-                                                regenerate_via_server)
-
     server = ServerConfig(url=args.server, model=args.model, concurrency=args.concurrency,
                           api_key_env=args.api_key_env, reasoning=args.reasoning,
                           chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
@@ -297,13 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="regenerate data, train a drafter, export it and report tau before/after "
                        "(no arguments: the embedded default)")
-    from dflash_train.training.config import add_arguments
 
     p.add_argument("--config", default=None, help="TOML file of options (flags override it)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --run-dir")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_arguments(p)
+    train_config.add_arguments(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("bench", help="measure the training pipeline on a random target of real shapes "

@@ -1,4 +1,4 @@
-"""Model FLOPs of a training step, counted from the shapes and the actual packs (DESIGN §4).
+"""Model FLOPs of a training step, counted from the shapes and the actual packs (docs/design.md#cost-of-a-step).
 
 Convention: a matmul of [m, k] x [k, n] is 2mkn FLOPs; backward = 2 x forward for trained
 layers. Counted (nothing else, no recomputation):

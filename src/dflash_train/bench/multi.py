@@ -19,70 +19,28 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import re
+import queue
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from dflash_train.errors import UsageError
-
-_SPLIT = re.compile(r"^(\d+)\+(\d+)$|^x(\d+)$")
-
-
-@dataclass(frozen=True)
-class Split:
-    name: str
-    targets: int
-    drafters: int
-    colocated: bool  # every GPU holds both roles
-
-    @classmethod
-    def parse(cls, text: str) -> Split:
-        m = _SPLIT.match(text)
-        if not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(1) and min(int(m.group(1)), int(m.group(2))) < 1):
-            raise UsageError(f"--splits: {text!r} is not T+D (T target GPUs, D drafter GPUs, both >= 1) "
-                             "or xN (N GPUs each holding a target and a drafter)")
-        if m.group(3):
-            n = int(m.group(3))
-            return cls(text, n, n, True)
-        return cls(text, int(m.group(1)), int(m.group(2)), False)
-
-    @property
-    def gpus(self) -> int:
-        return self.targets if self.colocated else self.targets + self.drafters
-
-    def devices(self, kind: str = "cuda") -> tuple[str, str]:
-        """--target-devices, --drafter-devices (on CPU: gloo processes sharing the host's cores)."""
-        names = [f"cuda:{i}" for i in range(self.gpus)] if kind == "cuda" else ["cpu"] * self.gpus
-        if self.colocated:
-            return ",".join(names), ",".join(names)
-        if kind != "cuda" and self.targets == self.drafters:
-            raise UsageError(f"--splits {self.name}: on CPU equal lists mean colocated workers; use x{self.targets}")
-        return ",".join(names[: self.targets]), ",".join(names[self.targets:])
-
-
-def parse_splits(text: str) -> list[Split]:
-    return [Split.parse(t.strip()) for t in text.split(",") if t.strip()]
-
-
-def check_gpus(splits: list[Split], device: torch.device) -> None:
-    have = torch.cuda.device_count() if device.type == "cuda" else None
-    for s in splits:
-        if have is not None and s.gpus > have:
-            raise UsageError(f"--splits {s.name}: needs {s.gpus} GPUs, this machine has {have}")
-        s.devices(device.type)  # the CPU ambiguity, before anything runs
+from dflash_train.app.ranks import launch_workers, worker_roles
+from dflash_train.bench.config import PEAK_BF16, Split, train_config
+from dflash_train.data.dataset import write_sequences
+from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
+from dflash_train.pipeline.launcher import free_port
+from dflash_train.pipeline.worker import die_with_parent
 
 
 def write_dataset(sequences, out: Path) -> Path:
     """The bench's synthetic sequences as a prepared dataset, for the worker processes to open."""
-    from dflash_train.data.dataset import write_sequences
-
     ids = [sequences[i][0] for i in range(len(sequences))]
     masks = [sequences[i][1] for i in range(len(sequences))]
     write_sequences(out, ids, masks, [f"synthetic-{i}" for i in range(len(ids))], {"source": "dflash-train bench"})
@@ -102,17 +60,14 @@ def _steady_verdicts(profile_path: Path) -> dict[str, list[str]]:
 
 def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: float, log=print) -> dict[str, Any]:
     """One split's run on `kind` devices; timed_flops = model FLOPs of its timed steps (bench/run.py)."""
-    from dflash_train.bench.run import PEAK_BF16, _train_cfg
-    from dflash_train.training.job import _roles, launch_workers
-
     total = 2 * bench_cfg.steps
     with tempfile.TemporaryDirectory(prefix="dflash-bench-split-") as tmp:
         t_dev, d_dev = split.devices(kind)
-        cfg = _train_cfg(bench_cfg, Path(tmp), "overlap", total, data=str(data_dir), target_devices=t_dev,
-                         drafter_devices=d_dev, profile_interval=1.0, init_from_target=False)
+        cfg = train_config(bench_cfg, Path(tmp), "overlap", total, data=str(data_dir), target_devices=t_dev,
+                           drafter_devices=d_dev, profile_interval=1.0, init_from_target=False)
         t0 = time.perf_counter()
         # drafter_dir None: every drafter worker builds the same seeded drafter; no checkpoint files
-        code = launch_workers(cfg, _roles(cfg), Path(tmp), data_dir, None, None, None, total, progress=False,
+        code = launch_workers(cfg, worker_roles(cfg), Path(tmp), data_dir, None, None, None, total, progress=False,
                               checkpoints=False)
         if code:
             raise RuntimeError(f"--splits {split.name}: the worker processes failed (exit {code}); see above")
@@ -218,8 +173,6 @@ def device_copy_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
 
 
 def _timed(fn, repeats: int) -> float:
-    import torch.distributed as dist
-
     fn()  # warm-up: NCCL connects on first use
     torch.cuda.synchronize()
     dist.barrier()
@@ -232,14 +185,7 @@ def _timed(fn, repeats: int) -> float:
 
 def _link_worker(rank: int, port: int, width: int, budget: int, depth: int, messages: int, out) -> None:
     """Rank 0 (GPU 0) sends, rank 1 (GPU 1) receives; rank 0 times and reports."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
-    from dflash_train.pipeline.worker import _die_with_parent
-
-    _die_with_parent()
+    die_with_parent()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     result = {"device_copy_bytes_per_s": device_copy_bandwidth()} if rank == 0 else {}
@@ -286,10 +232,6 @@ def link_bandwidth(width: int, budget: int, depth: int, messages: int = 20) -> d
 
     In two worker processes, so this process never holds a CUDA context.
     """
-    import queue
-
-    from dflash_train.pipeline.launcher import free_port
-
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()

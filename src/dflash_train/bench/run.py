@@ -26,61 +26,36 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import platform
+import queue
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+import traceback
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflash_train.app.local import train_local
+from dflash_train.bench.config import PEAK_BF16, BenchConfig, check_gpus, parse_splits, train_config
 from dflash_train.bench.flops import drafter_flops, shape_of, target_flops
-from dflash_train.bench.multi import check_gpus, parse_splits
-from dflash_train.errors import UsageError
-
-PEAK_BF16 = 989e12
-VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-only", "drafter-only")
-
-
-@dataclass(kw_only=True, slots=True)
-class BenchConfig:
-    target: str = "random:qwen3-8b"
-    device: str = "auto"
-    num_layers: int = 5
-    block_size: int = 16
-    num_anchors: int = 512
-    seq_len: int = 3072
-    steps: int = 10
-    variants: str = ",".join(VARIANTS)
-    attention: str = "auto"
-    loss_chunk_rows: int = 4096
-    seed: int = 0
-    splits: str = ""  # several GPUs: e.g. "1+1,x2" (bench/multi.py)
-    compile_target: bool = False  # torch.compile the target's decoder layers (train --compile-target)
-    cold_start: bool = False  # every variant's process starts with empty compile caches (inductor, Triton)
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_anchors", "seq_len", "steps", "loss_chunk_rows"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
-        parse_splits(self.splits)  # a bad split fails here, before any model is loaded
-        bad = [v for v in self.variant_list if v not in VARIANTS]
-        if bad:
-            raise UsageError(f"--variants: unknown {bad} (choose from {', '.join(VARIANTS)})")
-
-    @property
-    def variant_list(self) -> list[str]:
-        return [v.strip() for v in self.variants.split(",") if v.strip()]
+from dflash_train.bench.multi import link_bandwidth, recommend, run_split, scaling, write_dataset
+from dflash_train.devices import resolve_device
+from dflash_train.models.factory import drafter_config_for, new_drafter
+from dflash_train.models.targets import load_target
+from dflash_train.pipeline.features import packed_features
+from dflash_train.pipeline.stream import PackStream
+from dflash_train.pipeline.worker import die_with_parent
+from dflash_train.profiling.reporter import ProfileReporter
+from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
 
 
 class SyntheticSequences:
     """Random token sequences of one length; loss on all but the first 10% (the 'prompt')."""
-
     def __init__(self, n: int, length: int, vocab: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.ids = rng.integers(0, vocab, size=(n, length), dtype=np.int64)
@@ -97,24 +72,9 @@ class SyntheticSequences:
         return self.ids[i], self.mask
 
 
-def _train_cfg(cfg: BenchConfig, run_dir: Path, variant: str, total: int, **extra):
-    from dflash_train.training.config import TrainConfig
-
-    base = dict(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
-                block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
-                max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
-                max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
-                overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
-                profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0,
-                compile_target=cfg.compile_target)
-    return TrainConfig(**(base | extra))
-
-
 def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int,
                 packs_per_step: int = 1) -> tuple[float, float]:
     """Model FLOPs of steps [first, last) from the very packs the stream yields (deterministic)."""
-    from dflash_train.pipeline.stream import PackStream
-
     tshape, dshape = shape_of(target.model.config), shape_of(drafter.config)
     t_layers = max(drafter.config.target_layer_ids) + 1
     stream = PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, packs_per_step)
@@ -131,9 +91,6 @@ def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: in
 
 def _target_only(cfg: BenchConfig, target, drafter, dataset, total: int, device: torch.device) -> dict[str, Any]:
     """The target forwards of the timed packs alone, after the warm-up packs."""
-    from dflash_train.pipeline.stream import PackStream
-    from dflash_train.training.step import packed_features
-
     layer_ids = list(drafter.config.target_layer_ids)
     packs = list(PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, 1).packs(total))
     tokens, t0 = 0, 0.0
@@ -153,8 +110,6 @@ def _target_only(cfg: BenchConfig, target, drafter, dataset, total: int, device:
 
 def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     """Each variant in a fresh process, as a `dflash-train train` run would be; then the splits."""
-    from dflash_train.devices import resolve_device
-
     device = resolve_device(cfg.device)
     splits = parse_splits(cfg.splits)
     check_gpus(splits, device)
@@ -215,9 +170,6 @@ def _log_multi(out: dict[str, Any], log) -> None:
 
 def _in_fresh_process(fn, *args):
     """fn(*args) in a spawned process; its exception is re-raised here with the child's traceback."""
-    import multiprocessing as mp
-    import queue
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_child, args=(q, fn, args), name=f"dflash-bench-{fn.__name__}")
@@ -240,11 +192,7 @@ def _in_fresh_process(fn, *args):
 
 
 def _child(q, fn, args) -> None:
-    import traceback
-
-    from dflash_train.pipeline.worker import _die_with_parent
-
-    _die_with_parent()  # a bench killed with -9 leaves no GPU process behind
+    die_with_parent()  # a bench killed with -9 leaves no GPU process behind
     try:
         q.put(("ok", fn(*args)))
     except BaseException:
@@ -253,9 +201,6 @@ def _child(q, fn, args) -> None:
 
 def _setup(cfg: BenchConfig, device_name: str):
     """The target, a freshly initialised drafter, the synthetic data and the FLOP plan (same in every process)."""
-    from dflash_train.models.factory import drafter_config_for, new_drafter
-    from dflash_train.models.targets import load_target
-
     device = torch.device(device_name)
     cuda = device.type == "cuda"
     target = load_target(cfg.target, device=device, seed=cfg.seed)
@@ -293,14 +238,10 @@ def _run_variant(cfg: BenchConfig, variant: str, device_name: str, t_launch: flo
 
 
 def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, plan, t_launch) -> dict[str, Any]:
-    from dflash_train.pipeline.local import train_local
-    from dflash_train.profiling.reporter import ProfileReporter
-    from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
-
     device = target.device
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
-        tcfg = _train_cfg(cfg, Path(tmp), variant, 2 * cfg.steps)
+        tcfg = train_config(cfg, Path(tmp), variant, 2 * cfg.steps)
         profiled = "+" in variant
         stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events) if profiled else NULL_PROFILE
         reporter = ProfileReporter(stats, 10.0, None, log=lambda text: None, tensorboard=False).start() \
@@ -334,8 +275,6 @@ def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, pla
 
 
 def _run_splits(cfg: BenchConfig, splits, kind: str, plan: dict[str, Any], log) -> dict[str, Any]:
-    from dflash_train.bench.multi import link_bandwidth, run_split, write_dataset
-
     link = None
     if kind == "cuda" and any(not s.colocated for s in splits):
         link = link_bandwidth(plan["width"], cfg.seq_len, depth=4)
@@ -350,8 +289,6 @@ def _run_splits(cfg: BenchConfig, splits, kind: str, plan: dict[str, Any], log) 
 
 def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
     """The several-GPU record: the best split on the most GPUs, scaling against one GPU's best variant."""
-    from dflash_train.bench.multi import recommend, scaling
-
     by_gpus = scaling(one["tokens_per_s"], multi["splits"])  # one GPU: its best trained variant
     top = by_gpus[max(by_gpus, key=int)]
     return {

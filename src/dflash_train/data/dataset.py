@@ -22,8 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ from dflash_train.data.conversations import BadRecord
 from dflash_train.data.sources import ON_BAD, Conversation
 from dflash_train.data.tokenize import encode_chat, end_of_turn_ids, template_ids, truncate
 from dflash_train.errors import UsageError
+from dflash_train.files import AtomicDirectory
 
 FORMAT = "dflash-train-prepared"
 FORMAT_VERSION = 1
@@ -160,39 +159,20 @@ def _check_writable(out: Path, overwrite: bool) -> None:
 
 def _write_atomically(out: Path, arrays: dict[str, np.ndarray], conv_ids: list[str], meta: dict,
                       overwrite: bool) -> None:
-    """Fill a temporary sibling of `out`, then rename it into place."""
+    """Fill a temporary sibling of `out`, then rename it into place (a previous dataset is replaced last)."""
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        staged = AtomicDirectory(out)
     except OSError as e:
         raise UsageError(f"--out: cannot create {out}: {e.strerror}") from None
     try:
-        for name, arr in arrays.items():
-            np.save(tmp / name, arr)
-        (tmp / "ids.json").write_text(json.dumps(conv_ids, ensure_ascii=False))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-        _check_writable(out, overwrite)  # again: something may have appeared while we tokenized
-        _replace(tmp, out)
+        with staged as tmp:
+            for name, arr in arrays.items():
+                np.save(tmp / name, arr)
+            (tmp / "ids.json").write_text(json.dumps(conv_ids, ensure_ascii=False))
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+            _check_writable(out, overwrite)  # again: something may have appeared while we tokenized
     except OSError as e:
         raise UsageError(f"--out: cannot write {out}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out is moved aside first and removed only afterwards."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    old.rmdir()
-    out.rename(old)
-    try:
-        tmp.rename(out)
-    except OSError:
-        old.rename(out)  # put the previous dataset back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # --- reading -------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, a
                                             resume, with_samples)
 from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
+from dflash_train.models import targets
 
 REASONING = ("keep", "drop")
 MAX_BACKOFF_S = 30.0
@@ -431,8 +432,6 @@ def _server_message(resp) -> str:
 def load_tokenizer(spec: str, flag: str = "--target"):
     """The target's tokenizer alone (no weights): re-tokenising replies must not load an 8B model."""
     from transformers import AutoTokenizer
-
-    from dflash_train.models import targets
 
     if spec.startswith("random:"):
         return targets.byte_tokenizer()

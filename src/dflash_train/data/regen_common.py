@@ -215,3 +215,18 @@ def append(out, records: list[dict]) -> None:
     out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
     out.flush()
     os.fsync(out.fileno())
+
+
+def read_regenerated(path: Path, ids: list[str]) -> list[Conversation]:
+    """The conversations `ids` of a finished output file, in that order (ids it lacks are left out)."""
+    wanted = set(ids)
+    by_id = {}
+    # split on "\n" only: str.splitlines() also splits on U+2028 / U+0085, which replies contain raw
+    # (the file is written with ensure_ascii=False); seen on the H200 with all of ShareGPT
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if not line:
+            continue
+        rec = json.loads(line)
+        if rec["id"] in wanted:
+            by_id[rec["id"]] = Conversation(rec["id"], rec["messages"])
+    return [by_id[i] for i in ids if i in by_id]

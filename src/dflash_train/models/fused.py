@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dflash_train.models.compiled import compile_serialized
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, as Qwen3 computes it, then cast back and scaled."""
@@ -59,8 +61,6 @@ def _pick(fn: Callable, x: torch.Tensor) -> Callable:
     if not (x.is_cuda and _enabled()) or torch.compiler.is_compiling():
         return fn  # inside a caller's torch.compile: its trace fuses the plain function
     if fn.__name__ not in _COMPILED:  # compiled on first CUDA use, not at import
-        from dflash_train.models.compiled import compile_serialized
-
         _COMPILED[fn.__name__] = compile_serialized(fn, dynamic=_TOKEN_DIMS[fn.__name__])
     return _COMPILED[fn.__name__]
 

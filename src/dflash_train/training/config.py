@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
 
 
@@ -181,8 +182,6 @@ class TrainConfig:
 
     def server_config(self):
         """The regeneration server's settings (--regen-server ...), checked; errors name train's flags."""
-        from dflash_train.data.regen_client import ServerConfig
-
         try:
             return ServerConfig(url=self.regen_server, model=self.regen_model, concurrency=self.regen_concurrency,
                                 api_key_env=self.regen_api_key_env)
@@ -190,11 +189,6 @@ class TrainConfig:
             raise UsageError(re.sub(r"--(server|model|concurrency|api-key-env)\b", r"--regen-\1", str(e))) from None
 
     # --- files -----------------------------------------------------------------------
-
-    @classmethod
-    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-        values = read_toml(path)
-        return cls(**(values | (overrides or {})))
 
     def to_toml(self) -> str:
         lines = ["# dflash-train resolved configuration"]

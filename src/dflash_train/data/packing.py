@@ -1,4 +1,4 @@
-"""Deterministic packing of prepared sequences into fixed token budgets, resumable by position.
+"""Packed batches: prepared sequences packed back to back into fixed token budgets, resumable by position.
 
 Each epoch visits the sequences in a permutation seeded by (seed, epoch); consecutive
 sequences are packed into one step while they fit the token budget. The loader's whole
@@ -12,7 +12,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_train.objective.blocks import PackedBatch
+
+@dataclass
+class PackedBatch:
+    """S context tokens of packed sequences (all tensors [S], on one device)."""
+
+    input_ids: torch.Tensor  # int64
+    loss_mask: torch.Tensor  # 0/1
+    seq_ids: torch.Tensor  # int64, which packed sequence each token belongs to
+    positions: torch.Tensor  # int64, position within its sequence
+    labels: torch.Tensor | None = None  # int64, the target's greedy token at each position (optional)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(*(t.to(device, non_blocking=True) if t is not None else None for t in
+                             (self.input_ids, self.loss_mask, self.seq_ids, self.positions, self.labels)))
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""One process, one device: the target and the drafter share it (`train` without --target-devices).
+
+    overlap off  the pack's features are computed inline, then trained on (the naive loop)
+    overlap on   a target thread on its own CUDA stream feeds a bounded queue, filling the drafter's gaps
+Either one keeps each sequence's features after its first pack with --cache-features, so later
+epochs run only the drafter (pipeline/sources.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.targets import Target
+from dflash_train.objective.objective import feature_layer_ids
+from dflash_train.pipeline.sources import FeatureSource, local_source
+from dflash_train.pipeline.stream import PackStream
+from dflash_train.profiling.stats import NULL_PROFILE
+from dflash_train.profiling.tools import NO_TRACE
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.drafter_loop import DrafterTrainLoop
+from dflash_train.training.trainer import Hooks, TrainResult
+
+
+def use_overlap(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.overlap if cfg.overlap is not None else device.type == "cuda"
+
+
+def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.cache_features if cfg.cache_features is not None else device.type == "cpu"
+
+
+def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], stats=NULL_PROFILE, trace=NO_TRACE,
+                  overlap: bool | None = None) -> FeatureSource:
+    """Features from this process's own target, as --overlap and --cache-features say (or their defaults)."""
+    overlap = use_overlap(cfg, target.device) if overlap is None else overlap
+    return local_source(target, packs, layer_ids, overlap=overlap, cache=cache_features(cfg, target.device),
+                        depth=cfg.queue_depth, stats=stats, trace=trace)
+
+
+def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:
+    """--max-steps, else the resumed run's total (its schedule), else --epochs over the data."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    if resume_state is not None:
+        return resume_state["total_steps"]
+    stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, packs_per_step)
+    return max(1, math.ceil(cfg.epochs * stream.steps_per_epoch()))
+
+
+def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,
+                resume_state: dict[str, Any] | None = None, progress: bool = True, stats=NULL_PROFILE,
+                trace=NO_TRACE, overlap: bool | None = None, checkpoints: bool = True,
+                on_loop=lambda loop: None) -> TrainResult:
+    """Train on one device: the target's features inline, or from a target thread with overlap."""
+    steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
+    loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, run_dir, steps,
+                            resume_state=resume_state, progress=progress,
+                            hooks=Hooks(prof=stats.loop("drafter"), trace=trace), checkpoints=checkpoints)
+    on_loop(loop)
+    stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
+    packs = stream.packs(steps)
+    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    source = features_here(cfg, target, packs, layer_ids, stats, trace, overlap)
+    try:
+        with target.compiled_layers(cfg.compile_target):
+            return loop.train(source)
+    finally:
+        source.close()

@@ -1,0 +1,215 @@
+"""The train job on several processes: one per device of --target-devices / --drafter-devices.
+
+    worker_roles(cfg)    (role, device) per process, or [] for the one-device path
+    launch_workers(...)  starts them on this host (pipeline/launcher.py) and returns the run's exit code
+    run_torchrun_rank    one rank of a torchrun launch (the role split repeated per node)
+    run_rank(work, ...)  what one rank does: loads its target (and drafter), then serves features or trains
+
+pipeline/worker.py has the process around a rank and the feature plumbing; this module has the
+train job's part of it: which target and drafter, which training loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from dflash_train.app.drafter import drafter_config, make_drafter
+from dflash_train.app.local import cache_features, features_here, total_steps
+from dflash_train.app.run_dir import export_drafter, run_dir_lock
+from dflash_train.data.dataset import PreparedDataset
+from dflash_train.errors import UsageError
+from dflash_train.models.checkpoint import load_config, load_drafter
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.targets import default_dtype, load_target
+from dflash_train.objective.objective import feature_layer_ids
+from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
+from dflash_train.pipeline.stream import PackStream, StreamState
+from dflash_train.pipeline.worker import Peers, WorkerSpec, drafter_packs, join_group, receive_features, serve_features
+from dflash_train.profiling.session import profile_session
+from dflash_train.training.checkpoint import latest_checkpoint, load_state
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.drafter_loop import DrafterTrainLoop
+from dflash_train.training.trainer import DataParallel, GracefulStop, Hooks
+
+
+@dataclass
+class TrainWork:
+    """What every rank of one run is given (the launcher sends it to each process)."""
+
+    cfg: TrainConfig
+    run_dir: str
+    data_dir: str
+    drafter_dir: str | None  # initial weights (fresh init or the checkpoint resumed from); None = a fresh init here
+    resume_state_path: str | None  # drafter ranks restore optimizer, schedule and RNGs from it
+    stream: StreamState  # where the run's pack stream starts (a resumed run's position)
+    total_steps: int
+    progress: bool
+    checkpoints: bool = True  # False: no checkpoint files at all (the benchmark's runs)
+
+
+def worker_roles(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(role, device) per worker process, or [] for the one-device path."""
+    if cfg.target_devices is None:
+        return []
+    targets = parse_devices(cfg.target_devices, "--target-devices")
+    drafters = parse_devices(cfg.drafter_devices, "--drafter-devices")
+    if targets == drafters:  # every device runs a whole pipeline; the drafters are data parallel
+        out = [("both", d) for d in targets]
+    else:
+        out = [("target", d) for d in targets] + [("drafter", d) for d in drafters]
+    cuda = [d for _, d in out if d.startswith("cuda")]
+    if len(set(cuda)) < len(cuda):
+        raise UsageError("--target-devices/--drafter-devices: a CUDA device can hold one worker process (NCCL); "
+                         "to put a target and a drafter on every GPU give both flags the same list, in the same order")
+    if len({torch.device(d).type for _, d in out}) > 1:
+        raise UsageError("--target-devices and --drafter-devices must all be CUDA devices or all cpu "
+                         "(features travel over NCCL or gloo)")
+    return out
+
+
+def stream_state(state: dict[str, Any] | None) -> StreamState:
+    """Where a run's pack stream starts: a resumed trainer state's position, or the beginning."""
+    return StreamState(**state["stream"]) if state else StreamState()
+
+
+def launch_workers(cfg: TrainConfig, roles, run_dir: Path, data_dir, drafter_dir: str | None, ckpt: Path | None,
+                   state, steps: int, progress: bool, checkpoints: bool = True) -> int:
+    """One process per (role, device) on this host, started and watched by the Launcher; its exit code."""
+    port = cfg.dist_port or free_port()
+    work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(data_dir), drafter_dir=drafter_dir,
+                     resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state), total_steps=steps,
+                     progress=progress, checkpoints=checkpoints)
+    specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, init_method=f"tcp://127.0.0.1:{port}",
+                        peer_timeout=cfg.peer_timeout) for r, (role, dev) in enumerate(roles)]
+    return Launcher(specs, functools.partial(run_rank, work)).run(cfg.peer_timeout)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> NoReturn:
+    """One rank of a torchrun launch: the role split of --target/--drafter-devices, repeated per node.
+
+    torchrun starts the processes on every node and ends them all when one fails; this rank
+    takes (role, device) = roles[LOCAL_RANK]. The data must be prepared beforehand (a prepared
+    dataset directory in --data) and the run directory shared by the nodes.
+    """
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", len(roles)))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if local_world != len(roles):
+        raise UsageError(f"torchrun --nproc-per-node must be {len(roles)} (one process per device of "
+                         f"--target-devices and --drafter-devices), got {local_world}")
+    if not (Path(cfg.data) / "meta.json").is_file():
+        raise UsageError(f"--data {cfg.data}: under torchrun give a prepared dataset directory "
+                         "(dflash-train prepare / regenerate first)")
+    dataset = PreparedDataset.open(cfg.data, labels=cfg.labels == "target")
+    run_dir = Path(cfg.run_dir)
+    devices = roles * (world // local_world)
+    # The first drafter rank writes metrics, checkpoints and the drafter: it holds the run directory's lock.
+    writer = rank == next(r for r, (role, _) in enumerate(devices) if role != "target")
+    with run_dir_lock(run_dir) if writer else nullcontext():
+        ckpt = latest_checkpoint(run_dir) if resume else None
+        state = load_state(ckpt) if ckpt else None
+        n_drafters = sum(1 for role, _ in devices if role != "target")
+        spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices,
+                          init_method="env://", peer_timeout=cfg.peer_timeout)
+        work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(dataset.path),
+                         drafter_dir=str(ckpt / "drafter") if ckpt else cfg.init_drafter,
+                         resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state),
+                         total_steps=total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state), progress=progress)
+        if writer:
+            (run_dir / "config.toml").write_text(cfg.to_toml())
+        drafter = run_rank(work, spec, Peers.unwatched(len(devices)))
+        if drafter is not None and writer:
+            export = export_drafter(drafter, run_dir, cfg)
+            print(f"drafter exported to {export}; measure it with `dflash-train eval --drafter {export}`")
+    # Leave without interpreter teardown, as the launcher's workers do (pipeline/worker.py): with
+    # the process group's threads still alive at exit, a gloo rank aborted in std::terminate in
+    # about 1 of 4 CPU runs after the work had finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter | None:
+    """Join the process group and run this rank's loop; a drafter rank returns its trained drafter
+    (None after the launcher's coordinated stop: the checkpoint of that step is written)."""
+    group = join_group(spec, peers)
+    with profile_session(work.cfg, Path(work.run_dir), f"rank{spec.rank}/{spec.role}/{spec.device}") as session:
+        if spec.role == "target":
+            return _serve(work, spec, peers, session)
+        try:
+            return _train(work, spec, peers, session, group)
+        except GracefulStop:
+            return None
+
+
+def _stream(work: TrainWork, spec: WorkerSpec, state: StreamState) -> PackStream:
+    cfg = work.cfg
+    dataset = PreparedDataset.open(work.data_dir, labels=cfg.labels == "target")
+    return PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, len(spec.drafter_ranks) * cfg.grad_accum,
+                      state)
+
+
+def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
+    """A target rank: the target's features of its share of the packs, to the drafter ranks."""
+    cfg, device = work.cfg, torch.device(spec.device)
+    target = load_target(cfg.target, device=device)
+    drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
+    layer_ids = feature_layer_ids(drafter_cfg, cfg.kd_weight > 0)
+    stream = _stream(work, spec, work.stream)
+    with target.compiled_layers(cfg.compile_target):
+        serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.queue_depth,
+                       cache=cache_features(cfg, device),  # each worker caches the packs it serves
+                       prof=session.stats.loop("target"), trace=session.trace)
+
+
+def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> DFlashDrafter:
+    """A drafter rank ("drafter": features from the target ranks; "both": from its own target thread)."""
+    cfg, device = work.cfg, torch.device(spec.device)
+    # A drafter-only worker uses the target's embedding and LM head (and its last layers once, to
+    # initialise the drafter), so a real target loads on the host and only those reach the GPU.
+    # Random targets are drawn on the device, so that they equal the target workers' draw.
+    head_only = spec.role == "drafter"
+    on_host = head_only and not cfg.target.startswith("random:")
+    # the dtype of the device that computes, not of the host it loads on (as target workers load it)
+    target = load_target(cfg.target, device="cpu" if on_host else device, dtype=default_dtype(device))
+    if work.drafter_dir is not None:
+        drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
+    else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
+        drafter = make_drafter(cfg, target, None).to(device)
+    if head_only:
+        target.keep_only_head(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # a random target's layers were allocated here first
+    d_ranks = spec.drafter_ranks
+    me = d_ranks.index(spec.rank)
+    hooks = Hooks(prof=session.stats.loop("drafter"), trace=session.trace, stop_requested=peers.stop_requested,
+                  heartbeat=lambda step: peers.stepped(spec.rank, step))
+    loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, Path(work.run_dir),
+                            work.total_steps, dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
+                            resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
+                            progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
+                            checkpoints=work.checkpoints)
+    packs = drafter_packs(spec, _stream(work, spec, loop.stream_state), work.total_steps)
+    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    if spec.role == "both":
+        source = features_here(cfg, target, packs, layer_ids, session.stats, session.trace)
+    else:
+        source = receive_features(spec, packs, len(layer_ids) * target.hidden_size, cfg.token_budget, target.dtype,
+                                  device, cfg.queue_depth)
+    try:
+        with target.compiled_layers(cfg.compile_target and spec.role == "both"):
+            loop.train(source)
+    finally:
+        source.close()
+    return drafter

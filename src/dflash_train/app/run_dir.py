@@ -1,0 +1,91 @@
+"""The run directory of a train job: one job at a time, resumed or started over, and its exported drafter.
+
+    RUN_DIR/config.toml       the resolved configuration
+    RUN_DIR/checkpoints/      training/checkpoint.py
+    RUN_DIR/drafter/          the exported drafter (reference format, --export-dtype)
+    RUN_DIR/data-*, regenerated-*.jsonl   the data caches (app/dataset.py), kept by --overwrite
+"""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+from dflash_train.errors import UsageError, say
+from dflash_train.files import DirectoryLock
+from dflash_train.models.checkpoint import check_replaceable, load_config, parse_dtype, save_drafter
+from dflash_train.models.config import SLIDING_ATTENTION
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, sweep_temporaries
+from dflash_train.training.config import TrainConfig
+
+_RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json",
+                "profile.jsonl", "traces", "init_drafter")
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path):
+    """One train job per run directory: a second one would interleave metrics.jsonl and overwrite
+    the first one's checkpoints and drafter. Held for the whole job; the OS drops it when we exit."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = DirectoryLock(run_dir)
+        holder = lock.acquire()
+    except OSError as e:
+        raise UsageError(f"--run-dir {run_dir}: cannot create or lock it ({e.strerror or e})") from None
+    if holder is not None:
+        pid = f" (pid {holder})" if holder else ""
+        raise UsageError(f"--run-dir {run_dir} is in use by another train run{pid}; "
+                         "wait for it to end or choose another --run-dir")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Path, Path | None]:
+    """The run directory, ready for this run, and the checkpoint to resume from (None unless --resume)."""
+    run_dir = Path(cfg.run_dir)
+    if has_checkpoints(run_dir) and not resume:
+        if not overwrite:
+            raise UsageError(f"--run-dir {run_dir} holds another run's checkpoints; pass --resume to continue it "
+                             "or --overwrite to start over")
+        for name in _RUN_OUTPUTS:  # keep the data caches: they are keyed by their settings
+            path = run_dir / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    removed = sweep_temporaries(run_dir)  # we hold the run directory's lock: nobody else is writing them
+    if removed:
+        say(f"removed {len(removed)} leftover(s) of interrupted writes: {', '.join(removed[:3])}"
+            + (" ..." if len(removed) > 3 else ""))
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+    if ckpt is not None and not cfg.init_drafter:  # with --init-drafter that drafter set the shape, not these flags
+        check_resume_shape(cfg, load_config(ckpt / "drafter", "--resume"))  # before config.toml is rewritten
+    for name in ("drafter", "init_drafter"):  # refused now rather than after the training
+        check_replaceable(run_dir / name, "--run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    return run_dir, ckpt
+
+
+def check_resume_shape(cfg: TrainConfig, saved) -> None:
+    """--resume continues the checkpoint's drafter: flags that would shape another one are refused, by name."""
+    sliding = sum(t == SLIDING_ATTENTION for t in saved.layer_types)
+    theirs = {"num_layers": saved.num_hidden_layers, "block_size": saved.block_size, "sliding_layers": sliding,
+              "num_features": len(saved.target_layer_ids)}
+    if sliding:
+        theirs["sliding_window"] = saved.sliding_window
+    ours = {k: getattr(cfg, k) for k in theirs}
+    if ours["num_features"] is None:  # unset: the default, whatever the checkpoint has
+        ours["num_features"] = theirs["num_features"]
+    bad = [f"--{k.replace('_', '-')} {ours[k]} (the checkpoint's: {v})" for k, v in theirs.items() if ours[k] != v]
+    if bad:
+        raise UsageError(f"--resume: {', '.join(bad)}; a resumed run trains the checkpoint's drafter: drop these "
+                         "flags, or start a new --run-dir")
+
+
+def export_drafter(drafter: DFlashDrafter, run_dir: Path, cfg: TrainConfig) -> Path:
+    """RUN_DIR/drafter in --export-dtype (save_drafter refuses non-finite weights)."""
+    return save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))

@@ -1,0 +1,143 @@
+"""`dflash-train train`: from conversations to an exported, evaluated drafter in one command.
+
+    1. data     conversations (train split) -> target-regenerated replies -> tokenized dataset,
+                each stage cached in the run directory under a key of its settings (app/dataset.py)
+    2. drafter  a fresh drafter shaped for the target (or --init-drafter, or the checkpoint on --resume)
+    3. tau      of the untrained drafter on held-out prompts
+    4. train    one device (app/local.py) or one process per device (app/ranks.py):
+                checkpoints, metrics.jsonl, TensorBoard, profile summaries
+    5. export   RUN_DIR/drafter/ in the reference format, and tau of the trained drafter
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.app.dataset import build_dataset
+from dflash_train.app.drafter import check_mask_token_absent, make_drafter
+from dflash_train.app.local import total_steps, train_local
+from dflash_train.app.ranks import launch_workers, run_torchrun_rank, under_torchrun, worker_roles
+from dflash_train.app.run_dir import export_drafter, prepare_run_dir, run_dir_lock
+from dflash_train.devices import resolve_device
+from dflash_train.errors import say
+from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
+from dflash_train.eval.prompts import load_prompts
+from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.targets import Target, load_target
+from dflash_train.objective.objective import check_backend_device
+from dflash_train.profiling.session import profile_session
+from dflash_train.training.checkpoint import latest_checkpoint, load_state
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.trainer import GracefulStop
+
+CPU_SPEEDUP_NOTE = (
+    "note: on a CPU the speedup above says little about the drafter. The target's forward over a block "
+    "of B tokens costs several one-token forwards there (its matmuls are compute-bound; on a GPU a "
+    "small block costs about one step), so a DFlash step costs more than it saves unless tau is high: "
+    "read tau. The one-GPU recipe: dflash-train train --config configs/smollm2-h200.toml (docs/quality.md).")
+
+
+def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> int:
+    roles = worker_roles(cfg)
+    if roles and under_torchrun():
+        return run_torchrun_rank(cfg, roles, resume, progress)
+    with run_dir_lock(Path(cfg.run_dir)):
+        return _run(cfg, roles, resume, overwrite, progress)
+
+
+def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: TrainConfig, name: str,
+             run_dir: Path, progress: bool, baseline: bool = True) -> EvalReport:
+    """tau on the eval prompts; `baseline` adds target-only decoding (speedup + lossless check)."""
+    drafter.eval()
+    rep = evaluate(target, drafter, prompts, EvalConfig(max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed,
+                                                        baseline=baseline), progress=progress)
+    rep.to_json(run_dir / f"eval_{name}.json")
+    return rep
+
+
+def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
+    t0 = time.perf_counter()
+    run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
+    state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
+    device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
+    for d in [resolve_device(d) for role, d in roles if role != "target"] if roles else [device]:
+        check_backend_device(cfg.attention, d)  # before any data is regenerated
+    if cfg.init_drafter and not resume:
+        load_config(cfg.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
+    target = load_target(cfg.target, device=device)
+    say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
+    prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
+               if cfg.eval_limit else [])
+    dataset = build_dataset(cfg, target, run_dir, progress)
+    drafter = make_drafter(cfg, target, ckpt)
+    check_mask_token_absent(dataset, drafter.mask_token_id, target)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    say(f"drafter: {n_params / 1e6:.2f}M parameters, {drafter.config.num_hidden_layers} layers, "
+        f"B={drafter.block_size}, target layers {drafter.config.target_layer_ids}")
+    before = None
+    if prompts and ckpt is None:
+        # tau only: the untrained drafter's speedup and losslessness are not the question here
+        before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress, baseline=False)
+        say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
+    if roles:
+        init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
+        del target, drafter  # the workers load their own; free this process's device memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress)
+        if code:
+            return code
+        target = load_target(cfg.target, device=device)  # released while the workers ran
+        drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
+    else:
+        steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress)
+    export = export_drafter(drafter, run_dir, cfg)
+    if prompts:
+        after = eval_tau(target, load_drafter(export, device=device, dtype=target.dtype), prompts, cfg, "after",
+                         run_dir, progress)
+        print(after.summary())
+        if device.type == "cpu":
+            print(CPU_SPEEDUP_NOTE)
+        print(f"tau on {len(prompts)} held-out {cfg.eval_dataset} prompts: "
+              f"untrained {before.tau:.3f} -> trained {after.tau:.3f}" if before else
+              f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval_dataset} prompts: {after.tau:.3f}")
+    print(f"trained {steps} steps in {seconds:.0f} s (run {time.perf_counter() - t0:.0f} s); "
+          f"drafter exported to {export}")
+    return 0
+
+
+def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path, state,
+                progress: bool) -> tuple[int, float]:
+    """One device, one process; SIGTERM stops like Ctrl-C: after a checkpoint."""
+
+    def on_term(signum, frame):
+        raise GracefulStop()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with profile_session(cfg, run_dir, f"main/{target.device}") as session:
+            result = train_local(cfg, target, drafter, dataset, run_dir, state, progress, session.stats,
+                                 trace=session.trace)
+    except GracefulStop:
+        say("SIGTERM: stopped after writing a checkpoint")
+        raise SystemExit(143) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return result.steps, result.seconds
+
+
+def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: Path, ckpt: Path | None, state,
+                     progress: bool) -> tuple[int, int, float]:
+    n_drafters = sum(1 for role, _ in roles if role != "target")
+    steps = total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state)
+    start = state["step"] if state else 0
+    say(f"training {steps - start} steps through {len(roles)} processes: "
+        + ", ".join(f"{role} {dev}" for role, dev in roles))
+    t0 = time.perf_counter()
+    code = launch_workers(cfg, roles, run_dir, dataset.path, str(init_dir), ckpt, state, steps, progress)
+    return code, steps, time.perf_counter() - t0

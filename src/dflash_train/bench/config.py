@@ -1,0 +1,107 @@
+"""The bench's settings (the `bench` command's flags), its variants and its several-GPU splits."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_train.errors import UsageError
+from dflash_train.training.config import TrainConfig
+
+PEAK_BF16 = 989e12
+VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-only", "drafter-only")
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    target: str = "random:qwen3-8b"
+    device: str = "auto"
+    num_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = 512
+    seq_len: int = 3072
+    steps: int = 10
+    variants: str = ",".join(VARIANTS)
+    attention: str = "auto"
+    loss_chunk_rows: int = 4096
+    seed: int = 0
+    splits: str = ""  # several GPUs: e.g. "1+1,x2" (bench/multi.py)
+    compile_target: bool = False  # torch.compile the target's decoder layers (train --compile-target)
+    cold_start: bool = False  # every variant's process starts with empty compile caches (inductor, Triton)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_anchors", "seq_len", "steps", "loss_chunk_rows"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
+        parse_splits(self.splits)  # a bad split fails here, before any model is loaded
+        bad = [v for v in self.variant_list if v not in VARIANTS]
+        if bad:
+            raise UsageError(f"--variants: unknown {bad} (choose from {', '.join(VARIANTS)})")
+
+    @property
+    def variant_list(self) -> list[str]:
+        return [v.strip() for v in self.variants.split(",") if v.strip()]
+
+
+def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, **extra) -> TrainConfig:
+    """The `train` settings of one variant's run: the bench's shapes, no checkpoints, no eval."""
+    base = dict(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
+                block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
+                max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
+                max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
+                overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
+                profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0,
+                compile_target=cfg.compile_target)
+    return TrainConfig(**(base | extra))
+
+
+_SPLIT = re.compile(r"^(\d+)\+(\d+)$|^x(\d+)$")
+
+
+@dataclass(frozen=True)
+class Split:
+    name: str
+    targets: int
+    drafters: int
+    colocated: bool  # every GPU holds both roles
+
+    @classmethod
+    def parse(cls, text: str) -> Split:
+        m = _SPLIT.match(text)
+        if not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(1) and min(int(m.group(1)), int(m.group(2))) < 1):
+            raise UsageError(f"--splits: {text!r} is not T+D (T target GPUs, D drafter GPUs, both >= 1) "
+                             "or xN (N GPUs each holding a target and a drafter)")
+        if m.group(3):
+            n = int(m.group(3))
+            return cls(text, n, n, True)
+        return cls(text, int(m.group(1)), int(m.group(2)), False)
+
+    @property
+    def gpus(self) -> int:
+        return self.targets if self.colocated else self.targets + self.drafters
+
+    def devices(self, kind: str = "cuda") -> tuple[str, str]:
+        """--target-devices, --drafter-devices (on CPU: gloo processes sharing the host's cores)."""
+        names = [f"cuda:{i}" for i in range(self.gpus)] if kind == "cuda" else ["cpu"] * self.gpus
+        if self.colocated:
+            return ",".join(names), ",".join(names)
+        if kind != "cuda" and self.targets == self.drafters:
+            raise UsageError(f"--splits {self.name}: on CPU equal lists mean colocated workers; use x{self.targets}")
+        return ",".join(names[: self.targets]), ",".join(names[self.targets:])
+
+
+def parse_splits(text: str) -> list[Split]:
+    return [Split.parse(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def check_gpus(splits: list[Split], device: torch.device) -> None:
+    have = torch.cuda.device_count() if device.type == "cuda" else None
+    for s in splits:
+        if have is not None and s.gpus > have:
+            raise UsageError(f"--splits {s.name}: needs {s.gpus} GPUs, this machine has {have}")
+        s.devices(device.type)  # the CPU ambiguity, before anything runs

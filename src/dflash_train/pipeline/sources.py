@@ -1,0 +1,79 @@
+"""Feature sources: where a training loop gets each pack's target features, behind one protocol.
+
+    InlineSource    each step computes the pack's features, then trains on them, strictly one
+                    after the other, on the training loop's thread (the naive loop)
+    ThreadedSource  a TargetForwardLoop thread on its own CUDA stream feeds a bounded LocalHandoff
+                    queue; target forwards run while the drafter computes, filling its gaps
+    P2PReceiver     features computed by target processes, received point-to-point (handoff.py)
+
+The first two keep each sequence's features after its first pack when asked (FeatureCache), so
+later epochs run only the drafter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from dflash_train.models.targets import Target
+from dflash_train.pipeline.handoff import Features, LocalHandoff
+from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
+from dflash_train.profiling.stats import NULL_LOOP, NULL_PROFILE
+from dflash_train.profiling.tools import NO_TRACE
+
+
+class FeatureSource(Protocol):
+    def get(self, prof=NULL_LOOP) -> Features:
+        """The next pack and its features, on the training loop's device; prof times the wait."""
+
+    def close(self) -> None:
+        """Stop the threads or receives behind it (the run ended or failed)."""
+
+
+class InlineSource:
+    """Features computed on demand, on the drafter's thread (optionally cached per sequence)."""
+
+    def __init__(self, target: Target, packs, layer_ids: list[int], cache: bool, prof=NULL_LOOP) -> None:
+        self.packs = iter(packs)
+        self.loop = TargetForwardLoop(target, layer_ids, prof, cache=FeatureCache() if cache else None)
+
+    def get(self, prof=NULL_LOOP) -> Features:
+        """The drafter's `hs_queue_wait` here is the whole inline target step: it waits for it."""
+        t0 = time.perf_counter()
+        pack = next(self.packs)
+        feats, busy = self.loop.compute(pack)
+        prof.add("hs_queue_wait", time.perf_counter() - t0)
+        return Features(pack, feats, busy)
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadedSource:
+    """A TargetForwardLoop thread (own CUDA stream) -> LocalHandoff -> the drafter loop."""
+
+    def __init__(self, target: Target, packs, layer_ids: list[int], depth: int, prof=NULL_LOOP, trace=NO_TRACE,
+                 cache: bool = False) -> None:
+        self.handoff = LocalHandoff(depth)
+        self.batches = BatchQueue(packs, depth, prof)
+        self.loop = TargetForwardLoop(target, layer_ids, prof, trace=trace, cache=FeatureCache() if cache else None)
+        self.thread = threading.Thread(target=self.loop.run_local, args=(self.batches, self.handoff),
+                                       name="target-forward", daemon=True)
+        self.thread.start()
+
+    def get(self, prof=NULL_LOOP) -> Features:
+        return self.handoff.get(prof)
+
+    def close(self) -> None:
+        self.handoff.close()
+        self.batches.close()
+        self.thread.join(timeout=30)
+
+
+def local_source(target: Target, packs, layer_ids: list[int], *, overlap: bool, cache: bool, depth: int,
+                 stats=NULL_PROFILE, trace=NO_TRACE) -> FeatureSource:
+    """Features from this process's own target: a thread on its own CUDA stream (overlap), or inline."""
+    if overlap:
+        return ThreadedSource(target, packs, layer_ids, depth, stats.loop("target"), trace, cache)
+    return InlineSource(target, packs, layer_ids, cache, stats.loop("target"))
