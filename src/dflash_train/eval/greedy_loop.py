@@ -38,6 +38,7 @@ class _State:
     meta: torch.Tensor  # [3] (ctx_start, n committed of feats, q: the next block's width)
     last: torch.Tensor  # [1] the last committed token: the next block's slot 0
     count: torch.Tensor  # [] tokens committed so far
+    limit: torch.Tensor  # [] max_new_tokens of this decode (a buffer: graphs outlive one prompt)
     step: torch.Tensor  # [1] records written
     records: torch.Tensor  # [steps, 1 + B] per step: drafts accepted, then the target's B argmaxes
 
@@ -53,7 +54,6 @@ class GreedyLoop:
         self.caches: tuple[StaticCache, StaticCache] | None = None
         self.store = GraphStore()
         self.state: _State | None = None
-        self.max_new = 0
         self._prompt: tuple[torch.Tensor, int] | None = None  # the prompt's features, until the first step
 
     @torch.no_grad()
@@ -66,9 +66,10 @@ class GreedyLoop:
         pos = torch.arange(len(prompt), device=dev)[None]
         out = self.lm.forward(ids, pos, target_cache, bucket(len(prompt)), layers=self.layers, logits="last")
         first = out.logits[0, -1].argmax()
-        s, self.max_new = self.state, max_new_tokens
+        s = self.state
         s.last.copy_(first[None])
         s.count.fill_(1)
+        s.limit.fill_(max_new_tokens)
         s.step.zero_()
         s.meta.copy_(torch.tensor([0, len(prompt), min(B, max_new_tokens)]))
         self._prompt = (out.features, bucket(len(prompt) + B))
@@ -95,12 +96,12 @@ class GreedyLoop:
     @torch.no_grad()
     def _step(self, feats: torch.Tensor, kv_len: int) -> None:
         s, B = self.state, self.B
-        _, draft_cache = self.caches
+        target_cache, draft_cache = self.caches
         block = torch.cat([s.last, self._masks])[None]
         draft = self.engine.forward(feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
         start = s.meta[0] + s.meta[1]  # position of block slot 0
         block = torch.cat([s.last, draft])[None]
-        out = self.lm.forward(block, (start + self._slots)[None], self.caches[0], kv_len, layers=self.layers,
+        out = self.lm.forward(block, (start + self._slots)[None], target_cache, kv_len, layers=self.layers,
                               logits="all")
         pred = out.logits[0].argmax(-1)  # [B]: slot i's target token for position start+i+1
         ok = (draft == pred[:-1]) & (self._slots[:-1] < s.meta[2] - 1)  # only the block's q-1 drafts count
@@ -110,13 +111,12 @@ class GreedyLoop:
         s.count += accepted + 1
         s.last.copy_(pred.gather(0, accepted[None]))
         s.feats.copy_(out.features)
-        width = (self.max_new - s.count + 1).clamp(1, B)  # the host loop's q_len for the next block
+        width = (s.limit - s.count + 1).clamp(1, B)  # the host loop's q_len for the next block
         s.meta.copy_(torch.stack([start, accepted + 1, width]))
 
     def _allocate(self, capacity: int, steps: int) -> None:
         """Caches and state for this decode; the last ones (and their graphs) when they fit."""
-        target_cache, draft_cache = self.caches or (None, None)
-        if self.caches and target_cache.fits(1, capacity, self.device) and self.state.records.shape[0] >= steps:
+        if self.caches and self.caches[0].fits(1, capacity, self.device) and self.state.records.shape[0] >= steps:
             return
         self.caches = self.state = None
         self.store = GraphStore()  # graphs are bound to the buffers they were captured with
@@ -128,8 +128,8 @@ class GreedyLoop:
         steps = bucket(steps, 256)
         long = dict(dtype=torch.long, device=dev)
         self.state = _State(torch.zeros(1, self.B, n_feat, dtype=lm.dtype, device=dev), torch.zeros(3, **long),
-                            torch.zeros(1, **long), torch.zeros((), **long), torch.zeros(1, **long),
-                            torch.zeros(steps, 1 + self.B, **long))
+                            torch.zeros(1, **long), torch.zeros((), **long), torch.zeros((), **long),
+                            torch.zeros(1, **long), torch.zeros(steps, 1 + self.B, **long))
         self._masks = torch.full((self.B - 1,), self.drafter.mask_token_id, **long)
         self._slots = torch.arange(self.B, device=dev)
 
