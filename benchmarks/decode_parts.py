@@ -8,13 +8,13 @@ Each is captured as a CUDA graph and replayed `--reps` times with no host sync i
 the figure is the GPU's time (kernels and the gaps between them), not Python's. `kernels` counts
 the kernels one eager call launches (torch.profiler): at batch 1 a small model's step costs about
 its kernel count times a few microseconds. `--compile` also times each part through
-torch.compile (inductor fuses the elementwise kernels; the graph capture stays ours).
+torch.compile as `eval --compile` runs it (`compile_decode`: the target's and the drafter's
+forwards compiled apiece, over the whole cache; the graph capture stays ours).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -23,6 +23,7 @@ from datetime import date
 import torch
 
 from dflash_train.eval import greedy_loop
+from dflash_train.eval.speculative import compile_decode
 from dflash_train.models import graphs, static_drafter, static_lm
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.graphs import GraphStore
@@ -42,11 +43,6 @@ def _time(fn, reps: int) -> float:
         run()
     _sync()
     return round(1e3 * (time.perf_counter() - t0) / reps, 4)
-
-
-def _plain(method):
-    """A bound method without its inference_mode decorator."""
-    return functools.partial(type(method.__self__).__dict__[method.__name__].__wrapped__, method.__self__)
 
 
 def _sync() -> None:
@@ -88,7 +84,7 @@ def main(argv=None) -> int:
     layers = tuple(drafter.config.target_layer_ids)
     kv = static_lm.bucket(args.context + 2 * B)
     cache = lm.cache_for(1, kv)
-    engine = static_drafter.StaticDrafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+    engine = static_drafter.for_drafter(drafter, target.model.get_input_embeddings(), target.lm_head)
     dcache = engine.cache_for(kv)
     one, block = torch.ones(1, 1, dtype=torch.long, device=dev), torch.ones(1, B, dtype=torch.long, device=dev)
     pos1 = torch.full((1, 1), args.context, device=dev)
@@ -100,15 +96,15 @@ def main(argv=None) -> int:
     loop.first_step()
 
     def parts(compiled: bool) -> dict:
-        # compile traces the undecorated functions, run under no_grad: inductor rejects inference_mode's tensors
-        wrap = (lambda f: torch.compile(_plain(f), dynamic=False)) if compiled else (lambda f: f)
-        lm_fwd, d_fwd = wrap(lm.forward), wrap(engine.forward)
-        step_fn = wrap(loop._step)
+        if compiled:
+            compile_decode(target, drafter)
+        # compiled steps attend over the whole cache (one shape), as eval's do
+        kv_t, kv_d, kv_loop = ((cache.capacity, dcache.capacity, loop.caches[0].capacity) if compiled else (kv, kv, kv))
         fns = {
-            "target_token": lambda _: lm_fwd(one, pos1, cache, kv, logits="all").logits,
-            "target_verify": lambda _: lm_fwd(block, posB, cache, kv, layers=layers, logits="all").logits,
-            "draft": lambda _: d_fwd(feats, block, meta, dcache, kv),
-            "dflash_step": lambda _: step_fn(loop.state.feats, kv),
+            "target_token": lambda _: lm.step_forward(one, pos1, cache, kv_t, logits="all").logits,
+            "target_verify": lambda _: lm.step_forward(block, posB, cache, kv_t, layers=layers, logits="all").logits,
+            "draft": lambda _: engine.step_forward(feats, block, meta, dcache, kv_d),
+            "dflash_step": lambda _: loop._step(loop.state.feats, kv_loop, fast=True),
         }
         out = {}
         for name, fn in fns.items():
@@ -125,7 +121,7 @@ def main(argv=None) -> int:
            }
     res["graphed"] = parts(False)
     if args.compile:
-        with torch.no_grad():
+        with torch.no_grad():  # compiled steps reject inference_mode tensors
             res["graphed_compiled"] = parts(True)
     if args.json:
         _write(args.json, res)

@@ -11,6 +11,8 @@ drafts); `break_even_tau` = DFlash step time / target-only token time is the acc
 length at which DFlash decoding starts to pay off, and speedup = tau / break_even_tau. The DFlash
 step is timed three ways: the T=0 loop with its state on the device (what eval runs), the host
 loop (a sync per step: what T>0 runs) and the device loop's steps back to back (the GPU's share).
+`--compile` measures batch-1 target-only and DFlash decoding once more with both decoders'
+steps compiled (`compile_decode`, what `eval --compile` runs).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="measure the StaticLM path only")
+    ap.add_argument("--compile", action="store_true", help="also measure batch-1 decoding with compiled steps")
     ap.add_argument("--profile", default=None, help="write torch.profiler tables of a regen batch and DFlash steps here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -149,6 +152,14 @@ def main(argv=None) -> int:
     print("dflash static, host loop (a sync per step)", out["dflash_static_host_loop"], flush=True)
     out["dflash_static_gpu_only"] = device_steps(target, drafter, few[0])
     print("dflash static, steps back to back", out["dflash_static_gpu_only"], flush=True)
+    if args.compile:
+        spec.compile_decode(target, drafter)
+        out["batch1_compiled"] = batch1_rate(target, few, args.new_tokens, hf=False)
+        print("batch1 compiled", out["batch1_compiled"], flush=True)
+        out["dflash_compiled"] = dflash_rate(target, drafter, few, args.new_tokens, hf=False)
+        print("dflash compiled (device loop)", out["dflash_compiled"], flush=True)
+        out["dflash_compiled_gpu_only"] = device_steps(target, drafter, few[0])
+        print("dflash compiled, steps back to back", out["dflash_compiled_gpu_only"], flush=True)
     if not args.skip_hf:
         out["regen_hf"] = regen_rate(target, rows[:args.regen_hf_rows], min(args.new_tokens, 64), hf=True)
         print("regen hf", out["regen_hf"], flush=True)
@@ -161,16 +172,17 @@ def main(argv=None) -> int:
         finally:
             static_lm.for_model = saved
         print("dflash hf", out["dflash_hf"], flush=True)
-    for path in ("static", "hf"):
+    for path in ("static", "compiled", "hf"):
         if f"batch1_{path}" in out:
             step, tok = out[f"dflash_{path}"]["ms_per_step"], out[f"batch1_{path}"]["ms_per_token"]
             out[f"break_even_tau_{path}"] = round(step / tok, 3)
     if peak := (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0):
         out["peak_memory_gb"] = round(peak / 1e9, 2)
     print(f"\n{'path':8} {'regen tok/s':>12} {'batch-1 tok/s':>14} {'dflash ms/step':>15} {'break-even tau':>15}")
-    for path in ("static", "hf"):
-        if f"regen_{path}" in out:
-            print(f"{path:8} {out[f'regen_{path}']['tokens_per_s']:>12,.0f} {out[f'batch1_{path}']['tokens_per_s']:>14,.1f} "
+    for path in ("static", "compiled", "hf"):
+        if f"batch1_{path}" in out:
+            regen = f"{out[f'regen_{path}']['tokens_per_s']:,.0f}" if f"regen_{path}" in out else "-"
+            print(f"{path:8} {regen:>12} {out[f'batch1_{path}']['tokens_per_s']:>14,.1f} "
                   f"{out[f'dflash_{path}']['ms_per_step']:>15.2f} {out[f'break_even_tau_{path}']:>15.2f}")
     if args.json:
         with open(args.json, "w") as f:

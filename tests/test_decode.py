@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_train.eval.evaluate import EvalConfig, evaluate
-from dflash_train.eval.speculative import rejection_sample, speculative_generate, target_generate
+from dflash_train.eval.speculative import compile_decode, rejection_sample, speculative_generate, target_generate
 from dflash_train.models.checkpoint import save_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.targets import load_target
@@ -215,3 +215,22 @@ def test_the_graphed_device_loop_takes_the_host_loops_steps():
         host = speculative_generate(target, drafter, prompt, max_new, device_loop=False)
         assert (ours.tokens, ours.committed, ours.accepted, ours.slots) == (host.tokens, host.committed,
                                                                              host.accepted, host.slots)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_decode_steps_take_the_eager_steps(device):
+    """compile_decode: the target's token steps and verifies and the drafter's steps run through
+    torch.compile over the whole cache (one shape each); every decode commits what the eager one did."""
+    from torch._dynamo.utils import counters
+
+    target, drafter, prompt = _partial_pair(device)
+    want = {m: speculative_generate(target, drafter, prompt, m) for m in (40, 23)}
+    base = target_generate(target, prompt, 30).tokens
+    frames = counters["stats"]["unique_graphs"]
+    assert compile_decode(target, drafter)
+    for max_new, device_loop in ((40, True), (23, False), (23, True)):
+        ours, eager = speculative_generate(target, drafter, prompt, max_new, device_loop=device_loop), want[max_new]
+        assert (ours.tokens, ours.committed, ours.accepted, ours.slots) == (eager.tokens, eager.committed,
+                                                                             eager.accepted, eager.slots)
+    assert target_generate(target, prompt, 30).tokens == base
+    assert counters["stats"]["unique_graphs"] - frames == 3  # verify, draft step, token step: compiled once each

@@ -109,7 +109,7 @@ def _record(job: _Job, header: dict) -> dict:
 
 # --- generation --------------------------------------------------------------------------------
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
 def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport) -> None:
     """Fill every job's history, one batched decode per turn index."""
     for k in range(max(len(j.segments) for j in jobs)):

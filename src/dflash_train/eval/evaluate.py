@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.errors import UsageError
-from dflash_train.eval.speculative import DecodeResult, speculative_generate, target_generate
+from dflash_train.eval.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
 
@@ -39,6 +39,8 @@ class EvalConfig:
     seed: int = 0
     baseline: bool = True
     """Also decode with the target alone: needed for speedup and the lossless check."""
+    compile: bool = False
+    """torch.compile both decoders' steps (--compile; StaticLM targets, compiled during the warm-up)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -136,6 +138,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     # graph captures of every key-length bucket (the longest prompt at full length reaches them all).
     # On CPU (no graphs) a short run does: a full one would cost a whole prompt's decode.
     warm, new = (max(prompts, key=len), cfg.max_new_tokens) if target.device.type == "cuda" else (prompts[0][:32], 2 * B)
+    if cfg.compile and not compile_decode(target, drafter):
+        raise UsageError(f"--compile: {target.config.model_type} targets decode through HF's forward, which is not compiled")
     speculative_generate(target, drafter, warm, new, cfg.temperature, B, [], gen)
     if cfg.baseline:
         target_generate(target, warm, new, cfg.temperature, [], gen)

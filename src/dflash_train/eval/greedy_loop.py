@@ -84,25 +84,30 @@ class GreedyLoop:
     @torch.no_grad()
     def advance(self, steps: int, kv_len: int) -> None:
         """Run `steps` more full steps whose keys all lie below kv_len; no host sync."""
+        if self.lm.compiled or self.engine.compiled:  # compiled steps run over the whole cache (one shape)
+            kv_len = self.caches[0].capacity  # the drafter's cache has the same
+        key = (kv_len, self.lm.compiled, self.engine.compiled)
         for _ in range(steps):
             if self.engine.graphs:
-                graphs.advance(self.store, kv_len, lambda: self._step(self.state.feats, kv_len), self.device)
+                graphs.advance(self.store, key, lambda: self._step(self.state.feats, kv_len, fast=True), self.device)
             else:
-                self._step(self.state.feats, kv_len)
+                self._step(self.state.feats, kv_len, fast=True)
 
     def records(self, lo: int, hi: int) -> list[list[int]]:
         return self.state.records[lo:hi].tolist()  # host sync: the steps' outcomes, once per chunk
 
     @torch.no_grad()
-    def _step(self, feats: torch.Tensor, kv_len: int) -> None:
+    def _step(self, feats: torch.Tensor, kv_len: int, fast: bool = False) -> None:
+        """One step; `fast`: a full-width step, through the engines' compiled forwards when they have them."""
         s, B = self.state, self.B
         target_cache, draft_cache = self.caches
+        draft_fwd = self.engine.step_forward if fast else self.engine.forward
+        verify_fwd = self.lm.step_forward if fast else self.lm.forward
         block = torch.cat([s.last, self._masks])[None]
-        draft = self.engine.forward(feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
+        draft = draft_fwd(feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
         start = s.meta[0] + s.meta[1]  # position of block slot 0
         block = torch.cat([s.last, draft])[None]
-        out = self.lm.forward(block, (start + self._slots)[None], target_cache, kv_len, layers=self.layers,
-                              logits="all")
+        out = verify_fwd(block, (start + self._slots)[None], target_cache, kv_len, layers=self.layers, logits="all")
         pred = out.logits[0].argmax(-1)  # [B]: slot i's target token for position start+i+1
         ok = (draft == pred[:-1]) & (self._slots[:-1] < s.meta[2] - 1)  # only the block's q-1 drafts count
         accepted = ok.long().cumprod(0).sum()

@@ -86,7 +86,7 @@ def _crop(cache, length: int) -> None:
         cache.crop(-remove)  # negative form: valid for sliding-window layers too
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: compiled decode steps (compile_decode) reject its tensors
 def target_generate(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
                     stop_ids: list[int] | None = None, gen: torch.Generator | None = None) -> DecodeResult:
     """Plain autoregressive decoding with a KV cache: the baseline for losslessness and speedup.
@@ -208,7 +208,7 @@ class _StaticDraft:
         return self.engine.forward(feats, block, meta, self.cache, kv_len)[:q_len - 1]
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: compiled decode steps (compile_decode) reject its tensors
 def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
                          temperature: float = 0.0, block_size: int | None = None, stop_ids: list[int] | None = None,
                          gen: torch.Generator | None = None, device_loop: bool = True) -> DecodeResult:
@@ -256,6 +256,22 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
         new_ctx = feats
     res.decode_s = now(dev) - t1
     return res
+
+
+def compile_decode(target: Target, drafter: DFlashDrafter) -> bool:
+    """torch.compile the decode steps of the target (its one-token steps and block verifies) and
+    of the drafter, for target-only and DFlash decoding alike; False off StaticLM targets.
+
+    A batch-1 step of a small model costs about its kernel count times a few microseconds;
+    inductor fuses the elementwise kernels and roughly halves each part (docs/evaluation.md).
+    The first call of each step kind compiles (tens of seconds), so do it outside any clock.
+    """
+    lm = static_lm.for_model(target.model)
+    if lm is None:
+        return False
+    lm.compile()
+    static_drafter.for_drafter(drafter, target.model.get_input_embeddings(), target.lm_head).compile()
+    return True
 
 
 def _greedy_generate(loop: greedy_loop.GreedyLoop, prompt: list[int], max_new_tokens: int,

@@ -48,7 +48,7 @@ def max_rows(lm: StaticLM, capacity: int) -> int:
     return max(1, int(free * KV_MEMORY_FRACTION // per_row))
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a compiled StaticLM (StaticLM.compile) rejects its tensors
 def generate(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              pick: Picker = greedy, check_every: int | None = None) -> Generated:
     """Up to max_new_tokens tokens per prompt; sub-batches sized to the KV memory budget."""
