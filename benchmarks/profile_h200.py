@@ -8,7 +8,8 @@ allocator's growth) count in it, and with --profile-cuda-events a stage's total 
 `reports` also compares two views of the runs, written under OUT_DIR/views/, so one H200 run
 answers the narrower questions too, without changing the compare:
 
-    steady       only the windows after each process's first WARMUP (2); cumulative totals rebuilt
+    steady       only the windows after each process's warm-up (its first 2, and all up to the end of
+                 its first optimizer step: compilation); cumulative totals rebuilt
     steady-host  the same, each span stage's total (and share, mean, p50, p95) replaced by its host
                  wall time (`wall_s`): a host sync or an allocator call counts where the thread
                  blocked, not where the GPU then idled. p50/p95 become the window's mean wall time
@@ -44,14 +45,23 @@ def load(path: Path) -> list[dict]:
     return records
 
 
-def view(records: list[dict], host: bool) -> list[dict]:
-    """The records after each process's warm-up, cumulative totals rebuilt from them (host: wall time)."""
-    seen: dict[str, int] = defaultdict(int)
-    out = []
+def steady(records: list[dict]) -> list[dict]:
+    """Each process's records after its warm-up: its first WARMUP windows, and every window up to the
+    one in which the first optimizer step ended (the first with drafter tokens: compilation)."""
+    groups: dict[str, list[dict]] = defaultdict(list)
     for rec in sorted(records, key=lambda r: (r.get("process", ""), r.get("elapsed_s", 0.0))):
-        seen[rec.get("process", "")] += 1
-        if seen[rec.get("process", "")] > WARMUP:
-            out.append(json.loads(json.dumps(rec)))
+        groups[rec.get("process", "")].append(rec)
+    out = []
+    for recs in groups.values():
+        first = next((i for i, r in enumerate(recs)
+                      if r["loops"].get("drafter", {}).get("counters", {}).get("tokens")), len(recs))
+        out += recs[max(WARMUP, first + 1):]
+    return out
+
+
+def view(records: list[dict], host: bool) -> list[dict]:
+    """The steady records, cumulative totals rebuilt from them (host: span stages timed by wall time)."""
+    out = [json.loads(json.dumps(rec)) for rec in steady(records)]
     totals: dict[tuple[str, str], dict] = {}
     for rec in out:
         for loop, data in rec["loops"].items():
@@ -118,11 +128,12 @@ def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
         return [f"  {run}: no profile.jsonl"]
     recs = load(path)
     kinds = [r["verdict"]["kind"] for r in recs]
-    steady, sr = kinds[WARMUP:], recs[WARMUP:]
+    sr = steady(recs)
+    steady_kinds = [r["verdict"]["kind"] for r in sr]
     tps = sorted(r["loops"]["drafter"]["rates"].get("tokens_per_s", 0) for r in sr if "drafter" in r["loops"])
-    hist = ", ".join(f"{k} {steady.count(k)}" for k in dict.fromkeys(steady))
+    hist = ", ".join(f"{k} {steady_kinds.count(k)}" for k in dict.fromkeys(steady_kinds))
     med = f"{tps[len(tps) // 2]:,.0f}" if tps else "-"
-    lines = [f"  {run} ({plant or 'clean'}): verdicts of {len(steady)} steady windows: {hist or '-'} "
+    lines = [f"  {run} ({plant or 'clean'}): verdicts of {len(sr)} steady windows: {hist or '-'} "
              f"(all: {' '.join(kinds)}); drafter tokens/s median {med}"]
     # each clock rule on its own, whichever rule came first (the verdict is the first match)
     rules = (("allocator-churn", _allocator_churn), ("sync-bound", _sync_bound), ("launch-bound", _launch_bound))
@@ -137,7 +148,7 @@ def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
                           f"dev {sum(s['device_s'] for s in gpu) / wall:.0%}")
     lines.append(f"    rules holding (steady windows): {fired}" + ("; " + "; ".join(clocks) if clocks else ""))
     if run == "c":
-        lines.append(f"    allocator-churn verdict in c: {'YES' if 'allocator-churn' in steady else 'NO'}")
+        lines.append(f"    allocator-churn verdict in c: {'YES' if 'allocator-churn' in steady_kinds else 'NO'}")
     return lines
 
 

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Issue #19's measurements on one H200 in one go (docs/profiling.md, the TODO under "## Overhead"):
-#   bash benchmarks/profile_h200.sh OUT_DIR
+#   bash benchmarks/profile_h200.sh OUT_DIR      # on the lent GPU machine: OUT_DIR under $OUT (a few MB)
 # Needs the SmolLM2 GGUF target (smollm2-135m) in the dflash-train cache; ShareGPT is embedded.
 # Steps, each logged to OUT_DIR/<step>.log (rc and seconds in OUT_DIR/steps.tsv; a failing step
-# does not stop the next), with rough durations on one H200 (about 6 minutes in all):
+# does not stop the next), with rough durations on one H200 (about 6 minutes in all; TRAIN_SECONDS sets most of it):
 #   env      versions, GPU                                                                  ~5 s
 #   warm     a short SmolLM2 run that prepares the data (CONVS ShareGPT conversations, raw
 #            replies: --no-regenerate) and fills the compile caches, so a, b, c start alike  ~60 s
 #   a        the clean run: configs/smollm2-h200.toml's drafter and packs; target not compiled
 #            (--no-compile-target), drafter unfused (DFLASH_FUSED_DRAFTER=0), no CUDA graphs (only
 #            eval and regeneration use them; both off); --profile-cuda-events every INTERVAL s;
-#            TRAIN_SECONDS of training after the first step, then stop. Expected: launch-bound  ~55 s
-#   b        a + PLANT_B: an extra torch.cuda.synchronize() at the end of drafter.lm_head_loss   ~55 s
+#            TRAIN_SECONDS of training after the first step, then stop. Expected: launch-bound  ~50 s
+#   b        a + PLANT_B: an extra torch.cuda.synchronize() at the end of drafter.lm_head_loss   ~50 s
 #   c        a + PLANT_C: allocator churn there (a buffer of a new size each step, freed, then
-#            torch.cuda.empty_cache()). Expected: allocator-churn                                ~55 s
+#            torch.cuda.empty_cache()). Expected: allocator-churn                                ~50 s
 #   reports  profile-report of a, b, c; --compare a->b and a->c, as recorded and on two views of
 #            the runs (warm-up windows out; host wall time instead of device time): see
 #            benchmarks/profile_h200.py. The plant's stage must rank first                       ~15 s
@@ -39,7 +39,7 @@ cd "$repo" || exit 1
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code, whatever is installed
 
 DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-smollm2-135m} CONFIG=${CONFIG:-configs/smollm2-h200.toml}
-CONVS=${CONVS:-2000} TRAIN_SECONDS=${TRAIN_SECONDS:-35} WARM_SECONDS=${WARM_SECONDS:-3} INTERVAL=${INTERVAL:-5}
+CONVS=${CONVS:-1000} TRAIN_SECONDS=${TRAIN_SECONDS:-30} WARM_SECONDS=${WARM_SECONDS:-3} INTERVAL=${INTERVAL:-5}
 MAX_STEPS=${MAX_STEPS:-5000} TRAIN_FLAGS=${TRAIN_FLAGS:-}
 PLANT_B=${PLANT_B:-sync:drafter.lm_head_loss} PLANT_C=${PLANT_C:-churn:drafter.lm_head_loss}
 BENCH_FLAGS=${BENCH_FLAGS:---target random:qwen3-8b --num-layers 5 --block-size 16 --num-anchors 512 --seq-len 3072 --steps 10 --compile-target}
@@ -65,13 +65,16 @@ step env 60 bash -c 'git -C "$0" log -1 --format="commit %H %s"; nvidia-smi 2>&1
 
 # One-device train: target and drafter threads in this one process (app/local.py), so the plants reach them.
 train() {  # run dir, extra flags...
-  local dir=$1
+  local dir=$1 rc
   shift
   # shellcheck disable=SC2086
   DFLASH_FUSED_DRAFTER=0 python3 benchmarks/planted.py train --config "$CONFIG" --run-dir "$dir" --target "$TARGET" \
     --device "$DEVICE" --no-regenerate --num-conversations "$CONVS" --no-compile-target --max-steps "$MAX_STEPS" \
     --eval-limit 0 --checkpoint-every 0 --log-every 50 --profile-interval "$INTERVAL" --profile-cuda-events \
     --quiet --overwrite $TRAIN_FLAGS "$@"
+  rc=$?
+  rm -rf "$dir/checkpoints"  # the stop's checkpoint (~0.3 GB on the GPU): OUT_DIR keeps only what comes back small
+  return $rc
 }
 export -f dft train
 
