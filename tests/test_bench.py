@@ -49,6 +49,10 @@ def test_bench_command_on_cpu(tmp_path):
                                     "drafter-only"}
     assert res["tokens_per_s"] > 0 and res["model_tflop_per_step"] > 0
     assert "drafter_forward" in res["variants"]["overlap+wall"]["profile"]["drafter"]
+    for v in ("overlap+wall", "overlap+cuda"):  # the profiled variants carry their verdicts
+        assert res["variants"][v]["verdict"]["kind"] == res["variants"][v]["verdicts"][-1]
+        assert "host_busy" in res["variants"][v]["profile"]["drafter"]["drafter_forward"]
+    assert "verdict" not in res["variants"]["overlap"]
 
 
 def test_cold_start_gives_each_variant_process_empty_compile_caches(monkeypatch):

@@ -13,7 +13,8 @@ caches, as on a fresh machine; otherwise whatever earlier runs left in them). Va
     sequential    target forward, then drafter step, strictly one after the other (the naive loop)
     overlap       the target on its own thread and CUDA stream, feeding a bounded queue
     overlap+wall  the same with profiling on (wall clock, --profile-interval 10)
-    overlap+cuda  the same with profiling on (CUDA events)
+    overlap+cuda  the same with profiling on (CUDA events); both profiled variants record their last
+                  window's stage shares and busy clocks and its verdict, and every window's verdict
     target-only   only the target forwards of the timed packs (what the target role costs alone)
     drafter-only  only the drafter steps: features cached during warm-up (the data has --steps sequences,
                   so the timed steps revisit them with new anchors)
@@ -50,6 +51,7 @@ from dflash_train.models.targets import load_target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.stream import PackStream
 from dflash_train.pipeline.worker import die_with_parent
+from dflash_train.profiling.report import load_records
 from dflash_train.profiling.reporter import ProfileReporter
 from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
 
@@ -125,7 +127,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
         results[variant] = res
         mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
         blocks = f"  {res['block_tokens_per_s']:>10,.0f} block tokens/s" if "block_tokens_per_s" in res else ""
-        log(f"{variant:<14} {res['tokens_per_s']:>10,.0f} tokens/s{blocks}  {res['step_s'] * 1e3:8.1f} ms/step{mfu}")
+        verdict = f"  verdict {res['verdict']['kind']}" if "verdict" in res else ""
+        log(f"{variant:<14} {res['tokens_per_s']:>10,.0f} tokens/s{blocks}  {res['step_s'] * 1e3:8.1f} ms/step"
+            f"{mfu}{verdict}")
     if plan is None:
         plan = _in_fresh_process(_plan_only, cfg, str(device))
     out = _summary(cfg, plan, results)
@@ -243,8 +247,11 @@ def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, pla
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         tcfg = train_config(cfg, Path(tmp), variant, 2 * cfg.steps)
         profiled = "+" in variant
-        stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events) if profiled else NULL_PROFILE
-        reporter = ProfileReporter(stats, 10.0, None, log=lambda text: None, tensorboard=False).start() \
+        # as `train` profiles: allocator telemetry on CUDA too; the records go to tmp/profile.jsonl for the verdicts
+        stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events,
+                             memory_stats=(lambda: torch.cuda.memory_stats(device)) if cuda else None) \
+            if profiled else NULL_PROFILE
+        reporter = ProfileReporter(stats, 10.0, Path(tmp), log=lambda text: None, tensorboard=False).start() \
             if profiled else None
         loops = []
         t0 = time.perf_counter()
@@ -254,6 +261,7 @@ def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, pla
         if reporter:
             reporter.stop()
         records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        windows = load_records(Path(tmp) / "profile.jsonl") if profiled else []
     timed = records[-1]
     seconds = timed["elapsed_s"]
     work = plan["d_flops"] if variant == "drafter-only" else plan["flops"]
@@ -268,9 +276,12 @@ def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, pla
         "loss_last": timed["loss"],
     }
     res["time_to_first_step_s"] = loops[0].first_step_at - t_launch  # CLOCK_MONOTONIC: same in every process
-    if last_profile is not None:
-        res["profile"] = {loop: {k: {"share": v["share"], "p95_ms": v["p95_ms"]} for k, v in d["stages"].items()}
+    if last_profile is not None:  # the last window (the timed steps and the end of the warm-up)
+        res["profile"] = {loop: {k: {key: v[key] for key in ("share", "p95_ms", "host_busy", "device_busy") if key in v}
+                                 for k, v in d["stages"].items()}
                           for loop, d in last_profile["loops"].items()}
+        res["verdict"] = last_profile["verdict"]
+        res["verdicts"] = [w["verdict"]["kind"] for w in windows]  # every window's, in order
     return res
 
 
