@@ -11,7 +11,8 @@
 # EVAL_FLAGS=--no-baseline measures tau only (half the eval time; speedups measured while other
 # variants share the GPU say little anyway); SOLO_EVAL=1 then evaluates the variant with the best
 # HumanEval tau once more, with the target-only baseline, after every other run has finished
-# (OUT_DIR/NAME/eval-humaneval-solo.json: its speedup and lossless check).
+# (OUT_DIR/NAME/eval-humaneval-solo.json: its speedup and lossless check), with SOLO_FLAGS added
+# (e.g. SOLO_FLAGS=--compile: the decoders' steps compiled).
 set -uo pipefail
 out=${1:?usage: recipe_sweep.sh OUT_DIR 'NAME|flags' ...}
 shift
@@ -58,5 +59,5 @@ if [ "${SOLO_EVAL:-0}" = 1 ]; then
   best=$(python3 -c 'import json, sys; rows = [r for r in json.load(open(sys.argv[1])) if r.get("tau_humaneval")]
 print(max(rows, key=lambda r: r["tau_humaneval"])["name"] if rows else "")' "$out/summary.json")
   [ -n "$best" ] && dft eval --target smollm2-135m --drafter "$out/$best/drafter" --dataset humaneval --limit "$limit" \
-    --max-new-tokens "$tokens" --quiet --json "$out/$best/eval-humaneval-solo.json" | tee "$out/$best/eval-humaneval-solo.log"
+    --max-new-tokens "$tokens" --quiet --json "$out/$best/eval-humaneval-solo.json" ${SOLO_FLAGS:-} | tee "$out/$best/eval-humaneval-solo.log"
 fi
