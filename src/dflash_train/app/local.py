@@ -55,12 +55,13 @@ def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: di
 def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,
                 resume_state: dict[str, Any] | None = None, progress: bool = True, stats=NULL_PROFILE,
                 trace=NO_TRACE, overlap: bool | None = None, checkpoints: bool = True,
-                on_loop=lambda loop: None) -> TrainResult:
+                on_loop=lambda loop: None, heartbeat=lambda step: None) -> TrainResult:
     """Train on one device: the target's features inline, or from a target thread with overlap."""
     steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
     loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, run_dir, steps,
                             resume_state=resume_state, progress=progress,
-                            hooks=Hooks(prof=stats.loop("drafter"), trace=trace), checkpoints=checkpoints)
+                            hooks=Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat),
+                            checkpoints=checkpoints)
     on_loop(loop)
     stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
     packs = stream.packs(steps)

@@ -31,6 +31,7 @@ from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target, load_target
 from dflash_train.objective.objective import check_backend_device
 from dflash_train.profiling.session import profile_session
+from dflash_train.profiling.stall import StallWatch
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.trainer import GracefulStop
@@ -120,9 +121,10 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        with profile_session(cfg, run_dir, f"main/{target.device}") as session:
+        with profile_session(cfg, run_dir, f"main/{target.device}") as session, \
+                StallWatch(run_dir / "stall-stacks.txt", cfg.peer_timeout) as watch:
             result = train_local(cfg, target, drafter, dataset, run_dir, state, progress, session.stats,
-                                 trace=session.trace)
+                                 trace=session.trace, heartbeat=watch.beat)
     except GracefulStop:
         say("SIGTERM: stopped after writing a checkpoint")
         raise SystemExit(143) from None
