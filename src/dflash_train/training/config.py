@@ -179,12 +179,28 @@ class TrainConfig:
     # --- files -----------------------------------------------------------------------
 
     def to_toml(self) -> str:
+        """One table per section ([run], [data], ...); read_toml also takes the flat keys of older files."""
         lines = ["# dflash-train resolved configuration"]
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                lines.append(f"{f.name} = {_toml_value(value)}")
+        for section, names in sections().items():
+            values = [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
+            lines += ["", f"[{section}]"] + [f"{n} = {_toml_value(v)}" for n, v in values]
         return "\n".join(lines) + "\n"
+
+
+# The tree's sections, by the first field of each run of fields in TrainConfig's order.
+_SECTION_STARTS = {"run_dir": "run", "data": "data", "num_layers": "drafter", "num_anchors": "objective",
+                   "lr": "optim", "target_devices": "pipeline", "profile_interval": "profiling", "log_every": "run",
+                   "eval_dataset": "eval"}
+
+
+def sections() -> dict[str, tuple[str, ...]]:
+    """Section name -> its fields, in order: run, data, drafter, objective, optim, pipeline, profiling, eval."""
+    out: dict[str, list[str]] = {}
+    section = "run"
+    for f in dataclasses.fields(TrainConfig):
+        section = _SECTION_STARTS.get(f.name, section)
+        out.setdefault(section, []).append(f.name)
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def _flag(name: str) -> str:
@@ -218,14 +234,25 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{path}: invalid TOML ({e})") from None
-    types = _field_types()
+    types, tree = _field_types(), sections()
+    flat: dict[str, Any] = {}
     for key, value in raw.items():
+        if key in tree and isinstance(value, dict):  # [section] table
+            for name, v in value.items():
+                if name not in tree[key]:
+                    home = next((s for s, names in tree.items() if name in names), None)
+                    raise UsageError(f"{path}: [{key}] has no option {name!r}"
+                                     + (f" (it is in [{home}])" if home else ""))
+                flat[name] = v
+        else:  # a flat key, as files before the sections have them
+            flat[key] = value
+    for key, value in flat.items():
         if key not in types:
             raise UsageError(f"{path}: unknown option {key!r}")
         ok = types[key]
         if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
             raise UsageError(f"{path}: option {key!r} must be {ok[0].__name__}, got {value!r}")
-    return raw
+    return flat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
