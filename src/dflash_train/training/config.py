@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import re
 import tomllib
 import typing
@@ -17,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_train.data.regen_client import ServerConfig
 from dflash_train import config
 from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_LAYERS,
-                                 PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS, SEED, AttentionBackend, at_least, field_types,
+                                 PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS, SEED, AttentionBackend, field_types,
                                  flag, knob_field, opt, validate)
+from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
 
 
