@@ -43,9 +43,23 @@ def label(r: dict) -> str:
             f"{rec.get('epochs')} epochs, lr {rec.get('lr')}")
 
 
+def run_config(path: Path) -> dict:
+    """A run's config.toml as flat keys: its [run], [data], ... tables merged (files written before
+    the sections have flat keys already); {} when there is none."""
+    if not path.is_file():
+        return {}
+    flat: dict = {}
+    for key, value in tomllib.loads(path.read_text()).items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
 def variant_summary(d: Path) -> dict:
     code, wall = (d / "train.status").read_text().split()
-    cfg = tomllib.loads((d / "config.toml").read_text()) if (d / "config.toml").is_file() else {}
+    cfg = run_config(d / "config.toml")
     records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()] \
         if (d / "metrics.jsonl").is_file() else []
     m = TRAINED.search((d / "train.log").read_text()) if (d / "train.log").is_file() else None

@@ -83,7 +83,8 @@ def test_several_samples_need_a_temperature():
 
 def test_config_defaults_are_valid():
     cfg = RegenConfig()
-    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size, cfg.max_turns) == (256, 0.0, 16, None)
+    # 128 tokens per turn: regenerate's default is train's --regen-max-new-tokens (config.py), 256 before
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size, cfg.max_turns) == (128, 0.0, 16, None)
 
 
 # --- which turns are regenerated ----------------------------------------------------------------

@@ -22,6 +22,8 @@ from pathlib import Path
 from dflash_train.app.train import run as run_train
 from dflash_train.bench.config import BenchConfig
 from dflash_train.bench.run import run_bench
+from dflash_train.config import (BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, NUM_LAYERS, REGEN_MAX_NEW_TOKENS, RELEASED, SEED,
+                                 TRACEBACK_ENV, add_arguments, check)
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
 from dflash_train.data.regen_common import RegenConfig
@@ -60,8 +62,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _check_seed(seed: int) -> None:
-    if seed < 0:  # numpy's seed sequences take no negative seeds; fail here, not deep in a run
-        raise UsageError(f"--seed must be >= 0, got {seed}")
+    check(SEED, seed, "--seed")  # numpy's seed sequences take no negative seeds; fail here, not deep in a run
 
 
 def _check_output_file(path: str, flag: str) -> None:
@@ -78,10 +79,8 @@ def _check_output_file(path: str, flag: str) -> None:
 
 
 def cmd_init_drafter(args) -> int:
-    if args.num_layers < 1:
-        raise UsageError(f"--num-layers must be >= 1, got {args.num_layers}")
-    if args.block_size < 2:
-        raise UsageError(f"--block-size must be >= 2, got {args.block_size}")
+    check(NUM_LAYERS, args.num_layers, "--num-layers")
+    check(BLOCK_SIZE, args.block_size, "--block-size")
     _check_seed(args.seed)
     parse_dtype(args.save_dtype, "--save-dtype")
     check_replaceable(Path(args.out), "--out")  # before loading the target: a wrong --out costs nothing
@@ -99,12 +98,7 @@ def cmd_init_drafter(args) -> int:
 
 
 def _add_bench_args(p) -> None:
-    for f in fields(BenchConfig):
-        flag = f"--{f.name.replace('_', '-')}"
-        if isinstance(f.default, bool):  # --x / --no-x (type=bool would take "False" as true)
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f"(default: {f.default})")
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default})")
+    add_arguments(p, BenchConfig)
     p.add_argument("--json", default=None, help="write the results here (with --command recorded)")
 
 
@@ -246,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-drafter", help="write an untrained drafter for a target (reference format)")
     _add_target_args(p)
-    p.add_argument("--num-layers", type=int, default=1, help="draft layers (default 1)")
-    p.add_argument("--block-size", type=int, default=16, help="block size B (default 16)")
+    p.add_argument("--num-layers", type=int, default=NUM_LAYERS.default, help=f"draft layers (default {NUM_LAYERS.default})")
+    p.add_argument("--block-size", type=int, default=RELEASED["block_size"],
+                   help=f"block size B (default {RELEASED['block_size']}, the released drafters')")
     p.add_argument("--num-features", type=int, default=None, help="number of target feature layers (default 5)")
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="explicit feature layers, e.g. 1,9,17")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: first spare embedding row, "
@@ -264,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors)")
     p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, sharegpt (held-out) or a .jsonl file")
     p.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS.default,
+                   help=f"{EVAL_MAX_NEW_TOKENS.help} (default {EVAL_MAX_NEW_TOKENS.default})")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
     p.add_argument("--seed", type=int, default=0)
@@ -315,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(p)
     p.set_defaults(target=None)  # in-process: smollm2-135m; with --server: only re-tokenises the replies
     _add_source_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=REGEN_MAX_NEW_TOKENS.default,
+                   help=f"{REGEN_MAX_NEW_TOKENS.help} (default {REGEN_MAX_NEW_TOKENS.default})")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=16, help="conversations per batched decode (in-process)")
     p.add_argument("--max-turns", type=int, default=None, help="assistant turns regenerated per conversation")
@@ -372,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         # A full disk, a read-only or missing path, a directory where a file goes: the user's to fix,
         # so one line naming the path (DFLASH_TRAIN_TRACEBACK=1 shows where it happened).
-        if os.environ.get("DFLASH_TRAIN_TRACEBACK"):
+        if TRACEBACK_ENV.flag(default=False):
             raise
         where = f"{e.filename}: " if e.filename else ""
         print(f"dflash-train: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.config import (ATTENTION, BLOCK_SIZE, LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_LAYERS, RELEASED, SEED,
+                                 AttentionBackend, flag, knob_field, opt, validate)
 from dflash_train.errors import UsageError
 from dflash_train.training.config import TrainConfig
 
@@ -17,27 +19,29 @@ VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-onl
 
 @dataclass(kw_only=True, slots=True)
 class BenchConfig:
-    target: str = "random:qwen3-8b"
-    device: str = "auto"
-    num_layers: int = 5
-    block_size: int = 16
-    num_anchors: int = 512
-    seq_len: int = 3072
-    steps: int = 10
-    variants: str = ",".join(VARIANTS)
-    attention: str = "auto"
-    loss_chunk_rows: int = 4096
-    seed: int = 0
-    splits: str = ""  # several GPUs: e.g. "1+1,x2" (bench/multi.py)
-    compile_target: bool = False  # torch.compile the target's decoder layers (train --compile-target)
-    cold_start: bool = False  # every variant's process starts with empty compile caches (inductor, Triton)
+    """The bench's flags: train's settings (config.py) with the released drafter's shape as overrides."""
+
+    target: str = opt("random:qwen3-8b", "target spec; random:<preset> = real shapes, random weights")
+    device: str = opt("auto", "cpu, cuda, cuda:N or auto")
+    num_layers: int = knob_field(NUM_LAYERS, default=RELEASED["num_layers"])
+    block_size: int = knob_field(BLOCK_SIZE, default=RELEASED["block_size"])
+    num_anchors: int = knob_field(NUM_ANCHORS, default=RELEASED["num_anchors"])
+    seq_len: int = opt(3072, "tokens per sequence (= --token-budget and --max-length of train)")
+    steps: int = opt(10, "measured optimizer steps per variant")
+    variants: str = opt(",".join(VARIANTS), f"comma-separated, from: {', '.join(VARIANTS)}")
+    attention: AttentionBackend = knob_field(ATTENTION)
+    loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
+    seed: int = knob_field(SEED)
+    splits: str = opt("", "several GPUs: T+D (T target, D drafter GPUs) or xN (N GPUs with both roles), "
+                      "comma-separated, e.g. 1+1,x2 (bench/multi.py)")
+    compile_target: bool = opt(False, "torch.compile the target's decoder layers (train --compile-target)")
+    cold_start: bool = opt(False, "every variant's process starts with empty compile caches (inductor, Triton)")
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_anchors", "seq_len", "steps", "loss_chunk_rows"):
+        validate(self)
+        for name in ("seq_len", "steps"):
             if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
+                raise UsageError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         parse_splits(self.splits)  # a bad split fails here, before any model is loaded
         bad = [v for v in self.variant_list if v not in VARIANTS]
         if bad:

@@ -27,6 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash_train.data.sources import Conversation
+from dflash_train.config import REGEN_MAX_NEW_TOKENS, knob_field, validate
 from dflash_train.errors import UsageError
 
 Message = dict[str, str]
@@ -34,7 +35,7 @@ Message = dict[str, str]
 
 @dataclass(kw_only=True, slots=True)
 class RegenConfig:
-    max_new_tokens: int = 256
+    max_new_tokens: int = knob_field(REGEN_MAX_NEW_TOKENS)
     """Token limit of each regenerated turn (--max-new-tokens)."""
     temperature: float = 0.0
     """0 = greedy; > 0 = sampling from the target's tempered distribution (--temperature)."""
@@ -48,8 +49,7 @@ class RegenConfig:
     """Replies sampled per conversation; > 1 needs temperature > 0 (--samples)."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        validate(self)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.batch_size < 1:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash_train.config import BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, knob_field, validate
 from dflash_train.errors import UsageError
 from dflash_train.eval.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.models.drafter import DFlashDrafter
@@ -30,11 +31,11 @@ from dflash_train.models.targets import Target
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    max_new_tokens: int = 256
+    max_new_tokens: int = knob_field(EVAL_MAX_NEW_TOKENS)
     """Tokens generated per prompt (--max-new-tokens)."""
     temperature: float = 0.0
     """0 = greedy (checked lossless); > 0 = rejection sampling (--temperature)."""
-    block_size: int | None = None
+    block_size: int | None = knob_field(BLOCK_SIZE, default=None)
     """Verify block size; default the drafter's own (--block-size)."""
     seed: int = 0
     baseline: bool = True
@@ -43,12 +44,9 @@ class EvalConfig:
     """torch.compile both decoders' steps (--compile; StaticLM targets, compiled during the warm-up)."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        validate(self)
         if not self.temperature >= 0:
             raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.block_size is not None and self.block_size < 2:
-            raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
 
 
 # Largest logit gap between two diverging tokens still read as a tie, by the logits' dtype. The

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_train.config import BLOCK_SIZE, RELEASED
 from dflash_train.errors import UsageError
 
 FULL_ATTENTION = "full_attention"
@@ -46,7 +47,8 @@ class DFlashConfig:
     head_dim: int
     vocab_size: int
     """The target's vocabulary (embedding rows); the drafter has no embedding of its own."""
-    block_size: int = 16
+    block_size: int = RELEASED["block_size"]
+    """The reference layout's block size when config.json names none."""
     mask_token_id: int
     target_layer_ids: list[int]
     num_target_layers: int
@@ -76,7 +78,7 @@ class DFlashConfig:
             if not cond:
                 raise UsageError(f"{name}: {msg}")
 
-        need(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
+        need(not (why := BLOCK_SIZE.complaint(self.block_size)), "block_size", why or "")
         need(self.num_hidden_layers >= 1, "num_hidden_layers", f"must be >= 1, got {self.num_hidden_layers}")
         need(self.hidden_size > 0, "hidden_size", f"must be > 0, got {self.hidden_size}")
         need(self.num_attention_heads % max(self.num_key_value_heads, 1) == 0, "num_key_value_heads",
@@ -185,7 +187,7 @@ class DFlashConfig:
                 num_key_value_heads=d.get("num_key_value_heads", heads),
                 head_dim=d.get("head_dim") or hidden // heads,
                 vocab_size=_field(d, "vocab_size", source),
-                block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+                block_size=int(dflash.get("block_size", d.get("block_size", RELEASED["block_size"]))),
                 mask_token_id=int(mask),
                 target_layer_ids=list(ids),
                 num_target_layers=num_target_layers,

@@ -14,12 +14,12 @@ DFLASH_FUSED_DRAFTER=0 keeps the eager math on CUDA too (to compare, or to rule 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from dflash_train.config import FUSED_DRAFTER_ENV
 from dflash_train.models.compiled import compile_serialized
 
 
@@ -54,7 +54,7 @@ _TOKEN_DIMS = {"_rms_norm": {0: -2}, "_norm_rope": {0: 1, 3: 1, 4: 1}, "_swiglu"
 
 
 def _enabled() -> bool:
-    return os.environ.get("DFLASH_FUSED_DRAFTER", "1") != "0"
+    return FUSED_DRAFTER_ENV.flag(default=True)
 
 
 def _pick(fn: Callable, x: torch.Tensor) -> Callable:

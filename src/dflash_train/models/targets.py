@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.config import CACHE_ENV
 from dflash_train.errors import UsageError
 from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
@@ -483,7 +484,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, flag: str):
 
 
 def _gguf_cache_dir(path: Path) -> Path | None:
-    root = os.environ.get("DFLASH_TRAIN_CACHE") or os.path.join(
+    root = CACHE_ENV.raw() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash-train")
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.data.packing import PackedBatch
+from dflash_train.config import ATTENTION, LOSS_CHUNK_ROWS, AttentionBackend, knob_field, validate
 from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
@@ -27,16 +28,13 @@ from dflash_train.objective.loss import LossOutput, expected_acceptance_length, 
 from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
 from dflash_train.profiling.stats import NULL_LOOP
 
-ATTENTION_BACKENDS = ("auto", "flex", "dense")
-
-
 @dataclass(kw_only=True, slots=True)
 class ObjectiveConfig:
     gamma: float | None = None
     """Slot-weight decay; default by block size: 7 (B=16), 5 (B=10), 4 (B=8) (--gamma)."""
-    attention: str = "auto"
+    attention: AttentionBackend = knob_field(ATTENTION)
     """flex | dense | auto (flex on CUDA, dense elsewhere) (--attention)."""
-    loss_chunk_rows: int = 4096
+    loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
     """Block tokens per LM-head + loss chunk (--loss-chunk-rows)."""
     kd_weight: float = 0.0
     """Share of the target's soft labels in each slot's target distribution, 0..1 (--kd-weight)."""
@@ -44,10 +42,7 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         if self.gamma is not None and self.gamma <= 0:
             raise UsageError(f"--gamma must be > 0, got {self.gamma}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise UsageError(f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
-        if self.loss_chunk_rows < 1:
-            raise UsageError(f"--loss-chunk-rows must be >= 1, got {self.loss_chunk_rows}")
+        validate(self)
         if not 0 <= self.kd_weight <= 1:
             raise UsageError(f"--kd-weight must be in [0, 1], got {self.kd_weight}")
 

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_train.config import DEBUG_STACKS_ENV
+from dflash_train.config import FAULT_ENV as FAULT
 from dflash_train.errors import UsageError
 from dflash_train.models.targets import Target
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
@@ -40,7 +42,7 @@ from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetFo
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 
-FAULT_ENV = "DFLASH_TRAIN_FAULT"  # testing aid: "target:P" / "drafter:P" raises at pack P in that role
+FAULT_ENV = FAULT.name  # testing aid: "target:P" / "drafter:P" raises at pack P in that role
 
 
 @dataclass
@@ -112,7 +114,7 @@ def die_with_parent() -> None:
 
 
 def _fault(role: str):
-    want_role, _, at = os.environ.get(FAULT_ENV, "").partition(":")
+    want_role, _, at = FAULT.raw().partition(":")
     if want_role != role or not at:
         return None
     at_pack = int(at)
@@ -136,9 +138,9 @@ def process_main(main: Callable[[WorkerSpec, Peers], object], spec: WorkerSpec, 
     # it ends workers with SIGKILL when it has to.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if os.environ.get("DFLASH_TRAIN_DEBUG_STACKS"):
+    if stacks_after := DEBUG_STACKS_ENV.seconds():
         import faulthandler
-        faulthandler.dump_traceback_later(float(os.environ["DFLASH_TRAIN_DEBUG_STACKS"]), exit=False)
+        faulthandler.dump_traceback_later(stacks_after, exit=False)
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: os._exit below would leak its semaphore

@@ -13,13 +13,14 @@ import sys
 import threading
 from pathlib import Path
 
+from dflash_train.config import PROFILE_INTERVAL_ENV
 from dflash_train.errors import UsageError
 from dflash_train.profiling.stats import ProfileStats
 from dflash_train.profiling.summary import format_record, window_record
 from dflash_train.profiling.tools import file_label
 from dflash_train.profiling.verdict import attach_verdict
 
-ENV_INTERVAL = "DFLASH_PROFILE_INTERVAL"
+ENV_INTERVAL = PROFILE_INTERVAL_ENV.name
 
 
 def resolve_interval(flag: float | None) -> float | None:
@@ -28,16 +29,7 @@ def resolve_interval(flag: float | None) -> float | None:
         if flag < 0:
             raise UsageError(f"--profile-interval must be >= 0 seconds, got {flag}")
         return flag or None
-    raw = os.environ.get(ENV_INTERVAL, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UsageError(f"{ENV_INTERVAL} must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise UsageError(f"{ENV_INTERVAL} must be >= 0 seconds, got {raw!r}")
-    return value or None
+    return PROFILE_INTERVAL_ENV.seconds() or None
 
 
 def append_line(path: Path, line: str) -> None:

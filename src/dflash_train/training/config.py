@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import re
 import tomllib
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from dflash_train import config
+from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_LAYERS,
+                                 PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS, SEED, AttentionBackend, field_types,
+                                 flag, knob_field, opt, validate)
 from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+_opt = opt
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,14 +33,14 @@ class TrainConfig:
     run_dir: str = _opt("runs/default", "run directory: data cache, checkpoints, metrics, exported drafter")
     target: str = _opt("smollm2-135m", "target spec (see `dflash-train eval --help`)")
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
-    seed: int = _opt(0, "seed for the drafter init, data order and anchors")
+    seed: int = knob_field(SEED, help="seed for the drafter init, data order and anchors")
     # --- data ------------------------------------------------------------------------
     data: str = _opt("sharegpt", "conversations: sharegpt (embedded, train split) or a .json/.jsonl file")
     num_conversations: int = _opt(160, "conversations to use from --data (0 = all)")
-    data_topic: str = _opt("code", "keep only conversations whose first prompt is about: code | any "
+    data_topic: Literal["code", "any"] = _opt("code", "keep only conversations whose first prompt is about: code | any "
                            "(the embedded default evaluates on HumanEval, so it trains on ShareGPT's coding slice)")
     regenerate: bool = _opt(True, "let the target rewrite the assistant turns (cached in RUN_DIR/regenerated.jsonl)")
-    regen_max_new_tokens: int = _opt(128, "max tokens per regenerated assistant turn")
+    regen_max_new_tokens: int = knob_field(REGEN_MAX_NEW_TOKENS)
     regen_temperature: float = _opt(0.0, "sampling temperature of regeneration (0 = greedy)")
     regen_batch_size: int = _opt(32, "conversations per regeneration batch")
     regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
@@ -48,13 +51,13 @@ class TrainConfig:
     regen_model: str | None = _opt(None, "model name on --regen-server (default: the only one it serves)")
     regen_concurrency: int = _opt(64, "requests in flight to --regen-server")
     regen_api_key_env: str | None = _opt(None, "environment variable holding --regen-server's API key")
-    labels: str = _opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
+    labels: Literal["data", "target"] = _opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
                        "the true prefix, one teacher-forced forward per sequence; cached as labels.npy in the data)")
     max_length: int = _opt(512, "tokens per training sequence (longer ones are truncated)")
-    on_bad: str = _opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
+    on_bad: Literal["error", "skip"] = _opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
     # --- drafter ---------------------------------------------------------------------
-    num_layers: int = _opt(1, "draft layers")
-    block_size: int = _opt(4, "block size B")
+    num_layers: int = knob_field(NUM_LAYERS)
+    block_size: int = knob_field(BLOCK_SIZE)
     num_features: int | None = _opt(None, "target feature layers (default 5, fewer for shallow targets)")
     init_drafter: str | None = _opt(None, "start from this drafter directory instead of a fresh init")
     init_from_target: bool = _opt(True, "initialise the draft layers from the target's last layers and final norm "
@@ -62,10 +65,10 @@ class TrainConfig:
     sliding_layers: int = _opt(1, "draft layers (the first ones) with sliding-window attention")
     sliding_window: int | None = _opt(16, "window of the sliding-window draft layers")
     # --- objective -------------------------------------------------------------------
-    num_anchors: int = _opt(32, "anchors drawn per sequence each time it is seen")
+    num_anchors: int = knob_field(NUM_ANCHORS)
     gamma: float | None = _opt(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
-    attention: str = _opt("auto", "flex | dense | auto (flex on CUDA, dense elsewhere)")
-    loss_chunk_rows: int = _opt(4096, "block tokens per LM-head + loss chunk")
+    attention: AttentionBackend = knob_field(ATTENTION)
+    loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
     kd_weight: float = _opt(0.0, "distillation: share of the target's own next-token distribution in each slot's "
                             "label, 0..1 (0 = hard labels; the target then also runs its last layers)")
     token_budget: int = _opt(512, "context tokens packed into one step")
@@ -94,8 +97,9 @@ class TrainConfig:
     peer_timeout: float = _opt(600.0, "seconds without progress before a worker is reported stuck")
     dist_port: int = _opt(0, "TCP port of the torch.distributed rendezvous on this host (0 = a free one)")
     # --- profiling -------------------------------------------------------------------
-    profile_interval: float | None = _opt(None, "seconds between profile summaries (default $DFLASH_PROFILE_INTERVAL; "
-                                          "unset = off)")
+    profile_interval: float | None = dataclasses.field(  # the environment's default, read when the config is built
+        default_factory=PROFILE_INTERVAL_ENV.seconds,
+        metadata={"help": f"seconds between profile summaries, 0 = off (default ${PROFILE_INTERVAL_ENV.name}; unset = off)"})
     profile_cuda_events: bool = _opt(False, "time GPU stages with CUDA events (device time, resolved lazily) "
                                      "instead of host wall clock")
     torch_profile: str | None = _opt(None, "START:END steps to record with torch.profiler (a Chrome trace per process "
@@ -104,25 +108,20 @@ class TrainConfig:
     log_every: int = _opt(10, "steps between metric records")
     checkpoint_every: int = _opt(100, "steps between checkpoints (0 = only at the end)")
     keep_checkpoints: int = _opt(2, "checkpoints kept in RUN_DIR/checkpoints")
-    export_dtype: str = _opt("float32", "dtype of the exported drafter (float32 | bfloat16)")
+    export_dtype: Literal["float32", "bfloat16"] = _opt("float32", "dtype of the exported drafter (float32 | bfloat16)")
     # --- evaluation ------------------------------------------------------------------
     eval_dataset: str = _opt("humaneval", "prompts for the before/after tau (humaneval, mtbench, sharegpt, file)")
     eval_limit: int = _opt(4, "prompts evaluated before and after training (0 = skip)")
-    eval_max_new_tokens: int = _opt(64, "tokens generated per eval prompt")
+    eval_max_new_tokens: int = knob_field(EVAL_MAX_NEW_TOKENS)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # nan slips through the `< 0` checks below; inf trains to NaN
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise UsageError(f"--{_flag(f.name)} must be a finite number, got {value}")
-        positive = ("num_layers", "block_size", "num_anchors", "token_budget", "max_length", "log_every",
-                    "keep_checkpoints", "regen_max_new_tokens", "regen_batch_size", "regen_max_turns", "regen_samples",
-                    "regen_max_prompt_tokens", "regen_concurrency", "eval_max_new_tokens", "loss_chunk_rows", "grad_accum",
-                    "queue_depth")
-        for name in positive:
+        validate(self)  # the shared knobs (config.py), Literal choices, finite floats
+        for name in ("token_budget", "max_length", "log_every", "keep_checkpoints", "regen_batch_size",
+                     "regen_max_turns", "regen_samples", "regen_max_prompt_tokens", "regen_concurrency", "grad_accum",
+                     "queue_depth"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("seed", "num_conversations", "max_steps", "checkpoint_every", "eval_limit", "weight_decay", "grad_clip",
+        for name in ("num_conversations", "max_steps", "checkpoint_every", "eval_limit", "weight_decay", "grad_clip",
                      "regen_temperature"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -130,8 +129,6 @@ class TrainConfig:
             raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
         if self.sliding_layers and not (self.sliding_window or 0) >= 1:
             raise UsageError("--sliding-window must be >= 1 when --sliding-layers > 0")
-        if self.block_size < 2:
-            raise UsageError(f"--block-size must be >= 2, got {self.block_size}")
         if not 0 <= self.kd_weight <= 1:
             raise UsageError(f"--kd-weight must be in [0, 1], got {self.kd_weight}")
         if self.regen_samples > 1 and not (self.regenerate and self.regen_temperature > 0):
@@ -159,16 +156,6 @@ class TrainConfig:
             raise UsageError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_steps == 0 and not self.epochs > 0:
             raise UsageError("--epochs must be > 0 when --max-steps is 0")
-        if self.labels not in ("data", "target"):
-            raise UsageError(f"--labels must be data or target, got {self.labels!r}")
-        if self.data_topic not in ("code", "any"):
-            raise UsageError(f"--data-topic must be code or any, got {self.data_topic!r}")
-        if self.on_bad not in ("error", "skip"):
-            raise UsageError(f"--on-bad must be error or skip, got {self.on_bad!r}")
-        if self.export_dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"--export-dtype must be float32 or bfloat16, got {self.export_dtype!r}")
-        if self.attention not in ("auto", "flex", "dense"):
-            raise UsageError(f"--attention must be auto, flex or dense, got {self.attention!r}")
 
     def torch_profile_steps(self) -> tuple[int, int]:
         start, sep, end = (self.torch_profile or "").partition(":")
@@ -191,16 +178,32 @@ class TrainConfig:
     # --- files -----------------------------------------------------------------------
 
     def to_toml(self) -> str:
+        """One table per section ([run], [data], ...); read_toml also takes the flat keys of older files."""
         lines = ["# dflash-train resolved configuration"]
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                lines.append(f"{f.name} = {_toml_value(value)}")
+        for section, names in sections().items():
+            values = [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
+            lines += ["", f"[{section}]"] + [f"{n} = {_toml_value(v)}" for n, v in values]
         return "\n".join(lines) + "\n"
 
 
+# The tree's sections, by the first field of each run of fields in TrainConfig's order.
+_SECTION_STARTS = {"run_dir": "run", "data": "data", "num_layers": "drafter", "num_anchors": "objective",
+                   "lr": "optim", "target_devices": "pipeline", "profile_interval": "profiling", "log_every": "run",
+                   "eval_dataset": "eval"}
+
+
+def sections() -> dict[str, tuple[str, ...]]:
+    """Section name -> its fields, in order: run, data, drafter, objective, optim, pipeline, profiling, eval."""
+    out: dict[str, list[str]] = {}
+    section = "run"
+    for f in dataclasses.fields(TrainConfig):
+        section = _SECTION_STARTS.get(f.name, section)
+        out.setdefault(section, []).append(f.name)
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def _flag(name: str) -> str:
-    return name.replace("_", "-")
+    return flag(name)[2:]
 
 
 def _toml_value(value: Any) -> str:
@@ -212,11 +215,12 @@ def _toml_value(value: Any) -> str:
 
 
 def _field_types() -> dict[str, tuple[type, ...]]:
+    """Each field's accepted Python types (a TOML value's), from its resolved annotation."""
     types = {}
-    for f in dataclasses.fields(TrainConfig):
-        t = str(f.type)
-        base = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,)}[t.split(" ")[0]]
-        types[f.name] = base + ((type(None),) if "None" in t else ())
+    for name, tp in field_types(TrainConfig).items():
+        base = config.base_type(tp)
+        none = (type(None),) if type(None) in typing.get_args(tp) else ()
+        types[name] = {float: (float, int)}.get(base, (base,)) + none
     return types
 
 
@@ -229,28 +233,30 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{path}: invalid TOML ({e})") from None
-    types = _field_types()
+    types, tree = _field_types(), sections()
+    flat: dict[str, Any] = {}
     for key, value in raw.items():
+        if key in tree and isinstance(value, dict):  # [section] table
+            for name, v in value.items():
+                if name not in tree[key]:
+                    home = next((s for s, names in tree.items() if name in names), None)
+                    raise UsageError(f"{path}: [{key}] has no option {name!r}"
+                                     + (f" (it is in [{home}])" if home else ""))
+                flat[name] = v
+        else:  # a flat key, as files before the sections have them
+            flat[key] = value
+    for key, value in flat.items():
         if key not in types:
             raise UsageError(f"{path}: unknown option {key!r}")
         ok = types[key]
         if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
             raise UsageError(f"{path}: option {key!r} must be {ok[0].__name__}, got {value!r}")
-    return raw
+    return flat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; defaults are SUPPRESSed so only explicit flags override the TOML."""
-    types = _field_types()
-    for f in dataclasses.fields(TrainConfig):
-        kind = types[f.name][0]
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if kind is bool:
-            parser.add_argument(f"--{_flag(f.name)}", action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(f"--{_flag(f.name)}", type=kind, default=argparse.SUPPRESS, help=help_text,
-                                metavar=f.name.upper())
+    config.add_arguments(parser, TrainConfig, suppress=True)
 
 
 def from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> TrainConfig:
