@@ -29,7 +29,7 @@ from pathlib import Path
 
 WARMUP = 2
 CLOCKS = ("count", "total_s", "wall_s", "cpu_s", "device_s")
-RUNS = ("a", "b", "c")
+RUNS = ("a", "b", "c", "d")
 REFERENCE = Path(__file__).parent / "results" / "h200-qwen3-8b.json"  # the 2026-11-29 bench record
 
 
@@ -197,7 +197,7 @@ def summary(out: Path) -> int:
     for line in steps.read_text().splitlines() if steps.is_file() else []:
         name, rc, secs = line.split("\t")
         lines.append(f"  step {name:<8} rc {rc:>3}  {secs:>4} s" + ("" if rc == "0" else f"   <-- FAILED: {out / name}.log"))
-    plants = {"a": None, "b": os.environ.get("PLANT_B", ""), "c": os.environ.get("PLANT_C", "")}
+    plants = {"a": None, "b": os.environ.get("PLANT_B", ""), "c": os.environ.get("PLANT_C", ""), "d": None}
     for run, plant in plants.items():
         lines += _run_lines(out, run, plant)
     lines += _compare_lines(out, "ab", plants["b"]) + _compare_lines(out, "ac", plants["c"])

@@ -11,10 +11,14 @@
 #            (--no-compile-target), drafter unfused (DFLASH_FUSED_DRAFTER=0), no CUDA graphs (only
 #            eval and regeneration use them; both off); --profile-cuda-events every INTERVAL s;
 #            TRAIN_SECONDS of training after the first step, then stop. Expected: launch-bound  ~50 s
-#   b        a + PLANT_B: an extra torch.cuda.synchronize() at the end of drafter.lm_head_loss   ~50 s
+#   b        a + PLANT_B: 15 ms of host time at the end of drafter.lm_head_loss (a real
+#            regression: 2026-12-01's planted sync cost nothing in a GPU-bound run)          ~50 s
 #   c        a + PLANT_C: allocator churn there (a buffer of a new size each step, freed, then
 #            torch.cuda.empty_cache()). Expected: allocator-churn                                ~50 s
-#   reports  profile-report of a, b, c; --compare a->b and a->c, as recorded and on two views of
+#   d        a with small packs (--token-budget SMALL_BUDGET, 2048): few tokens per kernel, so the
+#            launches, not the GPU, should set the pace. Expected: launch-bound (2026-12-01: at
+#            16K-token packs run a read balanced, its GPU stages ~105% device-busy)           ~50 s
+#   reports  profile-report of a, b, c, d; --compare a->b and a->c, as recorded and on two views of
 #            the runs (warm-up windows out; host wall time instead of device time): see
 #            benchmarks/profile_h200.py. The plant's stage must rank first                       ~15 s
 #   bench    Qwen3-8B shapes, --compile-target: overlap, overlap+wall, overlap+cuda. Overhead of
@@ -41,7 +45,8 @@ export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code, wh
 DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-smollm2-135m} CONFIG=${CONFIG:-configs/smollm2-h200.toml}
 CONVS=${CONVS:-1000} TRAIN_SECONDS=${TRAIN_SECONDS:-30} WARM_SECONDS=${WARM_SECONDS:-3} INTERVAL=${INTERVAL:-5}
 MAX_STEPS=${MAX_STEPS:-5000} TRAIN_FLAGS=${TRAIN_FLAGS:-}
-PLANT_B=${PLANT_B:-sync:drafter.lm_head_loss} PLANT_C=${PLANT_C:-churn:drafter.lm_head_loss}
+# 2026-12-01: a planted sync cost nothing in the GPU-bound run, so b plants host time instead
+PLANT_B=${PLANT_B:-sleep:drafter.lm_head_loss:15} PLANT_C=${PLANT_C:-churn:drafter.lm_head_loss}
 BENCH_FLAGS=${BENCH_FLAGS:---target random:qwen3-8b --num-layers 5 --block-size 16 --num-anchors 512 --seq-len 3072 --steps 10 --compile-target}
 export DEVICE TARGET CONFIG CONVS INTERVAL MAX_STEPS TRAIN_FLAGS
 
@@ -86,6 +91,7 @@ export TRAIN_SECONDS
 step a 180 train "$out/a" "${data_flag[@]}"
 PLANT=$PLANT_B step b 180 train "$out/b" "${data_flag[@]}"
 PLANT=$PLANT_C step c 180 train "$out/c" "${data_flag[@]}"
+step d 180 train "$out/d" "${data_flag[@]}" --token-budget "${SMALL_BUDGET:-2048}"
 
 # profile-report of a, b, c and --compare a->b, a->c, as recorded and on two views (benchmarks/profile_h200.py)
 step reports 150 python3 benchmarks/profile_h200.py reports "$out"
