@@ -133,7 +133,7 @@ def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
     tps = sorted(r["loops"]["drafter"]["rates"].get("tokens_per_s", 0) for r in sr if "drafter" in r["loops"])
     hist = ", ".join(f"{k} {steady_kinds.count(k)}" for k in dict.fromkeys(steady_kinds))
     med = f"{tps[len(tps) // 2]:,.0f}" if tps else "-"
-    lines = [f"  {run} ({plant or 'clean'}): verdicts of {len(sr)} steady windows: {hist or '-'} "
+    lines = [f"  {run} ({plant or ('small packs' if run == 'd' else 'clean')}): verdicts of {len(sr)} steady windows: {hist or '-'} "
              f"(all: {' '.join(kinds)}); drafter tokens/s median {med}"]
     # each clock rule on its own, whichever rule came first (the verdict is the first match)
     rules = (("allocator-churn", _allocator_churn), ("sync-bound", _sync_bound), ("launch-bound", _launch_bound))
