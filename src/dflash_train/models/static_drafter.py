@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dflash_train.models import graphs
-from dflash_train.models.compiled import compile_serialized
+from dflash_train.models.compiled import CompiledSteps
 from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.static_lm import StaticCache, cached_attention
@@ -44,7 +44,7 @@ def for_drafter(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module) -> St
     return engine
 
 
-class StaticDrafter:
+class StaticDrafter(CompiledSteps):
     """Batch-1 draft steps of a DFlashDrafter over a StaticCache (see the module docstring).
 
     `embed` and `head` are the target's input embedding and LM head: the step goes from block
@@ -59,30 +59,10 @@ class StaticDrafter:
         self.device = next(drafter.parameters()).device
         self._graphs = graphs
         self._cache: StaticCache | None = None
-        self._compiled = None
 
     @property
     def graphs(self) -> bool:
         return self.device.type == "cuda" if self._graphs is None else self._graphs
-
-    @property
-    def compiled(self) -> bool:
-        return self._compiled is not None
-
-    def compile(self) -> None:
-        """Run full-width draft steps through torch.compile from now on (as `StaticLM.compile`:
-        over the whole cache, one shape; the first step on a prompt's features stays eager)."""
-        if self._compiled is None:
-            self._compiled = compile_serialized(self.forward, dynamic=False)
-            self._cache = None  # its graphs were captured from the eager forward
-
-    def step_kv(self, cache: StaticCache, kv_len: int) -> int:
-        """The key length a draft step over `cache` runs with: kv_len, or the whole cache when compiled."""
-        return cache.capacity if self.compiled else kv_len
-
-    def step_forward(self, *args) -> torch.Tensor:
-        """`forward` for full-width steps: compiled after `compile()` (pass kv_len through `step_kv`)."""
-        return (self._compiled or self.forward)(*args)
 
     def cache_for(self, capacity: int) -> StaticCache:
         """A cache of at least `capacity` slots: the last one when it fits (keeping its graphs).

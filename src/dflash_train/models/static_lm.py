@@ -28,7 +28,7 @@ from torch import nn
 
 from dflash_train.models import graphs
 from dflash_train.models.attention import attend
-from dflash_train.models.compiled import compile_serialized
+from dflash_train.models.compiled import CompiledSteps
 from dflash_train.models.graphs import GraphStore
 
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -103,7 +103,7 @@ class StepOut:
     features: torch.Tensor | None  # [b, q, n * H] hidden states of the requested layers
 
 
-class StaticLM:
+class StaticLM(CompiledSteps):
     """Decode forwards of a frozen HF causal LM over a StaticCache (see module docstring)."""
 
     def __init__(self, model: nn.Module, graphs: bool | None = None) -> None:
@@ -117,36 +117,10 @@ class StaticLM:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._graphs = graphs
         self._cache: StaticCache | None = None
-        self._compiled = None
 
     @property
     def device(self) -> torch.device:
         return self.base.embed_tokens.weight.device
-
-    @property
-    def compiled(self) -> bool:
-        return self._compiled is not None
-
-    def compile(self) -> None:
-        """Run decode-sized steps (`step`, `step_forward`) through torch.compile from now on.
-
-        Inductor fuses each layer's norms, RoPE and residual adds: SmolLM2-135M's graphed token
-        step goes from 1,462 kernels to 605 and 3.23 to 1.56 ms on an H200 (docs/evaluation.md).
-        A compiled step attends over the whole cache instead of a key-length bucket: one shape,
-        so one compile and one graph per step kind, for a few masked keys more per layer.
-        Prefills stay eager (`forward`): their lengths vary, and each would compile anew.
-        """
-        if self._compiled is None:
-            self._compiled = compile_serialized(self.forward, dynamic=False)
-            self._cache = None  # its graphs were captured from the eager forward
-
-    def step_kv(self, cache: StaticCache, kv_len: int) -> int:
-        """The key length a decode step over `cache` runs with: kv_len, or the whole cache when compiled."""
-        return cache.capacity if self.compiled else kv_len
-
-    def step_forward(self, *args, **kwargs) -> StepOut:
-        """`forward` for decode-sized steps: compiled after `compile()` (pass kv_len through `step_kv`)."""
-        return (self._compiled or self.forward)(*args, **kwargs)
 
     @property
     def dtype(self) -> torch.dtype:
