@@ -6,11 +6,21 @@ symbolically trace a dynamo-optimized function"; seen on the H200 with --compile
 Every compiled entry point of this package goes through one lock: a call that compiles holds
 it, so no other compiled call starts meanwhile. Calls that do not compile only launch kernels
 and hold the lock for microseconds.
+
+Inductor compiles in a pool of worker processes, which by default shuts down after 60 s without
+a compile and wakes up at the next one. A training run recompiles now and then (a pack whose
+length crosses a size guard, the eval's no-grad forwards), minutes apart, so it crosses that
+shutdown/wakeup cycle again and again; upstream reports races in it (pytorch#176968, #186136:
+executor threads left behind across quiesce cycles), and an 8-layer H200 run stopped for good
+at the first recompile that came 60+ s after the previous one (docs/quality.md, session 10-11).
+`compile_serialized` keeps the pool up for the process's life instead, unless the environment
+says otherwise (TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import TypeVar
@@ -20,6 +30,18 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 _LOCK = threading.RLock()
+QUIESCE_ENV = "TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL"
+
+
+def keep_compile_pool() -> None:
+    """No idle shutdown of inductor's compile workers (read when the pool starts: call before the
+    first compile); an explicit TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL wins."""
+    if QUIESCE_ENV in os.environ:
+        return
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "quiesce_async_compile_pool"):  # torch >= 2.10
+        inductor_config.quiesce_async_compile_pool = False
 
 
 def compile_serialized(fn: F, dynamic: Mapping[int, int] | None = None, **compile_kwargs) -> F:
@@ -29,6 +51,7 @@ def compile_serialized(fn: F, dynamic: Mapping[int, int] | None = None, **compil
     counts change (the context's vs the block's, pack to pack, the last loss chunk), and under
     automatic dynamic shapes each such function compiled twice: static first, then dynamic.
     """
+    keep_compile_pool()
     compiled = torch.compile(fn, **compile_kwargs)
     marks = tuple((dynamic or {}).items())
 
