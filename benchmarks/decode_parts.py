@@ -7,7 +7,9 @@ features), the drafter's step, and the whole T=0 device-loop step (draft, verify
 Each is captured as a CUDA graph and replayed `--reps` times with no host sync in between, so
 the figure is the GPU's time (kernels and the gaps between them), not Python's. `kernels` counts
 the kernels one eager call launches (torch.profiler): at batch 1 a small model's step costs about
-its kernel count times a few microseconds. `--compile` also times each part through
+its kernel count times a few microseconds. The whole step is replayed in place: each replay
+puts the loop's state back (five small copies, counted in its figure), so every replay drafts
+and verifies at the same position in a cache sized as eval sizes it. `--compile` also times each part through
 torch.compile as `eval --compile` runs it (`compile_decode`: the target's and the drafter's
 forwards compiled apiece, over the whole cache; the graph capture stays ours).
 """
@@ -63,6 +65,22 @@ def _kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def _step_in_place(loop, prompt: list[int], max_new_tokens: int):
+    """fn(kv_len): one full device-loop step, then the loop's state as it was before it. Replayed
+    steps would otherwise walk past the end of the cache and of the step records."""
+    loop.start(prompt, max_new_tokens)
+    loop.first_step()
+    s = loop.state
+    live = (s.feats, s.meta, s.last, s.count, s.step)
+    saved = [t.clone() for t in live]
+
+    def step(kv_len: int) -> None:
+        loop._step(s.feats, kv_len, fast=True)
+        for t, v in zip(live, saved, strict=True):
+            t.copy_(v)
+    return step
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="random:smollm2-135m")
@@ -92,19 +110,18 @@ def main(argv=None) -> int:
     feats = torch.randn(1, B, len(layers) * target.hidden_size, device=dev, dtype=target.dtype)
     meta = torch.tensor([args.context - B, B, B], device=dev)
     loop = greedy_loop.for_pair(target, drafter)
-    loop.start(list(range(1, args.context + 1)), 10 * B)
-    loop.first_step()
 
     def parts(compiled: bool) -> dict:
         if compiled:
             compile_decode(target, drafter)
+        dflash_step = _step_in_place(loop, list(range(1, args.context + 1)), 10 * B)
         # compiled steps attend over the whole cache (one shape), as eval's do
         kv_t, kv_d, kv_loop = ((cache.capacity, dcache.capacity, loop.caches[0].capacity) if compiled else (kv, kv, kv))
         fns = {
             "target_token": lambda _: lm.step_forward(one, pos1, cache, kv_t, logits="all").logits,
             "target_verify": lambda _: lm.step_forward(block, posB, cache, kv_t, layers=layers, logits="all").logits,
             "draft": lambda _: engine.step_forward(feats, block, meta, dcache, kv_d),
-            "dflash_step": lambda _: loop._step(loop.state.feats, kv_loop, fast=True),
+            "dflash_step": lambda _: dflash_step(kv_loop),
         }
         out = {}
         for name, fn in fns.items():
