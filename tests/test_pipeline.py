@@ -242,3 +242,21 @@ def test_data_without_any_anchor_is_a_usage_error():
 
     with pytest.raises(UsageError, match="two consecutive"):
         PackStream(NoAssistant(), 20, 4, 0, 1).next_step()
+
+
+def test_a_target_thread_that_runs_out_of_packs_fails_the_drafter_instead_of_hanging(tiny_target, prepared):
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.sources import ThreadedSource
+    from dflash_train.pipeline.stream import PackStream
+
+    packs = PackStream(PreparedDataset.open(prepared), 192, 16, 0, 1).packs(1)  # one step's packs, then the end
+    source = ThreadedSource(tiny_target, packs, [0, 1], depth=2)
+    try:
+        assert source.get().features.shape[0] > 0
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="pack stream ended before the drafter's last step"):
+            source.get()
+        assert time.monotonic() - t0 < 5
+    finally:
+        source.close()
+    assert not source.thread.is_alive()

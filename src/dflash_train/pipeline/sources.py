@@ -17,7 +17,7 @@ import time
 from typing import Protocol
 
 from dflash_train.models.targets import Target
-from dflash_train.pipeline.handoff import Features, LocalHandoff
+from dflash_train.pipeline.handoff import Features, LocalHandoff, PipelineStopped
 from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
 from dflash_train.profiling.stats import NULL_LOOP, NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
@@ -63,7 +63,10 @@ class ThreadedSource:
         self.thread.start()
 
     def get(self, prof=NULL_LOOP) -> Features:
-        return self.handoff.get(prof)
+        try:
+            return self.handoff.get(prof)
+        except PipelineStopped:  # closed with nothing left: the target thread's packs ran out
+            raise RuntimeError("the target thread's pack stream ended before the drafter's last step") from None
 
     def close(self) -> None:
         self.handoff.close()

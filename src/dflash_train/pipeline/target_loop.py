@@ -58,7 +58,12 @@ class BatchQueue:
     def __iter__(self) -> Iterator[Pack]:
         while True:
             t0 = time.perf_counter()
-            item = self.q.get()
+            try:
+                item = self.q.get(timeout=0.1)
+            except queue.Empty:  # the producer returns without a sentinel once closed: no wait for good
+                if self.stop.is_set():
+                    return
+                continue
             self.prof.add("batch_queue_wait", time.perf_counter() - t0)
             self.prof.gauge("batch_queue_depth", self.q.qsize())
             if item is _DONE:
@@ -163,6 +168,7 @@ class TargetForwardLoop:
                         event = torch.cuda.Event()
                         event.record(self.stream)
                     handoff.put(Features(pack, feats, busy), event, self.prof)
+            handoff.close()  # the stream ended: a drafter that asks for more fails instead of waiting
         except PipelineStopped:
             pass
         except BaseException as e:  # the drafter loop re-raises it with this traceback
