@@ -54,6 +54,7 @@ from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, a
 from dflash_train.data.sources import Conversation
 from dflash_train.models import static_lm
 from dflash_train.models.generate import generate
+from dflash_train.models.sampling import pick
 from dflash_train.models.targets import Target
 
 __all__ = ["RegenConfig", "RegenReport", "regenerate", "sample_ids"]
@@ -131,7 +132,7 @@ def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops:
     lm = static_lm.for_model(target.model)
     if lm is None:
         return _hf_generate(target, prompts, cfg, stops)
-    out = generate(lm, prompts, cfg.max_new_tokens, stops, lambda logits: _pick_next(logits, cfg.temperature))
+    out = generate(lm, prompts, cfg.max_new_tokens, stops, lambda logits: pick(logits, cfg.temperature))
     return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in out.rows]
 
 
@@ -155,7 +156,7 @@ def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, sto
                        logits_to_keep=1)
     tokens, done = [], torch.zeros(len(prompts), dtype=torch.bool, device=dev)
     for step in range(cfg.max_new_tokens):
-        nxt = _pick_next(out.logits[:, -1], cfg.temperature)
+        nxt = pick(out.logits[:, -1], cfg.temperature)  # torch's global generator, seeded once per run
         tokens.append(nxt)
         done |= torch.isin(nxt, stop_ids)
         # Host sync: stop as soon as every row has ended (the common case saves most steps).
@@ -168,13 +169,6 @@ def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, sto
     # Host sync: one copy of the new tokens per batched turn, to decode the next prompt's text.
     rows = torch.stack(tokens, dim=1).tolist()
     return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in rows]
-
-
-def _pick_next(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1)[:, 0]  # torch's global generator, seeded once per run
 
 
 def _reply(target: Target, row: list[int], stops: set[int], max_new_tokens: int) -> _Reply:

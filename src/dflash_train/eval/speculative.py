@@ -20,6 +20,7 @@ from dflash_train.eval import greedy_loop
 from dflash_train.models import static_drafter, static_lm
 from dflash_train.models.drafter import ContextCache, DFlashDrafter
 from dflash_train.models.generate import generate, now
+from dflash_train.models.sampling import pick, probs
 from dflash_train.models.targets import Target
 
 
@@ -31,18 +32,6 @@ class DecodeResult:
     committed: list[int] = field(default_factory=list)  # tokens committed per verify step (tau's numerator)
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step (before stop/length cuts)
     slots: list[int] = field(default_factory=list)  # draft slots proposed per step
-
-
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
-def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
-    """logits [..., V] -> tokens [...]: argmax at T=0, a sample otherwise."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    p = _probs(logits, temperature)
-    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=gen).reshape(p.shape[:-1])
 
 
 def rejection_sample(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
@@ -96,7 +85,7 @@ def target_generate(target: Target, prompt: list[int], max_new_tokens: int, temp
     lm = static_lm.for_model(target.model)
     if lm is None:
         return hf_target_generate(target, prompt, max_new_tokens, temperature, stop_ids, gen)
-    out = generate(lm, [prompt], max_new_tokens, list(stop_ids or []), lambda lg: _pick(lg, temperature, gen))
+    out = generate(lm, [prompt], max_new_tokens, list(stop_ids or []), lambda lg: pick(lg, temperature, gen))
     return DecodeResult(tokens=_cut(out.rows[0], set(stop_ids or [])), prefill_s=out.prefill_s, decode_s=out.decode_s)
 
 
@@ -113,13 +102,13 @@ def hf_target_generate(target: Target, prompt: list[int], max_new_tokens: int, t
     cache = _new_cache(target)
     t0 = now(dev)
     out = target.model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    tok = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
+    tok = int(pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
     t1 = now(dev)
     tokens = [tok]
     while len(tokens) < max_new_tokens and tok not in stops:
         pos = torch.tensor([[len(prompt) + len(tokens) - 1]], device=dev)
         out = target.model(torch.tensor([[tok]], device=dev), position_ids=pos, past_key_values=cache, use_cache=True)
-        tok = int(_pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
+        tok = int(pick(out.logits[0, -1], temperature, gen).item())  # host sync: per-token control flow
         tokens.append(tok)
     return DecodeResult(tokens=tokens, prefill_s=t1 - t0, decode_s=now(dev) - t1)
 
@@ -232,7 +221,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
 
     t0 = now(dev)
     logits, new_ctx = verifier.prefill(torch.tensor([prompt], device=dev))  # new_ctx: features of [ctx_start, start)
-    first = int(_pick(logits, temperature, gen).item())  # host sync: control flow
+    first = int(pick(logits, temperature, gen).item())  # host sync: control flow
     t1 = now(dev)
 
     res = DecodeResult(tokens=[first], prefill_s=t1 - t0, decode_s=0.0)
@@ -243,7 +232,7 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
         block = torch.full((1, B if lm is not None else q_len), mask_id, device=dev, dtype=torch.long)
         block[0, 0] = res.tokens[-1]
         draft_logits = drafts.logits(new_ctx, n_ctx, block, q_len, ctx_start)  # [q_len-1, V]
-        draft = _pick(draft_logits, temperature, gen)
+        draft = pick(draft_logits, temperature, gen)
         block[0, 1:q_len] = draft
 
         logits, feats = verifier.verify(block, start)
@@ -338,7 +327,7 @@ def _accept(draft: torch.Tensor, draft_logits: torch.Tensor, logits: torch.Tenso
     per step instead of three.
     """
     if temperature > 0:
-        accepted, token = rejection_sample(draft, _probs(draft_logits, temperature), _probs(logits, temperature), gen)
+        accepted, token = rejection_sample(draft, probs(draft_logits, temperature), probs(logits, temperature), gen)
         return accepted, draft[:accepted].tolist() + [token]  # host sync: committed tokens
     both = torch.cat([draft, logits.argmax(-1)]).tolist()  # host sync: acceptance drives control flow
     n = draft.shape[0]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.models.sampling import greedy
 from dflash_train.models.static_lm import StaticLM, bucket
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [b, V] -> tokens [b]
@@ -27,10 +28,6 @@ class Generated:
     rows: list[list[int]]  # per prompt: the generated tokens (continuing past a stop; cut by the caller)
     prefill_s: float
     decode_s: float
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(-1)
 
 
 def now(device: torch.device) -> float:
