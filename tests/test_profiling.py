@@ -250,6 +250,51 @@ def test_event_spans_keep_device_time_primary_and_add_wall_and_cpu(monkeypatch):
     assert s["host_busy"] == pytest.approx(0.9) and s["device_busy"] == pytest.approx(3.0)
 
 
+class QueryEvent(FakeEvent):
+    """A FakeEvent the simulated GPU has passed once its clock reaches the event's (query())."""
+
+    gpu_at = 0.0  # how far the GPU has got, in simulated device time
+
+    def query(self):
+        return self.at <= QueryEvent.gpu_at
+
+
+def test_device_timer_cpu_path_is_the_wall_clock():
+    from dflash_train.profiling.device_time import DeviceTimer
+
+    clock = Clock()
+    timer = DeviceTimer(cuda=False, clock=clock)
+    start = timer.mark()
+    clock.t += 0.25
+    timer.add(start, timer.mark(), "a")
+    assert timer.ready() == [(pytest.approx(0.25), "a")] and len(timer) == 0  # off CUDA every span is ready at once
+    start = timer.mark()
+    clock.t += 0.5
+    timer.add(start, timer.mark())
+    assert timer.ready_seconds() == pytest.approx(0.5)
+
+
+def test_device_timer_reads_only_the_events_the_gpu_has_passed(monkeypatch):
+    import torch
+
+    from dflash_train.profiling.device_time import DeviceTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", QueryEvent)
+    FakeEvent.device_now, FakeEvent.synchronized, QueryEvent.gpu_at = 0.0, 0, 0.0
+    timer = DeviceTimer(cuda=True)
+    for _ in range(3):  # three packs of 20 ms of GPU work each, queued ahead of the GPU
+        start = timer.mark()
+        FakeEvent.device_now += 0.020
+        timer.add(start, timer.mark())
+    assert timer.ready_seconds() == 0.0 and len(timer) == 3  # the GPU has passed none: nothing read, no wait
+    QueryEvent.gpu_at = 0.045  # two packs done, the third still running
+    assert timer.ready_seconds() == pytest.approx(0.040) and len(timer) == 1
+    assert FakeEvent.synchronized == 0  # query() only: never a host sync
+    batch = timer.detach()  # what a window takes; the timer queues anew
+    assert len(timer) == 0 and batch.resolve() == [(pytest.approx(0.020), None)]
+    assert FakeEvent.synchronized == 1  # resolve() waits, span by span (a reporter thread's job)
+
+
 def test_summary_line_shows_min_and_busy_columns():
     wall, cpu = CountingClock(), CountingClock(0.0)
     stats = ProfileStats("p", clock=wall, cpu_clock=cpu)
