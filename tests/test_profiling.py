@@ -163,6 +163,61 @@ def test_torch_profile_window_writes_a_trace(tmp_path):
     assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "x"), "--torch-profile", "3:1"]) == 2
 
 
+def _trace_steps(tmp_path, window, steps):
+    """The ProfilerStep#N markers in the trace a TraceWindow wrote over `steps`; None: no trace."""
+    import torch
+
+    from dflash_train.profiling.tools import TraceWindow
+
+    x = torch.ones(8, 8)
+    with TraceWindow(*window, tmp_path, "rank0/drafter/cpu") as trace:
+        for step in steps:
+            trace.at(step)
+            trace.at(step)  # a second loop of the process at the same step (the target thread): no extra step
+            x = x @ x / 8
+    files = list((tmp_path / "traces").glob("*.json")) if (tmp_path / "traces").exists() else []
+    if not files:
+        return None
+    (path,) = files
+    assert path.name == "rank0_drafter_cpu.json"
+    events = json.loads(path.read_text())["traceEvents"]
+    return sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+
+
+def test_trace_window_records_the_chosen_steps_on_the_schedule(tmp_path):
+    # steps 0..5, window 2:4: waits on 0, warms up on 1, records 2 and 3, writes when step 4 begins
+    assert _trace_steps(tmp_path / "a", (2, 4), range(6)) == ["ProfilerStep#2", "ProfilerStep#3"]
+    # the run ends inside the window: the steps recorded so far are written at exit
+    assert _trace_steps(tmp_path / "b", (1, 9), range(3)) == ["ProfilerStep#1", "ProfilerStep#2"]
+    # a resumed run starting inside the window records from its first step (markers count from it)
+    assert _trace_steps(tmp_path / "c", (1, 3), range(2, 5)) == ["ProfilerStep#0"]
+    # ... and one starting past it writes nothing
+    assert _trace_steps(tmp_path / "d", (1, 3), range(5, 7)) is None
+
+
+def test_memory_history_runs_around_the_oom_snapshot_on_cuda_only(tmp_path, monkeypatch):
+    import torch
+
+    from dflash_train.profiling.session import profile_session
+    from dflash_train.profiling.tools import oom_snapshot
+    from dflash_train.training.config import TrainConfig
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda enabled="all", **kw: calls.append((enabled, kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    cfg = TrainConfig(memory_history=1000, profile_interval=0)
+    with profile_session(cfg, tmp_path, "main/cpu"):  # CPU: nothing recorded
+        pass
+    assert calls == []
+    with pytest.raises(UsageError, match="memory snapshot"), oom_snapshot(tmp_path, "main/cuda:0", cfg, 1000):
+        raise torch.cuda.OutOfMemoryError("planted")
+    assert calls[0] == ("all", {"max_entries": 1000, "stacks": "python"})  # from the start, with stacks
+    assert calls[1] == ("dump", str(tmp_path / "oom-main_cuda_0.pickle"))  # the snapshot carries them
+    assert calls[2] == (None, {})  # and recording stops when the process leaves
+    with pytest.raises(UsageError, match="--memory-history must be >= 0"):
+        TrainConfig(memory_history=-1)
+
+
 # --- #19: three clocks per span, allocator telemetry, launch-/sync-bound and allocator-churn verdicts
 
 
