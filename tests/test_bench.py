@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.bench.flops import Shape, drafter_flops, target_flops
+from dflash_train.profiling.flops import Shape, drafter_flops, target_flops
 from dflash_train.cli import main
 from dflash_train.data.packing import PackedBatch
 from dflash_train.objective.blocks import build_blocks

@@ -163,6 +163,61 @@ def test_torch_profile_window_writes_a_trace(tmp_path):
     assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "x"), "--torch-profile", "3:1"]) == 2
 
 
+def _trace_steps(tmp_path, window, steps):
+    """The ProfilerStep#N markers in the trace a TraceWindow wrote over `steps`; None: no trace."""
+    import torch
+
+    from dflash_train.profiling.tools import TraceWindow
+
+    x = torch.ones(8, 8)
+    with TraceWindow(*window, tmp_path, "rank0/drafter/cpu") as trace:
+        for step in steps:
+            trace.at(step)
+            trace.at(step)  # a second loop of the process at the same step (the target thread): no extra step
+            x = x @ x / 8
+    files = list((tmp_path / "traces").glob("*.json")) if (tmp_path / "traces").exists() else []
+    if not files:
+        return None
+    (path,) = files
+    assert path.name == "rank0_drafter_cpu.json"
+    events = json.loads(path.read_text())["traceEvents"]
+    return sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+
+
+def test_trace_window_records_the_chosen_steps_on_the_schedule(tmp_path):
+    # steps 0..5, window 2:4: waits on 0, warms up on 1, records 2 and 3, writes when step 4 begins
+    assert _trace_steps(tmp_path / "a", (2, 4), range(6)) == ["ProfilerStep#2", "ProfilerStep#3"]
+    # the run ends inside the window: the steps recorded so far are written at exit
+    assert _trace_steps(tmp_path / "b", (1, 9), range(3)) == ["ProfilerStep#1", "ProfilerStep#2"]
+    # a resumed run starting inside the window records from its first step (markers count from it)
+    assert _trace_steps(tmp_path / "c", (1, 3), range(2, 5)) == ["ProfilerStep#0"]
+    # ... and one starting past it writes nothing
+    assert _trace_steps(tmp_path / "d", (1, 3), range(5, 7)) is None
+
+
+def test_memory_history_runs_around_the_oom_snapshot_on_cuda_only(tmp_path, monkeypatch):
+    import torch
+
+    from dflash_train.profiling.session import profile_session
+    from dflash_train.profiling.tools import oom_snapshot
+    from dflash_train.training.config import TrainConfig
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda enabled="all", **kw: calls.append((enabled, kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    cfg = TrainConfig(memory_history=1000, profile_interval=0)
+    with profile_session(cfg, tmp_path, "main/cpu"):  # CPU: nothing recorded
+        pass
+    assert calls == []
+    with pytest.raises(UsageError, match="memory snapshot"), oom_snapshot(tmp_path, "main/cuda:0", cfg, 1000):
+        raise torch.cuda.OutOfMemoryError("planted")
+    assert calls[0] == ("all", {"max_entries": 1000, "stacks": "python"})  # from the start, with stacks
+    assert calls[1] == ("dump", str(tmp_path / "oom-main_cuda_0.pickle"))  # the snapshot carries them
+    assert calls[2] == (None, {})  # and recording stops when the process leaves
+    with pytest.raises(UsageError, match="--memory-history must be >= 0"):
+        TrainConfig(memory_history=-1)
+
+
 # --- #19: three clocks per span, allocator telemetry, launch-/sync-bound and allocator-churn verdicts
 
 
@@ -248,6 +303,51 @@ def test_event_spans_keep_device_time_primary_and_add_wall_and_cpu(monkeypatch):
     assert s["wall_s"] == pytest.approx(0.04) and s["cpu_s"] == pytest.approx(0.036)
     assert s["device_s"] == pytest.approx(0.12)
     assert s["host_busy"] == pytest.approx(0.9) and s["device_busy"] == pytest.approx(3.0)
+
+
+class QueryEvent(FakeEvent):
+    """A FakeEvent the simulated GPU has passed once its clock reaches the event's (query())."""
+
+    gpu_at = 0.0  # how far the GPU has got, in simulated device time
+
+    def query(self):
+        return self.at <= QueryEvent.gpu_at
+
+
+def test_device_timer_cpu_path_is_the_wall_clock():
+    from dflash_train.profiling.device_time import DeviceTimer
+
+    clock = Clock()
+    timer = DeviceTimer(cuda=False, clock=clock)
+    start = timer.mark()
+    clock.t += 0.25
+    timer.add(start, timer.mark(), "a")
+    assert timer.ready() == [(pytest.approx(0.25), "a")] and len(timer) == 0  # off CUDA every span is ready at once
+    start = timer.mark()
+    clock.t += 0.5
+    timer.add(start, timer.mark())
+    assert timer.ready_seconds() == pytest.approx(0.5)
+
+
+def test_device_timer_reads_only_the_events_the_gpu_has_passed(monkeypatch):
+    import torch
+
+    from dflash_train.profiling.device_time import DeviceTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", QueryEvent)
+    FakeEvent.device_now, FakeEvent.synchronized, QueryEvent.gpu_at = 0.0, 0, 0.0
+    timer = DeviceTimer(cuda=True)
+    for _ in range(3):  # three packs of 20 ms of GPU work each, queued ahead of the GPU
+        start = timer.mark()
+        FakeEvent.device_now += 0.020
+        timer.add(start, timer.mark())
+    assert timer.ready_seconds() == 0.0 and len(timer) == 3  # the GPU has passed none: nothing read, no wait
+    QueryEvent.gpu_at = 0.045  # two packs done, the third still running
+    assert timer.ready_seconds() == pytest.approx(0.040) and len(timer) == 1
+    assert FakeEvent.synchronized == 0  # query() only: never a host sync
+    batch = timer.detach()  # what a window takes; the timer queues anew
+    assert len(timer) == 0 and batch.resolve() == [(pytest.approx(0.020), None)]
+    assert FakeEvent.synchronized == 1  # resolve() waits, span by span (a reporter thread's job)
 
 
 def test_summary_line_shows_min_and_busy_columns():

@@ -92,6 +92,32 @@ def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, in_memory_datase
     assert after.tau > before.tau + 0.5, (before.tau, after.tau)
 
 
+def test_mfu_per_record_from_the_packs_flops_and_absent_on_cpu(tiny_target, in_memory_dataset, tmp_path, monkeypatch):
+    import dflash_train.app.local as local
+    from dflash_train.pipeline.stream import PackStream
+    from dflash_train.profiling.flops import PackFlops
+
+    rng = np.random.default_rng(0)
+    data = in_memory_dataset([(rng.integers(0, 200, 60), np.r_[np.zeros(10, int), np.ones(50, int)]) for _ in range(4)])
+    cfg = _cfg(tmp_path / "cpu", max_steps=3, checkpoint_every=0)
+    result = train_local(cfg, tiny_target, _drafter(tiny_target, cfg), data, tmp_path / "cpu", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert "mfu" not in result.last_record and not any("mfu" in r for r in records)  # CPU: no peak, no MFU
+
+    # The CUDA path on CPU: a counter as train builds one on CUDA; each record's mfu is its packs' FLOPs.
+    drafter = _drafter(tiny_target, cfg)
+    counter = PackFlops.build(tiny_target.config, drafter.config, list(drafter.config.target_layer_ids),
+                              tiny_target.vocab_size, devices=2)
+    monkeypatch.setattr(local, "flop_counter", lambda *args, **kw: counter)
+    cfg = _cfg(tmp_path / "gpu", max_steps=3, checkpoint_every=0)
+    result = train_local(cfg, tiny_target, drafter, data, tmp_path / "gpu", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
+    packs = list(PackStream(data, cfg.token_budget, cfg.num_anchors, cfg.seed, 1).packs(3))
+    for rec, pack in zip(records, packs, strict=True):  # log_every=1: one pack per record
+        assert rec["mfu"] * rec["elapsed_s"] * 2 * 989e12 == pytest.approx(counter.of(pack), rel=1e-9)
+    assert result.last_record["mfu"] == records[-1]["mfu"] > 0
+
+
 def test_run_dir_with_checkpoints_is_refused(tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_0000001\n")

@@ -19,6 +19,7 @@ from dflash_train.models.targets import Target
 from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.sources import FeatureSource, local_source
 from dflash_train.pipeline.stream import PackStream
+from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
 from dflash_train.training.config import TrainConfig
@@ -42,6 +43,19 @@ def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int],
                         depth=cfg.queue_depth, stats=stats, trace=trace)
 
 
+def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, layer_ids: list[int],
+                 devices: int = 1) -> PackFlops | None:
+    """Model FLOPs per pack for each metrics record's `mfu`, over `devices` GPUs; None off CUDA (no MFU).
+
+    With --cache-features the target's FLOPs are left out (later epochs skip it; bench's drafter-only too).
+    """
+    device = next(drafter.parameters()).device
+    if device.type != "cuda":
+        return None
+    return PackFlops.build(target.config, drafter.config, layer_ids, target.vocab_size, devices=devices,
+                           with_target=not cache_features(cfg, device))
+
+
 def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:
     """--max-steps, else the resumed run's total (its schedule), else --epochs over the data."""
     if cfg.max_steps:
@@ -58,14 +72,14 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
                 on_loop=lambda loop: None, heartbeat=lambda step: None) -> TrainResult:
     """Train on one device: the target's features inline, or from a target thread with overlap."""
     steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
+    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
+                  flops=flop_counter(cfg, target, drafter, layer_ids))
     loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, run_dir, steps,
-                            resume_state=resume_state, progress=progress,
-                            hooks=Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat),
-                            checkpoints=checkpoints)
+                            resume_state=resume_state, progress=progress, hooks=hooks, checkpoints=checkpoints)
     on_loop(loop)
     stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
     packs = stream.packs(steps)
-    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
     source = features_here(cfg, target, packs, layer_ids, stats, trace, overlap)
     try:
         with target.compiled_layers(cfg.compile_target):

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import torch
 
 from dflash_train.app.drafter import drafter_config, make_drafter
-from dflash_train.app.local import cache_features, features_here, total_steps
+from dflash_train.app.local import cache_features, features_here, flop_counter, total_steps
 from dflash_train.app.run_dir import export_drafter, run_dir_lock
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.errors import UsageError
@@ -193,15 +193,17 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
             torch.cuda.empty_cache()  # a random target's layers were allocated here first
     d_ranks = spec.drafter_ranks
     me = d_ranks.index(spec.rank)
+    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    devices = len({d for _, d in spec.devices})  # the GPUs of the whole run: the records' mfu is over them all
     hooks = Hooks(prof=session.stats.loop("drafter"), trace=session.trace, stop_requested=peers.stop_requested,
-                  heartbeat=lambda step: peers.stepped(spec.rank, step))
+                  heartbeat=lambda step: peers.stepped(spec.rank, step),
+                  flops=flop_counter(cfg, target, drafter, layer_ids, devices))
     loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, Path(work.run_dir),
                             work.total_steps, dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
                             resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
                             progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
                             checkpoints=work.checkpoints)
     packs = drafter_packs(spec, _stream(work, spec, loop.stream_state), work.total_steps)
-    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
     if spec.role == "both":
         source = features_here(cfg, target, packs, layer_ids, session.stats, session.trace)
     else:

@@ -13,7 +13,6 @@ from dflash_train.config import (ATTENTION, BLOCK_SIZE, LOSS_CHUNK_ROWS, NUM_ANC
 from dflash_train.errors import UsageError
 from dflash_train.training.config import TrainConfig
 
-PEAK_BF16 = 989e12
 VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-only", "drafter-only")
 
 

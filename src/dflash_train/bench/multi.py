@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.app.ranks import launch_workers, worker_roles
-from dflash_train.bench.config import PEAK_BF16, Split, train_config
+from dflash_train.bench.config import Split, train_config
+from dflash_train.profiling.flops import PEAK_BF16
 from dflash_train.data.dataset import write_sequences
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.launcher import free_port

@@ -19,14 +19,13 @@ caches, as on a fresh machine; otherwise whatever earlier runs left in them). Va
     drafter-only  only the drafter steps: features cached during warm-up (the data has --steps sequences,
                   so the timed steps revisit them with new anchors)
 
-MFU = model FLOPs of the timed steps (bench/flops.py) / (seconds x peak), peak 989 TFLOP/s
+MFU = model FLOPs of the timed steps (profiling/flops.py) / (seconds x peak), peak 989 TFLOP/s
 (H200 dense BF16) on CUDA; on CPU no MFU is reported. --splits adds several-GPU runs (bench/multi.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -42,8 +41,8 @@ import numpy as np
 import torch
 
 from dflash_train.app.local import train_local
-from dflash_train.bench.config import PEAK_BF16, BenchConfig, check_gpus, parse_splits, train_config
-from dflash_train.bench.flops import drafter_flops, shape_of, target_flops
+from dflash_train.bench.config import BenchConfig, check_gpus, parse_splits, train_config
+from dflash_train.profiling.flops import PEAK_BF16, PackFlops
 from dflash_train.bench.multi import link_bandwidth, recommend, run_split, scaling, write_dataset
 from dflash_train.devices import resolve_device
 from dflash_train.models.factory import drafter_config_for, new_drafter
@@ -77,17 +76,15 @@ class SyntheticSequences:
 def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int,
                 packs_per_step: int = 1) -> tuple[float, float]:
     """Model FLOPs of steps [first, last) from the very packs the stream yields (deterministic)."""
-    tshape, dshape = shape_of(target.model.config), shape_of(drafter.config)
-    t_layers = max(drafter.config.target_layer_ids) + 1
+    counter = PackFlops.build(target.model.config, drafter.config, list(drafter.config.target_layer_ids),
+                              target.vocab_size)
     stream = PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, packs_per_step)
     t_total = d_total = 0.0
     for pack in stream.packs(last):
         if pack.step < first:
             continue
-        lengths = torch.bincount(pack.batch.seq_ids).tolist()
-        t_total += target_flops(tshape, t_layers, lengths)
-        d_total += drafter_flops(dshape, drafter.config.num_hidden_layers, len(drafter.config.target_layer_ids),
-                               target.vocab_size, cfg.block_size, pack.num_tokens, pack.batch.positions[pack.anchors])
+        t_total += counter.target_of(pack)
+        d_total += counter.drafter_of(pack)
     return t_total, d_total
 
 
@@ -255,14 +252,13 @@ def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, pla
             if profiled else None
         loops = []
         t0 = time.perf_counter()
-        train_local(tcfg, target, drafter, dataset, Path(tmp), progress=False, stats=stats, checkpoints=False,
-                    on_loop=loops.append)
+        result = train_local(tcfg, target, drafter, dataset, Path(tmp), progress=False, stats=stats,
+                             checkpoints=False, on_loop=loops.append)
         last_profile = reporter.emit() if reporter else None
         if reporter:
             reporter.stop()
-        records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         windows = load_records(Path(tmp) / "profile.jsonl") if profiled else []
-    timed = records[-1]
+    timed = result.last_record  # the record of the timed steps (log_every = --steps), as metrics.jsonl ends
     seconds = timed["elapsed_s"]
     work = plan["d_flops"] if variant == "drafter-only" else plan["flops"]
     res = {

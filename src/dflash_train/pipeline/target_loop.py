@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import queue
 import threading
@@ -21,6 +20,7 @@ from dflash_train.models.targets import Target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.handoff import Features, LocalHandoff, P2PSender, PipelineStopped
 from dflash_train.pipeline.stream import Pack
+from dflash_train.profiling.device_time import DeviceTimer
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 
@@ -76,39 +76,6 @@ class BatchQueue:
         self.stop.set()
 
 
-class BusyTimer:
-    """Seconds the target spent per pack, without host syncs.
-
-    CPU: wall clock. CUDA: a pair of events per pack, read only once the GPU has passed them;
-    each call returns the time of the packs completed since the last call (so it lags a little).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.pending: collections.deque = collections.deque()
-        self.t0 = 0.0
-
-    def start(self) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.pending.append([ev, None])
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if not self.cuda:
-            return time.perf_counter() - self.t0
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        self.pending[-1][1] = ev
-        done = 0.0
-        while self.pending and self.pending[0][1].query():  # query() never blocks
-            start, end = self.pending.popleft()
-            done += start.elapsed_time(end) / 1e3
-        return done
-
-
 class FeatureCache:
     """Each sequence's target features, kept from its first pack on: later epochs skip the target.
 
@@ -136,16 +103,19 @@ class TargetForwardLoop:
         self.target, self.layer_ids, self.prof, self.trace, self.cache = target, layer_ids, prof, trace, cache
         self.device = target.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.timer = BusyTimer(self.device)
+        # the target's busy seconds per pack: CUDA events on its stream, read once the GPU has passed
+        # them (each pack reports the packs completed since the last one, so it lags a little)
+        self.timer = DeviceTimer(self.device.type == "cuda")
         self.fault = fault or (lambda pack: None)
 
     def compute(self, pack: Pack) -> tuple[torch.Tensor, float]:
         """Features of one pack, on the target's stream, and the target's busy seconds."""
         self.fault(pack)
         self.trace.at(pack.step)
-        self.timer.start()
+        start = self.timer.mark()
         feats = self.cache.features(pack, self._forward) if self.cache is not None else self._forward(pack)
-        busy = self.timer.stop()
+        self.timer.add(start, self.timer.mark())
+        busy = self.timer.ready_seconds()  # no host sync: only the events the GPU has passed
         self.prof.count("tokens", pack.num_tokens)
         return feats, busy
 

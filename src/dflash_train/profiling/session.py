@@ -28,11 +28,18 @@ def memory_stats_source(process: str) -> Callable[[], Mapping[str, Any]] | None:
     Process labels end with the device ("rank1/drafter/cuda:1", "main/cuda:0": app/train.py, app/ranks.py);
     the reporter thread that samples it has its own current device, so the device is named here.
     """
+    device = cuda_device(process)
+    if device is None:
+        return None
+    return lambda: torch.cuda.memory_stats(device)
+
+
+def cuda_device(process: str) -> torch.device | None:
+    """The CUDA device a process label ends with ("rank1/drafter/cuda:1"); None off CUDA."""
     label = process.rsplit("/", 1)[-1]
     if not label.startswith("cuda") or not torch.cuda.is_available():
         return None
-    device = torch.device(label)
-    return lambda: torch.cuda.memory_stats(device)
+    return torch.device(label)
 
 
 @contextlib.contextmanager
@@ -43,9 +50,9 @@ def profile_session(cfg, run_dir: Path, process: str) -> Iterator[Session]:
     reporter = ProfileReporter(stats, interval, run_dir).start() if interval else None
     trace = TraceWindow(*cfg.torch_profile_steps(), run_dir, process) if cfg.torch_profile else NoTrace()
     try:
-        with oom_snapshot(run_dir, process, cfg):
+        history = cfg.memory_history if cuda_device(process) is not None else 0  # CPU: nothing
+        with trace, oom_snapshot(run_dir, process, cfg, history):
             yield Session(stats, trace, reporter)
     finally:
-        trace.close()
         if reporter is not None:
             reporter.stop()

@@ -11,7 +11,7 @@
     window = stats.take_window()                        # per-interval values, then reset
 
 Durations are wall clock (`perf_counter`) by default. With `cuda_events=True`, spans marked
-`device=True` record a pair of CUDA events on the current stream instead; they are resolved
+`device=True` record a pair of CUDA events on the current stream instead (device_time.py); they are resolved
 when the window is taken (by the reporter thread), so the loops never wait for the GPU.
 Waits (queue gets, p2p waits) are host time in both modes.
 
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dflash_train.profiling.allocator import allocator_window
+from dflash_train.profiling.device_time import DeviceTimer
 
 _NULL_CONTEXT = contextlib.nullcontext()
 Key = tuple[str, str]  # (loop, stage)
@@ -110,21 +111,20 @@ class LoopProfile:
 
     @contextlib.contextmanager
     def _event_span(self, key: str, sync: str | None) -> Iterator[None]:
-        stats = self._stats
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stats, timer = self._stats, self._stats.device_timer
         t0, c0 = stats.clock(), stats.cpu_clock()
-        start.record()
+        start = timer.mark()
         try:
             yield
         finally:
-            end.record()
+            end = timer.mark()
             c1 = stats.cpu_clock()
-            stats._add_events(self.name, key, (start, end, stats.clock() - t0, c1 - c0), sync)
+            stats._add_events(self.name, key, start, end, (stats.clock() - t0, c1 - c0), sync)
 
     def span(self, key: str, device: bool = False, sync: str | None = None):
         """Time the block under `key`; device=True marks GPU work (CUDA events in event mode);
         sync names a host sync the block is known to hold (`.item()`, `.cpu()`), for the verdict."""
-        if device and self._stats.cuda_events and torch.cuda.is_available():
+        if device and self._stats.device_timer.cuda:
             return self._event_span(key, sync)
         return self._wall_span(key, sync)
 
@@ -151,6 +151,8 @@ class ProfileStats:
         (a host-side read of the allocator's counters, no device sync); None = no allocator telemetry."""
         self.process, self.cuda_events, self.clock, self.cpu_clock = process, cuda_events, clock, cpu_clock
         self.memory_stats = memory_stats
+        # event spans: (start, end) event pairs queued in order, resolved when a window is taken
+        self.device_timer = DeviceTimer(cuda_events and torch.cuda.is_available())
         self._lock = threading.Lock()
         self._views: dict[str, LoopProfile] = {}
         self.cumulative_durations: dict[Key, list[float]] = defaultdict(lambda: [0, 0.0])  # count, total
@@ -171,7 +173,6 @@ class ProfileStats:
         self._counters: dict[tuple[str, str], float] = defaultdict(float)
         self._gauges: dict[Key, list[float]] = defaultdict(list)
         self._clocks: dict[Key, SpanClocks] = defaultdict(SpanClocks)
-        self._pending: list[tuple[Key, tuple]] = []  # (key, (start event, end event, wall s, cpu s))
         self._window_start = now
 
     def _add(self, loop: str, key: str, seconds: float) -> None:
@@ -185,9 +186,9 @@ class ProfileStats:
             if sync is not None:
                 self.syncs[(loop, key)] = sync
 
-    def _add_events(self, loop: str, key: str, span: tuple, sync: str | None) -> None:
-        with self._lock:
-            self._pending.append(((loop, key), span))
+    def _add_events(self, loop: str, key: str, start, end, host: tuple[float, float], sync: str | None) -> None:
+        with self._lock:  # under the lock: a window taken now holds the span or the next one does
+            self.device_timer.add(start, end, ((loop, key), *host))
             if sync is not None:
                 self.syncs[(loop, key)] = sync
 
@@ -203,13 +204,12 @@ class ProfileStats:
         """The interval since the last call; resets the windowed values, keeps cumulative ones."""
         with self._lock:
             now = self.clock()
-            durations, counters, gauges, pending = self._durations, self._counters, self._gauges, self._pending
+            durations, counters, gauges = self._durations, self._counters, self._gauges
             clocks, syncs, start = self._clocks, dict(self.syncs), self._window_start
+            pending = self.device_timer.detach()  # this window's event spans; later ones queue anew
             self._reset(now)
-        for key, (ev_start, ev_end, wall, cpu) in pending:
-            # Waiting here blocks only this (reporter) thread, never the streams the loops feed.
-            ev_end.synchronize()
-            device = ev_start.elapsed_time(ev_end) / 1e3
+        # Waiting here blocks only this (reporter) thread, never the streams the loops feed.
+        for device, (key, wall, cpu) in pending.resolve():
             durations[key].append(device)  # event spans report device time, as before the clocks
             clocks[key].add(wall, cpu, device)
         for k, values in durations.items():

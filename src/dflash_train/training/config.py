@@ -104,6 +104,10 @@ class TrainConfig:
                                      "instead of host wall clock")
     torch_profile: str | None = _opt(None, "START:END steps to record with torch.profiler (a Chrome trace per process "
                                      "in RUN_DIR/traces)")
+    memory_history: int = _opt(0, "CUDA: keep the last N allocator events with their Python stacks from the start, so the "
+                               "out-of-memory snapshot (RUN_DIR/oom-<process>.pickle) shows what allocated each block; "
+                               "costs ~2 us of host time per allocation and free and a few KB of host memory per "
+                               "entry (100000: a few hundred MB); 0 = off")
     # --- logging and checkpoints -----------------------------------------------------
     log_every: int = _opt(10, "steps between metric records")
     checkpoint_every: int = _opt(100, "steps between checkpoints (0 = only at the end)")
@@ -122,7 +126,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("num_conversations", "max_steps", "checkpoint_every", "eval_limit", "weight_decay", "grad_clip",
-                     "regen_temperature"):
+                     "regen_temperature", "memory_history"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.sliding_layers < 0 or self.sliding_layers > self.num_layers:

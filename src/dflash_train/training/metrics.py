@@ -1,4 +1,5 @@
-"""Metrics through one place: RUN_DIR/metrics.jsonl, TensorBoard (RUN_DIR/tb) and the progress bar."""
+"""Metrics through one place: RUN_DIR/metrics.jsonl, TensorBoard (RUN_DIR/tb) and the progress bar
+(loss, expected tau, tokens/s and, on CUDA, MFU)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class MetricsLogger:
             elif isinstance(value, list):
                 for i, v in enumerate(value):
                     self.tb.add_scalar(f"train/{key}/{i}", v, step)
+        mfu = {"mfu": f"{record['mfu']:.3f}"} if record.get("mfu") is not None else {}  # CUDA only
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['expected_tau']:.2f}",
-                             tok_s=f"{record['target_tokens_per_s']:.0f}", refresh=False)
+                             tok_s=f"{record['target_tokens_per_s']:.0f}", **mfu, refresh=False)
 
     def close(self) -> None:
         self.bar.close()

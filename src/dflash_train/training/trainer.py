@@ -87,6 +87,7 @@ class Hooks:
     trace: Any = NO_TRACE  # the torch.profiler window (--torch-profile)
     stop_requested: Callable[[int], bool] = lambda step: False  # a coordinated stop (the launcher's)
     heartbeat: Callable[[int], None] = lambda step: None  # after every step (the launcher's liveness watch)
+    flops: Any = None  # a PackFlops (profiling/flops.py): model FLOPs per pack, each record's mfu; None: no mfu
 
 
 def _timed_allreduce(state, bucket):
@@ -110,15 +111,16 @@ class _Window:
     """Device-side sums between two log records (read back only when a record is written)."""
 
     def __init__(self, metric_width: int, device: torch.device) -> None:
-        # [grad_norm, target_tokens, target_busy_s, the objective's metric sums...]
-        self.sums = torch.zeros(3 + metric_width, dtype=torch.float64, device=device)
+        # [grad_norm, target_tokens, target_busy_s, model_flops, the objective's metric sums...]
+        self.sums = torch.zeros(4 + metric_width, dtype=torch.float64, device=device)
         self.steps = 0
         self.wait_s = 0.0  # host seconds this rank waited for features
+        self.flops = 0.0  # model FLOPs of this rank's packs, counted on the host (into sums[3] when read back)
         self.t0 = time.perf_counter()
 
     @property
     def objective_sums(self) -> torch.Tensor:
-        return self.sums[3:]
+        return self.sums[4:]
 
     def add_micro(self, target_tokens: int, busy) -> None:
         self.sums[1] += target_tokens
@@ -271,6 +273,8 @@ class Trainer:
             out = self.update.micro(batch, anchors, item.features, 1.0 / accum, sync=i == accum - 1)
             self.objective.add_metrics(window.objective_sums, out, pack.anchors)
             window.add_micro(pack.num_tokens, item.target_busy_s)
+            if self.hooks.flops is not None:
+                window.flops += self.hooks.flops.of(pack)  # host arithmetic on the pack's host tensors
             self.prof.count("tokens", pack.num_tokens)
         window.add_step(self.update.step())
         self.stream_state = pack.resume
@@ -283,14 +287,16 @@ class Trainer:
     def _record(self, w: _Window) -> dict[str, Any]:
         """One metrics record; reading the window back is the only host sync of the loop."""
         sums = w.sums
+        if self.hooks.flops is not None:
+            sums[3] = w.flops  # a device write, no sync; the all-reduce then sums every rank's
         if self.dp.size > 1:
             sums = sums.clone()
             dist.all_reduce(sums, group=self.dp.group)  # every training rank's packs count
         sums = sums.cpu()  # host sync: only on logging steps
         dt = max(time.perf_counter() - w.t0, 1e-9)
-        grad_norm, t_tok, busy = sums[:3].tolist()
-        values, counts = self.objective.metrics(sums[3:])
-        return {
+        grad_norm, t_tok, busy, flops = sums[:4].tolist()
+        values, counts = self.objective.metrics(sums[4:])
+        record = {
             "step": self.step,
             "epoch": self.stream_state.epoch,
             **values,
@@ -304,3 +310,6 @@ class Trainer:
             "drafter_capacity_tokens_per_s": t_tok / (dt - w.wait_s) if dt > w.wait_s else None,
             "elapsed_s": dt,
         }
+        if self.hooks.flops is not None:  # model FLOPs utilization of every device the run uses (CUDA only)
+            record["mfu"] = flops / dt / self.hooks.flops.peak
+        return record

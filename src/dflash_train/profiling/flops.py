@@ -1,5 +1,11 @@
 """Model FLOPs of a training step, counted from the shapes and the actual packs (docs/design.md#cost-of-a-step).
 
+    counter = PackFlops.build(target_config, drafter_config, layer_ids, vocab, block_size, devices=1)
+    flops = counter.of(pack)             # host arithmetic on the pack's host tensors, no device work
+    mfu = flops / seconds / counter.peak
+
+Used by `train` (the `mfu` of each metrics record, CUDA only) and `bench`.
+
 Convention: a matmul of [m, k] x [k, n] is 2mkn FLOPs; backward = 2 x forward for trained
 layers. Counted (nothing else, no recomputation):
 
@@ -21,6 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# Dense BF16 peak of one H100/H200 SXM (989 TFLOP/s): the denominator of every MFU here.
+PEAK_BF16 = 989e12
 
 
 @dataclass(frozen=True)
@@ -67,3 +76,43 @@ def drafter_flops(shape: Shape, layers: int, num_features: int, vocab: int, bloc
     fc = 4 * num_features * shape.hidden * shape.hidden * context_tokens
     head = 4 * shape.hidden * vocab * n * (B - 1)
     return float(layers * per_layer + fc + head)
+
+
+@dataclass(frozen=True)
+class PackFlops:
+    """Model FLOPs of one pack (its target forward and drafter step) and the run's peak FLOP/s.
+
+    target=None counts the drafter only (features cached: later epochs skip the target, as
+    bench's drafter-only variant counts it).
+    """
+
+    target: Shape | None
+    target_layers: int  # layers 0..max(feature layer ids) run per pack
+    drafter: Shape
+    drafter_layers: int
+    num_features: int  # the drafter's context layers (its fc input is num_features x hidden)
+    vocab: int
+    block_size: int
+    peak: float  # FLOP/s of every device the run uses
+
+    @classmethod
+    def build(cls, target_config, drafter_config, layer_ids: list[int], vocab: int, *, devices: int = 1,
+              with_target: bool = True) -> PackFlops:
+        return cls(shape_of(target_config) if with_target else None, max(layer_ids) + 1, shape_of(drafter_config),
+                   drafter_config.num_hidden_layers, len(drafter_config.target_layer_ids), vocab,
+                   drafter_config.block_size, PEAK_BF16 * devices)
+
+    def of(self, pack) -> float:
+        """pack: a pipeline Pack (host tensors: the packed batch and the anchor indices)."""
+        total = self.drafter_of(pack)
+        if self.target is not None:
+            total += self.target_of(pack)
+        return total
+
+    def drafter_of(self, pack) -> float:
+        return drafter_flops(self.drafter, self.drafter_layers, self.num_features, self.vocab, self.block_size,
+                             pack.num_tokens, pack.batch.positions[pack.anchors])
+
+    def target_of(self, pack) -> float:
+        lengths = torch.bincount(pack.batch.seq_ids).tolist()  # host tensors: no device sync
+        return target_flops(self.target, self.target_layers, lengths)
