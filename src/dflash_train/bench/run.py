@@ -42,7 +42,6 @@ import torch
 
 from dflash_train.app.local import train_local
 from dflash_train.bench.config import BenchConfig, check_gpus, parse_splits, train_config
-from dflash_train.profiling.flops import PEAK_BF16, PackFlops
 from dflash_train.bench.multi import link_bandwidth, recommend, run_split, scaling, write_dataset
 from dflash_train.devices import resolve_device
 from dflash_train.models.factory import drafter_config_for, new_drafter
@@ -50,6 +49,7 @@ from dflash_train.models.targets import load_target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.stream import PackStream
 from dflash_train.pipeline.worker import die_with_parent
+from dflash_train.profiling.flops import PEAK_BF16, PackFlops
 from dflash_train.profiling.report import load_records
 from dflash_train.profiling.reporter import ProfileReporter
 from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats

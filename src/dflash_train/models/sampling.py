@@ -25,4 +25,4 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Genera
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """pick at T=0: the default picker of generate()."""
-    return logits.argmax(-1)
+    return pick(logits)

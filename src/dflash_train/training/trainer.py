@@ -28,6 +28,7 @@ from torch import nn
 from dflash_train.errors import UsageError
 from dflash_train.pipeline.handoff import Features
 from dflash_train.pipeline.stream import StreamState
+from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 from dflash_train.training.checkpoint import save_checkpoint
@@ -87,7 +88,7 @@ class Hooks:
     trace: Any = NO_TRACE  # the torch.profiler window (--torch-profile)
     stop_requested: Callable[[int], bool] = lambda step: False  # a coordinated stop (the launcher's)
     heartbeat: Callable[[int], None] = lambda step: None  # after every step (the launcher's liveness watch)
-    flops: Any = None  # a PackFlops (profiling/flops.py): model FLOPs per pack, each record's mfu; None: no mfu
+    flops: PackFlops | None = None  # a PackFlops (profiling/flops.py): model FLOPs per pack, each record's mfu; None: no mfu
 
 
 def _timed_allreduce(state, bucket):
