@@ -1,11 +1,12 @@
 """Summarise a recipe sweep (benchmarks/recipe_sweep.sh): a table, OUT_DIR/summary.json and a learning-curve PNG.
 
-    python3 benchmarks/recipe_summary.py OUT_DIR [--png docs/quality-curve.png]
+    python3 benchmarks/recipe_summary.py OUT_DIR [--png docs/quality-curve.png] [--with EARLIER_SWEEP ...]
 
 Per variant (a sub-directory with train.status): its train flags, steps, training seconds, the
 target tokens it trained on, its last logged train estimate of tau, and tau / speedup / per-slot
 acceptance of each eval-*.json beside it. The curve plots each variant's train tau estimate
-against target tokens trained on, with its HumanEval tau at the end as a marker.
+against target tokens trained on, with its HumanEval tau at the end as a marker; --with adds the
+variants of earlier sweeps (their summary.json) to the picture, so one PNG shows every recipe tried.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def data_tokens(d: Path, cfg: dict) -> int | None:
 
 def label(r: dict) -> str:
     rec = r["recipe"]
-    return (f"{r['name']}: {rec.get('num_layers')} layers, {rec.get('num_anchors')} anchors, "
+    return (f"{r['name']}: {rec.get('num_layers')} layers, B={rec.get('block_size', 16)}, {rec.get('num_anchors')} anchors, "
             f"{rec.get('epochs')} epochs, lr {rec.get('lr')}")
 
 
@@ -125,11 +126,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--png", type=Path, help="learning-curve picture (default OUT/curve.png)")
+    ap.add_argument("--with", dest="earlier", type=Path, action="append", default=[], metavar="SWEEP",
+                    help="an earlier sweep directory whose summary.json variants join the picture")
     args = ap.parse_args()
     rows = [variant_summary(d) for d in sorted(args.out.iterdir()) if (d / "train.status").is_file()]
     print(table(rows))
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
-    plot(rows, args.png or args.out / "curve.png")
+    earlier = [r for d in args.earlier for r in json.loads((d / "summary.json").read_text())]
+    plot(earlier + rows, args.png or args.out / "curve.png")
     return 0
 
 
