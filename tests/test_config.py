@@ -23,6 +23,8 @@ def test_one_default_per_knob():
     assert _default(TrainConfig, "num_anchors") == config.NUM_ANCHORS.default
     assert _default(TrainConfig, "loss_chunk_rows") == _default(ObjectiveConfig, "loss_chunk_rows") \
         == _default(BenchConfig, "loss_chunk_rows") == config.LOSS_CHUNK_ROWS.default
+    for name, knob in (("gamma", config.GAMMA), ("kd_weight", config.KD_WEIGHT)):  # the objective's, once
+        assert _default(TrainConfig, name) == _default(ObjectiveConfig, name) == knob.default
     assert _default(TrainConfig, "eval_max_new_tokens") == _default(EvalConfig, "max_new_tokens") \
         == config.EVAL_MAX_NEW_TOKENS.default
     assert _default(TrainConfig, "regen_max_new_tokens") == _default(RegenConfig, "max_new_tokens") \
@@ -80,3 +82,22 @@ def test_environment_default(monkeypatch):
     monkeypatch.setenv(config.PROFILE_INTERVAL_ENV.name, "often")
     with pytest.raises(UsageError, match="DFLASH_PROFILE_INTERVAL"):
         TrainConfig()
+
+
+def test_each_component_gets_its_own_section():
+    """The Trainer, the objective and the profiling session receive their own settings, not the tree:
+    each view is built from TrainConfig's values, and their modules do not import TrainConfig."""
+    from dflash_train.profiling import session
+    from dflash_train.training import drafter_loop, trainer
+
+    cfg = TrainConfig(lr=5e-4, log_every=7, gamma=3.0, kd_weight=0.25, memory_history=9, torch_profile="2:4",
+                      num_anchors=12, token_budget=1024, profile_interval=0)
+    assert (cfg.trainer().lr, cfg.trainer().log_every) == (5e-4, 7)
+    assert (cfg.objective().gamma, cfg.objective().kd_weight) == (3.0, 0.25)
+    prof = cfg.profiling()
+    assert (prof.torch_profile, prof.memory_history) == ((2, 4), 9)
+    assert "--num-anchors (12)" in prof.oom_hint and "--token-budget (1024)" in prof.oom_hint
+    for module in (trainer, drafter_loop, session):
+        assert not hasattr(module, "TrainConfig"), module.__name__
+    with pytest.raises(UsageError, match="--torch-profile must be START:END"):
+        TrainConfig(torch_profile="4:2")

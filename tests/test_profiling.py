@@ -206,10 +206,10 @@ def test_memory_history_runs_around_the_oom_snapshot_on_cuda_only(tmp_path, monk
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda enabled="all", **kw: calls.append((enabled, kw)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
     cfg = TrainConfig(memory_history=1000, profile_interval=0)
-    with profile_session(cfg, tmp_path, "main/cpu"):  # CPU: nothing recorded
+    with profile_session(cfg.profiling(), tmp_path, "main/cpu"):  # CPU: nothing recorded
         pass
     assert calls == []
-    with pytest.raises(UsageError, match="memory snapshot"), oom_snapshot(tmp_path, "main/cuda:0", cfg, 1000):
+    with pytest.raises(UsageError, match="memory snapshot"), oom_snapshot(tmp_path, "main/cuda:0", cfg.profiling().oom_hint, 1000):
         raise torch.cuda.OutOfMemoryError("planted")
     assert calls[0] == ("all", {"max_entries": 1000, "stacks": "python"})  # from the start, with stacks
     assert calls[1] == ("dump", str(tmp_path / "oom-main_cuda_0.pickle"))  # the snapshot carries them

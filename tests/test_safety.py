@@ -222,8 +222,8 @@ def test_non_finite_weights_are_never_checkpointed(tiny_target, make_drafter, tm
 
     cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, block_size=4)
     drafter = make_drafter(num_layers=1, block_size=4)
-    loop = DrafterTrainLoop(cfg, drafter, tiny_target.embedding_weight, tiny_target.lm_head, tmp_path, 10,
-                            progress=False)
+    loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, tiny_target.embedding_weight,
+                            tiny_target.lm_head, tmp_path, 10, progress=False)
     with torch.no_grad():
         drafter.fc.weight[0, 0] = float("inf")
     with pytest.raises(Diverged, match="non-finite weights"):

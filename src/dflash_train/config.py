@@ -33,6 +33,10 @@ def at_least(n: int | float) -> Check:
     return lambda v: None if v is None or v >= n else f"must be >= {n}, got {v}"
 
 
+def above(n: int | float) -> Check:
+    return lambda v: None if v is None or v > n else f"must be > {n}, got {v}"
+
+
 def in_range(lo: float, hi: float) -> Check:
     return lambda v: None if lo <= v <= hi else f"must be in [{lo}, {hi}], got {v}"
 
@@ -54,6 +58,9 @@ NUM_LAYERS = Knob(1, "draft layers", at_least(1))
 # --- the objective -----------------------------------------------------------------------
 NUM_ANCHORS = Knob(32, "anchors drawn per sequence each time it is seen", at_least(1))
 LOSS_CHUNK_ROWS = Knob(4096, "block tokens per LM-head + loss chunk", at_least(1))
+GAMMA = Knob(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)", above(0))
+KD_WEIGHT = Knob(0.0, "distillation: share of the target's own next-token distribution in each slot's label, 0..1 "
+                      "(0 = hard labels; the target then also runs its last layers)", in_range(0, 1))
 AttentionBackend = Literal["auto", "flex", "dense"]
 ATTENTION = Knob("auto", "flex | dense | auto (flex on CUDA, dense elsewhere)")
 # --- decoding ----------------------------------------------------------------------------

@@ -75,8 +75,8 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
                   flops=flop_counter(cfg, target, drafter, layer_ids))
-    loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, run_dir, steps,
-                            resume_state=resume_state, progress=progress, hooks=hooks, checkpoints=checkpoints)
+    loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head, run_dir,
+                            steps, resume_state=resume_state, progress=progress, hooks=hooks, checkpoints=checkpoints)
     on_loop(loop)
     stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
     packs = stream.packs(steps)

@@ -144,7 +144,7 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
     """Join the process group and run this rank's loop; a drafter rank returns its trained drafter
     (None after the launcher's coordinated stop: the checkpoint of that step is written)."""
     group = join_group(spec, peers)
-    with profile_session(work.cfg, Path(work.run_dir), f"rank{spec.rank}/{spec.role}/{spec.device}") as session:
+    with profile_session(work.cfg.profiling(), Path(work.run_dir), f"rank{spec.rank}/{spec.role}/{spec.device}") as session:
         if spec.role == "target":
             return _serve(work, spec, peers, session)
         try:
@@ -198,7 +198,8 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     hooks = Hooks(prof=session.stats.loop("drafter"), trace=session.trace, stop_requested=peers.stop_requested,
                   heartbeat=lambda step: peers.stepped(spec.rank, step),
                   flops=flop_counter(cfg, target, drafter, layer_ids, devices))
-    loop = DrafterTrainLoop(cfg, drafter, target.embedding_weight, target.lm_head, Path(work.run_dir),
+    loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head,
+                            Path(work.run_dir),
                             work.total_steps, dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
                             resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
                             progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),

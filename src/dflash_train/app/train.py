@@ -121,7 +121,7 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        with profile_session(cfg, run_dir, f"main/{target.device}") as session, \
+        with profile_session(cfg.profiling(), run_dir, f"main/{target.device}") as session, \
                 StallWatch(run_dir / "stall-stacks.txt", cfg.peer_timeout) as watch:
             result = train_local(cfg, target, drafter, dataset, run_dir, state, progress, session.stats,
                                  trace=session.trace, heartbeat=watch.beat)

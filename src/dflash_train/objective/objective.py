@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.data.packing import PackedBatch
-from dflash_train.config import ATTENTION, LOSS_CHUNK_ROWS, AttentionBackend, knob_field, validate
+from dflash_train.config import ATTENTION, GAMMA, KD_WEIGHT, LOSS_CHUNK_ROWS, AttentionBackend, knob_field, validate
 from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
@@ -30,21 +30,17 @@ from dflash_train.profiling.stats import NULL_LOOP
 
 @dataclass(kw_only=True, slots=True)
 class ObjectiveConfig:
-    gamma: float | None = None
+    gamma: float | None = knob_field(GAMMA)
     """Slot-weight decay; default by block size: 7 (B=16), 5 (B=10), 4 (B=8) (--gamma)."""
     attention: AttentionBackend = knob_field(ATTENTION)
     """flex | dense | auto (flex on CUDA, dense elsewhere) (--attention)."""
     loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
     """Block tokens per LM-head + loss chunk (--loss-chunk-rows)."""
-    kd_weight: float = 0.0
+    kd_weight: float = knob_field(KD_WEIGHT)
     """Share of the target's soft labels in each slot's target distribution, 0..1 (--kd-weight)."""
 
     def __post_init__(self) -> None:
-        if self.gamma is not None and self.gamma <= 0:
-            raise UsageError(f"--gamma must be > 0, got {self.gamma}")
-        validate(self)
-        if not 0 <= self.kd_weight <= 1:
-            raise UsageError(f"--kd-weight must be in [0, 1], got {self.kd_weight}")
+        validate(self)  # each field's knob check (config.py)
 
 
 def check_backend_device(attention: str, device: torch.device) -> None:

@@ -15,6 +15,18 @@ from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
 from dflash_train.profiling.tools import NoTrace, TraceWindow, oom_snapshot
 
 
+@dataclass(frozen=True, slots=True)
+class ProfilingConfig:
+    """The profiling section a process runs with (TrainConfig.profiling() builds it; its flags'
+    defaults and checks live there)."""
+
+    interval: float | None  # --profile-interval: seconds between summaries; None or 0 = off
+    cuda_events: bool  # --profile-cuda-events
+    torch_profile: tuple[int, int] | None  # --torch-profile START:END steps
+    memory_history: int  # --memory-history N allocator events (CUDA)
+    oom_hint: str  # what an out-of-memory message tells the user to lower
+
+
 @dataclass
 class Session:
     stats: ProfileStats | object
@@ -43,15 +55,15 @@ def cuda_device(process: str) -> torch.device | None:
 
 
 @contextlib.contextmanager
-def profile_session(cfg, run_dir: Path, process: str) -> Iterator[Session]:
-    interval = resolve_interval(cfg.profile_interval)
-    stats = (ProfileStats(process, cuda_events=cfg.profile_cuda_events, memory_stats=memory_stats_source(process))
+def profile_session(cfg: ProfilingConfig, run_dir: Path, process: str) -> Iterator[Session]:
+    interval = resolve_interval(cfg.interval)
+    stats = (ProfileStats(process, cuda_events=cfg.cuda_events, memory_stats=memory_stats_source(process))
              if interval else NULL_PROFILE)
     reporter = ProfileReporter(stats, interval, run_dir).start() if interval else None
-    trace = TraceWindow(*cfg.torch_profile_steps(), run_dir, process) if cfg.torch_profile else NoTrace()
+    trace = TraceWindow(*cfg.torch_profile, run_dir, process) if cfg.torch_profile else NoTrace()
     try:
         history = cfg.memory_history if cuda_device(process) is not None else 0  # CPU: nothing
-        with trace, oom_snapshot(run_dir, process, cfg, history):
+        with trace, oom_snapshot(run_dir, process, cfg.oom_hint, history):
             yield Session(stats, trace, reporter)
     finally:
         if reporter is not None:

@@ -19,6 +19,18 @@ def file_label(process: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", process)
 
 
+def parse_steps(text: str, flag: str) -> tuple[int, int]:
+    """"START:END" (0 <= START < END) as two ints; a UsageError naming `flag` otherwise."""
+    start, sep, end = text.partition(":")
+    try:
+        a, b = int(start), int(end)
+    except ValueError:
+        a = b = -1
+    if not sep or a < 0 or b <= a:
+        raise UsageError(f"{flag} must be START:END steps with 0 <= START < END, got {text!r}")
+    return a, b
+
+
 class TraceWindow:
     """torch.profiler over steps [start, end): a Chrome trace per process in RUN_DIR/traces/.
 
@@ -107,8 +119,9 @@ NO_TRACE = NoTrace()
 
 
 @contextlib.contextmanager
-def oom_snapshot(run_dir: Path, process: str, cfg, memory_history: int = 0):
-    """On CUDA out-of-memory: write a memory snapshot and fail with a one-line hint.
+def oom_snapshot(run_dir: Path, process: str, hint: str, memory_history: int = 0):
+    """On CUDA out-of-memory: write a memory snapshot and fail with a one-line message ending in `hint`
+    (what to lower, e.g. "lower --num-anchors (64) or --token-budget (16384)").
 
     memory_history > 0 (--memory-history, CUDA only): the allocator records its last N
     allocations and frees with their Python stacks from here on, so the snapshot tells what
@@ -127,8 +140,7 @@ def oom_snapshot(run_dir: Path, process: str, cfg, memory_history: int = 0):
         except Exception:  # noqa: BLE001 - the snapshot is best effort; the hint matters more
             path = None
         where = f"; memory snapshot {path} (open at pytorch.org/memory_viz)" if path else ""
-        raise UsageError(f"CUDA out of memory in {process}: lower --num-anchors ({cfg.num_anchors}) or "
-                         f"--token-budget ({cfg.token_budget}){where}") from e
+        raise UsageError(f"CUDA out of memory in {process}: {hint}{where}") from e
     finally:
         if memory_history > 0:
             torch.cuda.memory._record_memory_history(enabled=None)

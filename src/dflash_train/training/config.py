@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_train import config
-from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_LAYERS,
-                                 PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS, SEED, AttentionBackend, field_types,
-                                 flag, knob_field, opt, validate)
+from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, GAMMA, KD_WEIGHT, LOSS_CHUNK_ROWS,
+                                 NUM_ANCHORS, NUM_LAYERS, PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS, SEED,
+                                 AttentionBackend, field_types, flag, knob_field, opt, validate)
 from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
+from dflash_train.objective.objective import ObjectiveConfig
+from dflash_train.profiling.session import ProfilingConfig
+from dflash_train.profiling.tools import parse_steps
 
 
 _opt = opt
@@ -66,11 +69,10 @@ class TrainConfig:
     sliding_window: int | None = _opt(16, "window of the sliding-window draft layers")
     # --- objective -------------------------------------------------------------------
     num_anchors: int = knob_field(NUM_ANCHORS)
-    gamma: float | None = _opt(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)")
+    gamma: float | None = knob_field(GAMMA)
     attention: AttentionBackend = knob_field(ATTENTION)
     loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
-    kd_weight: float = _opt(0.0, "distillation: share of the target's own next-token distribution in each slot's "
-                            "label, 0..1 (0 = hard labels; the target then also runs its last layers)")
+    kd_weight: float = knob_field(KD_WEIGHT)
     token_budget: int = _opt(512, "context tokens packed into one step")
     cache_features: bool | None = _opt(None, "compute each sequence's target features once and keep them in the "
                                        "target's device memory (tokens x features x hidden x 2 bytes on a GPU), so the "
@@ -133,8 +135,6 @@ class TrainConfig:
             raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
         if self.sliding_layers and not (self.sliding_window or 0) >= 1:
             raise UsageError("--sliding-window must be >= 1 when --sliding-layers > 0")
-        if not 0 <= self.kd_weight <= 1:
-            raise UsageError(f"--kd-weight must be in [0, 1], got {self.kd_weight}")
         if self.regen_samples > 1 and not (self.regenerate and self.regen_temperature > 0):
             raise UsageError(f"--regen-samples {self.regen_samples} needs --regenerate and --regen-temperature > 0 "
                              "(at T=0 every sample is the same)")
@@ -162,14 +162,27 @@ class TrainConfig:
             raise UsageError("--epochs must be > 0 when --max-steps is 0")
 
     def torch_profile_steps(self) -> tuple[int, int]:
-        start, sep, end = (self.torch_profile or "").partition(":")
-        try:
-            a, b = int(start), int(end)
-        except ValueError:
-            a = b = -1
-        if not sep or a < 0 or b <= a:
-            raise UsageError(f"--torch-profile must be START:END steps with 0 <= START < END, got {self.torch_profile!r}")
-        return a, b
+        return parse_steps(self.torch_profile or "", "--torch-profile")
+
+    # --- each component's own section ------------------------------------------------
+
+    def section(self, cls: type[_S]) -> _S:
+        """A component's settings: the fields of dataclass `cls`, taken from this config by name (the
+        component never sees the rest; defaults and checks stay here)."""
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    def trainer(self) -> TrainerConfig:
+        return self.section(TrainerConfig)
+
+    def objective(self) -> ObjectiveConfig:
+        return self.section(ObjectiveConfig)
+
+    def profiling(self) -> ProfilingConfig:
+        return ProfilingConfig(
+            interval=self.profile_interval, cuda_events=self.profile_cuda_events,
+            torch_profile=self.torch_profile_steps() if self.torch_profile else None,
+            memory_history=self.memory_history,
+            oom_hint=f"lower --num-anchors ({self.num_anchors}) or --token-budget ({self.token_budget})")
 
     def server_config(self):
         """The regeneration server's settings (--regen-server ...), checked; errors name train's flags."""
@@ -188,6 +201,24 @@ class TrainConfig:
             values = [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
             lines += ["", f"[{section}]"] + [f"{n} = {_toml_value(v)}" for n, v in values]
         return "\n".join(lines) + "\n"
+
+
+_S = typing.TypeVar("_S")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    """The Trainer's own settings: the [optim] section and its logging and checkpoint cadence.
+    No defaults: TrainConfig holds them and their checks (TrainConfig.trainer() builds this)."""
+
+    lr: float
+    warmup_ratio: float
+    weight_decay: float
+    grad_clip: float
+    grad_accum: int
+    log_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
 
 
 # The tree's sections, by the first field of each run of fields in TrainConfig's order.

@@ -10,23 +10,19 @@ import torch
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device
 from dflash_train.profiling.hooks import drafter_spans
-from dflash_train.training.config import TrainConfig
+from dflash_train.training.config import TrainerConfig
 from dflash_train.training.trainer import Hooks, Trainer, TrainResult
-
-
-def objective_config(cfg: TrainConfig) -> ObjectiveConfig:
-    return ObjectiveConfig(gamma=cfg.gamma, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
-                           kd_weight=cfg.kd_weight)
 
 
 class DrafterTrainLoop(Trainer):
     """Trains `drafter` against the target's frozen embedding and LM head (trainer.py has the loop)."""
 
-    def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: torch.nn.Module,
-                 run_dir: Path, total_steps: int, *, hooks: Hooks | None = None, **trainer_args: Any) -> None:
+    def __init__(self, cfg: TrainerConfig, objective_cfg: ObjectiveConfig, drafter: DFlashDrafter,
+                 embed_weight: torch.Tensor, lm_head: torch.nn.Module, run_dir: Path, total_steps: int, *,
+                 hooks: Hooks | None = None, **trainer_args: Any) -> None:
         hooks = hooks or Hooks()
-        check_backend_device(cfg.attention, next(drafter.parameters()).device)
-        objective = DFlashObjective(drafter, embed_weight, lm_head, objective_config(cfg), hooks.prof)
+        check_backend_device(objective_cfg.attention, next(drafter.parameters()).device)
+        objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof)
         super().__init__(objective, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
         self.drafter = drafter
 

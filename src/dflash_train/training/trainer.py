@@ -32,7 +32,7 @@ from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 from dflash_train.training.checkpoint import save_checkpoint
-from dflash_train.training.config import TrainConfig
+from dflash_train.training.config import TrainerConfig
 from dflash_train.training.metrics import MetricsLogger
 from dflash_train.training.update import Update, cosine_schedule, make_optimizer
 
@@ -133,7 +133,7 @@ class _Window:
 
 
 class Trainer:
-    def __init__(self, objective: Objective, cfg: TrainConfig, run_dir: Path, total_steps: int, *,
+    def __init__(self, objective: Objective, cfg: TrainerConfig, run_dir: Path, total_steps: int, *,
                  dp: DataParallel | None = None, resume_state: dict[str, Any] | None = None, progress: bool = True,
                  hooks: Hooks | None = None, target_workers: int = 1, checkpoints: bool = True) -> None:
         """target_workers: processes computing features (the record's target capacity counts them all);
