@@ -518,10 +518,11 @@ def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, i
 
 class SimStream:
     """One CUDA stream on a simulated GPU sharing the host's wall clock: launches queue kernels that
-    run in order; query() (the injected stream_drained) is True once every queued kernel has run."""
+    run in order; query() (the injected stream_drained) is True once every queued kernel has run;
+    event() stands in for torch.cuda.Event on this stream."""
 
     def __init__(self, wall):
-        self.wall, self.busy_until, self.queries = wall, wall.t, 0
+        self.wall, self.busy_until, self.queries, self.event_syncs = wall, wall.t, 0, 0
 
     def launch(self, host_s, kernel_s):
         self.busy_until = max(self.busy_until, self.wall.t) + kernel_s  # queue a kernel of kernel_s,
@@ -533,6 +534,26 @@ class SimStream:
     def query(self):
         self.queries += 1
         return self.busy_until <= self.wall.t
+
+    def event(self, enable_timing=False):
+        return SimEvent(self)
+
+
+class SimEvent:
+    """A timing event on a SimStream: the GPU reaches it once the work queued before it has run."""
+
+    def __init__(self, stream):
+        self.stream, self.at = stream, None
+
+    def record(self):
+        s = self.stream
+        self.at = s.busy_until = max(s.busy_until, s.wall.t)  # an event takes no GPU time
+
+    def synchronize(self):
+        self.stream.event_syncs += 1
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
 
 
 def _sim_step(prof, stream, launch_s, kernel_s, sync):
@@ -554,10 +575,9 @@ def _sim_stats(monkeypatch, cuda_events=True):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    FakeEvent.device_now, FakeEvent.synchronized = 0.0, 0
     wall = CountingClock()
     stream = SimStream(wall)
+    monkeypatch.setattr(torch.cuda, "Event", stream.event)
     stats = ProfileStats("p", cuda_events=cuda_events, clock=wall, cpu_clock=CountingClock(0.0),
                          stream_drained=stream.query)
     return stats, stream, wall
@@ -572,7 +592,7 @@ def test_launch_bound_spans_start_on_a_drained_stream(monkeypatch):
     for _ in range(5):  # 1 ms to launch each 0.2 ms kernel: the GPU idles before every launch
         _sim_step(prof, stream, 0.001, 0.0002, sync=False)
     assert stream.queries == 4 * 5  # one query per event-span start, nested spans included
-    assert FakeEvent.synchronized == 0  # and no host sync in the loop
+    assert stream.event_syncs == 0  # and no host sync in the loop
     wall.t += 1
     stages = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]
     for name in GPU_STAGES:
@@ -628,3 +648,73 @@ def test_summary_shows_the_starved_share_per_stage(monkeypatch):
     assert row["drafter_forward"][-1] == "100%"
     assert row["backward"][-1] == "75%"  # 3 of 4: the first step's 5 ms kernels were still queued
     assert row["metrics"][-1] == "-" and row["hs_queue_wait"][-1] == "-"
+
+
+def _ev(wall, cpu, device, starts, starved):
+    """A CUDA-event stage whose spans started `starts` times, `starved` of them on a drained stream."""
+    return {**_stage(wall, cpu, device), "starts": starts, "starved": starved}
+
+
+# The drafter of the GIL-sharing pipeline: its thread on-CPU 35% of its GPU stages' wall (below HOST_BUSY),
+# the GPU keeping pace, most span starts (nested ones too) finding the stream drained: 245 of 300.
+STARVED_DRAFTER = {"drafter__drafter_forward": _ev(5.0, 1.75, 5.0, 100, 90),
+                   "drafter__drafter.L0.attention": _ev(2.0, 0.7, 2.0, 100, 85),
+                   "drafter__backward": _ev(4.0, 1.4, 4.05, 100, 70)}
+# Its target thread in the same process, on-CPU 55%: together the loops hold the host 81% of the window.
+STARVED_TARGET = {"target__target_forward": _ev(6.0, 3.3, 6.0, 100, 100),
+                  "target__pack_hidden": _ev(3.0, 1.65, 3.0, 100, 100)}
+# One host sync per step (GPU-bound): only the step's first span and the one nested at its start begin idle.
+PER_STEP_SYNC = {f"drafter__{name}": _ev(wall, wall * 0.35, wall, 100, 100 if first else 0)
+                 for name, wall, first in (("drafter_forward", 4.0, True), ("drafter.masks", 0.5, True),
+                                           ("drafter.fc", 0.3, False), ("drafter.L0.attention", 1.0, False),
+                                           ("drafter.L0.mlp", 1.0, False), ("drafter.lm_head_loss", 1.0, False),
+                                           ("backward", 3.0, False), ("optimizer_step", 1.0, False))}
+
+
+@pytest.mark.parametrize("stages, kind, says", [
+    # the GPU waits for the host at 82% of span starts: launch-bound although the thread is on-CPU 35% only,
+    # and with the target loop the process's host is busy: the loops contend for the GIL
+    ({**STARVED_DRAFTER, **STARVED_TARGET}, "launch-bound",
+     "drafter GPU spans found the stream drained (the GPU idle, waiting for the host) at 82% of 300 starts; "
+     "its thread is on-CPU 35% of its GPU stages' wall time; the process's loops are on-CPU 81% of the window "
+     "together: they contend for the GIL/host"),
+    # the drafter alone: launch-bound, and no GIL contention claimed (the process's host 32% busy)
+    (STARVED_DRAFTER, "launch-bound", "at 82% of 300 starts; its thread is on-CPU 35% of its GPU stages' wall time —"),
+    # the same low CPU share with few drained starts (30 of 300): not launch-bound
+    ({k: {**s, "starved": 10} for k, s in STARVED_DRAFTER.items()}, "balanced", ""),
+    # a per-step sync drains the stream once a step: 200 of 800 starts, not launch-bound
+    (PER_STEP_SYNC, "balanced", ""),
+    # STARVED is a share of starts, at or above it: 150 of 300 is launch-bound, 149 is not
+    ({k: {**s, "starved": n} for (k, s), n in zip(STARVED_DRAFTER.items(), (50, 50, 50), strict=True)}, "launch-bound",
+     "at 50% of 300"),
+    ({k: {**s, "starved": n} for (k, s), n in zip(STARVED_DRAFTER.items(), (50, 50, 49), strict=True)}, "balanced", ""),
+    # a GPU-bound target of two spans per step whose pageable input copy drains the stream before each
+    # pack: half its starts begin idle, but its GPU runs 3 s behind the host: not launch-bound
+    ({"target__target_forward": _ev(3.0, 2.7, 6.0, 100, 100), "target__pack_hidden": _ev(0.5, 0.4, 0.6, 100, 0),
+      "target__batch_queue_wait": {"share": 0.1}}, "balanced", ""),
+    # a role verdict still comes first
+    ({**STARVED_DRAFTER, "drafter__hs_queue_wait": {"share": 0.3}}, "target-bound", ""),
+])
+def test_starved_stream_verdicts(stages, kind, says):
+    v = verdict(_clock_record(**stages))
+    assert v.kind == kind, v.message
+    assert v.message.startswith(kind) and says in v.message
+    if kind == "launch-bound":
+        assert "CUDA graphs" in v.message
+        if "contend" not in says:
+            assert "GIL" not in v.message
+
+
+def test_starved_verdict_from_simulated_runs(monkeypatch):
+    """ProfileStats -> record -> verdict on the simulated stream; the thread's CPU clock never moves (0%)."""
+    stats, stream, wall = _sim_stats(monkeypatch)
+    prof = stats.loop("drafter")
+    for _ in range(20):  # 1 ms of host per 0.2 ms kernel: the GPU idles at every span start
+        _sim_step(prof, stream, 0.001, 0.0002, sync=False)
+    wall.t += 0.02  # the loop's GPU stages fill most of the window
+    rec = window_record(stats, stats.take_window())
+    assert verdict(rec).kind == "launch-bound", verdict(rec).message
+    for _ in range(20):  # 0.1 ms of host per 5 ms kernel and a read-back per step: the GPU is the limit
+        _sim_step(prof, stream, 0.0001, 0.005, sync=True)
+    rec = window_record(stats, stats.take_window())
+    assert verdict(rec).kind != "launch-bound", verdict(rec).message
