@@ -128,10 +128,50 @@ def test_report_shows_min_busy_columns_and_allocator(tmp_path):
         lines.append(json.dumps(take(stats)))
     (tmp_path / "profile.jsonl").write_text("\n".join(lines))
     text, _ = report(tmp_path)
-    assert "min ms" in text and "host" in text and "dev" in text
+    assert "min ms" in text and "host" in text and "dev" in text and "starved" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("backward")).split()
-    assert row[1:4] == ["4", "0.02", "3.75"] and row[4] == "2.00" and row[-3:-1] == ["50%", "-"]
+    assert row[1:4] == ["4", "0.02", "3.75"] and row[4] == "2.00" and row[-4:-1] == ["50%", "-", "-"]
     wait = next(line for line in text.splitlines() if line.strip().startswith("hs_queue_wait")).split()
-    assert wait[-3:-1] == ["-", "-"]
+    assert wait[-4:-1] == ["-", "-", "-"]
     assert ("allocator (sum over windows): alloc_retries 0, device_allocs 6, device_frees 1 "
             "| max reserved 3.00 GiB | max allocated 0.00 GiB") in text
+
+
+class NoDeviceEvent:
+    """torch.cuda.Event without a device: every span takes no device time."""
+
+    def __init__(self, enable_timing=False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
+
+
+def test_report_pools_the_starved_counts_over_windows(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", NoDeviceEvent)
+    clock, drained = FakeClock(), iter([True, False, False, False])
+    stats = ProfileStats("main/cuda:0", cuda_events=True, clock=clock, cpu_clock=FakeClock(),
+                         stream_drained=lambda: next(drained))
+    prof = stats.loop("drafter")
+    lines = []
+    for spans in (1, 3):  # window 1: 1 of 1 start drained (100%); window 2: 0 of 3
+        for _ in range(spans):
+            with prof.span("backward", device=True):
+                clock.now += 0.001
+        clock.now += 1
+        lines.append(json.dumps(take(stats)))
+    (tmp_path / "profile.jsonl").write_text("\n".join(lines))
+    text, _ = report(tmp_path)
+    head = next(line for line in text.splitlines() if line.strip().startswith("stage")).split()
+    assert head[-3:] == ["dev", "starved", "share"]
+    row = next(line for line in text.splitlines() if line.strip().startswith("backward")).split()
+    assert row[-2] == "25%"  # 1 of 4 starts over the run, not the mean of the windows' shares (50%)

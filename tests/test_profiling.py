@@ -288,7 +288,7 @@ def test_event_spans_keep_device_time_primary_and_add_wall_and_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     FakeEvent.device_now, FakeEvent.synchronized = 0.0, 0
     wall, cpu = CountingClock(), CountingClock(0.0)
-    stats = ProfileStats("p", cuda_events=True, clock=wall, cpu_clock=cpu)
+    stats = ProfileStats("p", cuda_events=True, clock=wall, cpu_clock=cpu, stream_drained=lambda: False)
     prof = stats.loop("drafter")
     for _ in range(4):  # the host launches for 10 ms; the GPU runs the stage's work for 30 ms
         with prof.span("drafter_forward", device=True):
@@ -303,6 +303,7 @@ def test_event_spans_keep_device_time_primary_and_add_wall_and_cpu(monkeypatch):
     assert s["wall_s"] == pytest.approx(0.04) and s["cpu_s"] == pytest.approx(0.036)
     assert s["device_s"] == pytest.approx(0.12)
     assert s["host_busy"] == pytest.approx(0.9) and s["device_busy"] == pytest.approx(3.0)
+    assert (s["starts"], s["starved"], s["starved_share"]) == (4, 0, 0.0)  # the GPU behind: never found idle
 
 
 class QueryEvent(FakeEvent):
@@ -360,13 +361,13 @@ def test_summary_line_shows_min_and_busy_columns():
     text = format_record(attach_verdict(window_record(stats, stats.take_window())))
     head = next(line for line in text.splitlines() if "stage" in line).split()
     assert head[head.index("count"):] == ["count", "mean", "ms", "p50", "ms", "min", "ms", "p95", "ms", "max", "ms",
-                                          "total", "s", "share", "host", "dev"]
+                                          "total", "s", "share", "host", "dev", "starved"]
     fwd = next(line for line in text.splitlines() if "drafter_forward" in line).split()
-    # count, mean, p50, min, p95, max, total, share, host, dev
+    # count, mean, p50, min, p95, max, total, share, host, dev, starved
     assert fwd[1:6] == ["3", "5.00", "5.00", "2.00", "7.70"] and fwd[6] == "8.00"
-    assert fwd[-2:] == ["75%", "-"]  # no CUDA events: the device column stays empty
+    assert fwd[-3:] == ["75%", "-", "-"]  # no CUDA events: the device and starved columns stay empty
     wait = next(line for line in text.splitlines() if "hs_queue_wait" in line).split()
-    assert wait[-2:] == ["-", "-"]
+    assert wait[-3:] == ["-", "-", "-"]
 
 
 def _stage(wall, cpu, device=None, sync=None, share=None):
@@ -510,3 +511,210 @@ def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, i
                  "drafter.L1.mlp", "drafter.lm_head_loss"]
     assert all(stages[k]["count"] == 4 for k in ["drafter_forward", *internals])
     assert sum(stages[k]["total_s"] for k in internals) <= stages["drafter_forward"]["total_s"]
+
+
+# --- #19: does each event span start find its stream drained (the GPU waiting for the host)?
+
+
+class SimStream:
+    """One CUDA stream on a simulated GPU sharing the host's wall clock: launches queue kernels that
+    run in order; query() (the injected stream_drained) is True once every queued kernel has run;
+    event() stands in for torch.cuda.Event on this stream."""
+
+    def __init__(self, wall):
+        self.wall, self.busy_until, self.queries, self.event_syncs = wall, wall.t, 0, 0
+
+    def launch(self, host_s, kernel_s):
+        self.busy_until = max(self.busy_until, self.wall.t) + kernel_s  # queue a kernel of kernel_s,
+        self.wall.t += host_s  # then the host spends host_s (launch overhead, Python) before the next
+
+    def synchronize(self):  # a host sync (.item()): the host waits until the stream drains
+        self.wall.t = max(self.wall.t, self.busy_until)
+
+    def query(self):
+        self.queries += 1
+        return self.busy_until <= self.wall.t
+
+    def event(self, enable_timing=False):
+        return SimEvent(self)
+
+
+class SimEvent:
+    """A timing event on a SimStream: the GPU reaches it once the work queued before it has run."""
+
+    def __init__(self, stream):
+        self.stream, self.at = stream, None
+
+    def record(self):
+        s = self.stream
+        self.at = s.busy_until = max(s.busy_until, s.wall.t)  # an event takes no GPU time
+
+    def synchronize(self):
+        self.stream.event_syncs += 1
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def _sim_step(prof, stream, launch_s, kernel_s, sync):
+    """One training step's spans: a forward with a nested layer, backward, optimizer; then maybe a read-back."""
+    with prof.span("drafter_forward", device=True):
+        stream.launch(launch_s, kernel_s)
+        with prof.span("drafter.L0.attention", device=True):
+            stream.launch(launch_s, kernel_s)
+    with prof.span("backward", device=True):
+        stream.launch(launch_s, kernel_s)
+    with prof.span("optimizer_step", device=True):
+        stream.launch(launch_s, kernel_s)
+    if sync:
+        with prof.span("metrics", sync="loss .item()"):  # a host span: no event, no query
+            stream.synchronize()
+
+
+def _sim_stats(monkeypatch, cuda_events=True):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    wall = CountingClock()
+    stream = SimStream(wall)
+    monkeypatch.setattr(torch.cuda, "Event", stream.event)
+    stats = ProfileStats("p", cuda_events=cuda_events, clock=wall, cpu_clock=CountingClock(0.0),
+                         stream_drained=stream.query)
+    return stats, stream, wall
+
+
+GPU_STAGES = ("drafter_forward", "drafter.L0.attention", "backward", "optimizer_step")
+
+
+def test_launch_bound_spans_start_on_a_drained_stream(monkeypatch):
+    stats, stream, wall = _sim_stats(monkeypatch)
+    prof = stats.loop("drafter")
+    for _ in range(5):  # 1 ms to launch each 0.2 ms kernel: the GPU idles before every launch
+        _sim_step(prof, stream, 0.001, 0.0002, sync=False)
+    assert stream.queries == 4 * 5  # one query per event-span start, nested spans included
+    assert stream.event_syncs == 0  # and no host sync in the loop
+    wall.t += 1
+    stages = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]
+    for name in GPU_STAGES:
+        assert (stages[name]["starts"], stages[name]["starved"]) == (5, 5), name
+        assert stages[name]["starved_share"] == 1.0
+
+
+def test_a_per_step_sync_drains_the_stream_once_per_step(monkeypatch):
+    stats, stream, wall = _sim_stats(monkeypatch)
+    prof = stats.loop("drafter")
+    for _ in range(6):  # 0.1 ms launches of 5 ms kernels, then the step's .item(): the GPU is the limit
+        _sim_step(prof, stream, 0.0001, 0.005, sync=True)
+    assert stream.queries == 4 * 6  # the host-only metrics span asks nothing
+    wall.t += 1
+    rec = window_record(stats, stats.take_window())
+    stages = rec["loops"]["drafter"]["stages"]
+    # Only the step's first span starts after the sync; the others find the previous kernels queued.
+    assert (stages["drafter_forward"]["starts"], stages["drafter_forward"]["starved"]) == (6, 6)
+    for name in GPU_STAGES[1:]:
+        assert (stages[name]["starts"], stages[name]["starved"]) == (6, 0), name
+        assert stages[name]["starved_share"] == 0.0
+    assert not {"starts", "starved", "starved_share"} & set(stages["metrics"])  # a host span: no stream asked
+    # Windows sum into the cumulative totals (counts, so the report can pool them).
+    _sim_step(prof, stream, 0.0001, 0.005, sync=True)
+    wall.t += 1
+    cum = window_record(stats, stats.take_window())["loops"]["drafter"]["cumulative"]["stages"]
+    assert (cum["drafter_forward"]["starts"], cum["drafter_forward"]["starved"]) == (7, 7)
+    assert (cum["backward"]["starts"], cum["backward"]["starved"]) == (7, 0)
+    assert "starved_share" not in cum["backward"]
+
+
+def test_wall_mode_never_asks_the_stream(monkeypatch):
+    stats, stream, wall = _sim_stats(monkeypatch, cuda_events=False)
+    prof = stats.loop("drafter")
+    _sim_step(prof, stream, 0.001, 0.0002, sync=False)
+    assert stream.queries == 0
+    wall.t += 1
+    rec = window_record(stats, stats.take_window())
+    for s in (*rec["loops"]["drafter"]["stages"].values(), *rec["loops"]["drafter"]["cumulative"]["stages"].values()):
+        assert not {"starts", "starved", "starved_share", "device_s"} & set(s)
+
+
+def test_summary_shows_the_starved_share_per_stage(monkeypatch):
+    stats, stream, wall = _sim_stats(monkeypatch)
+    prof = stats.loop("drafter")
+    for sync in (True, False, False, False):  # backward starts drained after the no-sync steps' idle GPU
+        _sim_step(prof, stream, 0.001, 0.0002 if not sync else 0.005, sync=sync)
+    prof.add("hs_queue_wait", 0.001)
+    wall.t += 1
+    lines = format_record(window_record(stats, stats.take_window())).splitlines()
+    assert next(line for line in lines if "stage" in line).split()[-1] == "starved"
+    row = {line.split()[0]: line.split() for line in lines[2:] if line.split()}
+    assert row["drafter_forward"][-1] == "100%"
+    assert row["backward"][-1] == "75%"  # 3 of 4: the first step's 5 ms kernels were still queued
+    assert row["metrics"][-1] == "-" and row["hs_queue_wait"][-1] == "-"
+
+
+def _ev(wall, cpu, device, starts, starved):
+    """A CUDA-event stage whose spans started `starts` times, `starved` of them on a drained stream."""
+    return {**_stage(wall, cpu, device), "starts": starts, "starved": starved}
+
+
+# The drafter of the GIL-sharing pipeline: its thread on-CPU 35% of its GPU stages' wall (below HOST_BUSY),
+# the GPU keeping pace, most span starts (nested ones too) finding the stream drained: 245 of 300.
+STARVED_DRAFTER = {"drafter__drafter_forward": _ev(5.0, 1.75, 5.0, 100, 90),
+                   "drafter__drafter.L0.attention": _ev(2.0, 0.7, 2.0, 100, 85),
+                   "drafter__backward": _ev(4.0, 1.4, 4.05, 100, 70)}
+# Its target thread in the same process, on-CPU 55%: together the loops hold the host 81% of the window.
+STARVED_TARGET = {"target__target_forward": _ev(6.0, 3.3, 6.0, 100, 100),
+                  "target__pack_hidden": _ev(3.0, 1.65, 3.0, 100, 100)}
+# One host sync per step (GPU-bound): only the step's first span and the one nested at its start begin idle.
+PER_STEP_SYNC = {f"drafter__{name}": _ev(wall, wall * 0.35, wall, 100, 100 if first else 0)
+                 for name, wall, first in (("drafter_forward", 4.0, True), ("drafter.masks", 0.5, True),
+                                           ("drafter.fc", 0.3, False), ("drafter.L0.attention", 1.0, False),
+                                           ("drafter.L0.mlp", 1.0, False), ("drafter.lm_head_loss", 1.0, False),
+                                           ("backward", 3.0, False), ("optimizer_step", 1.0, False))}
+
+
+@pytest.mark.parametrize("stages, kind, says", [
+    # the GPU waits for the host at 82% of span starts: launch-bound although the thread is on-CPU 35% only,
+    # and with the target loop the process's host is busy: the loops contend for the GIL
+    ({**STARVED_DRAFTER, **STARVED_TARGET}, "launch-bound",
+     "drafter GPU spans found the stream drained (the GPU idle, waiting for the host) at 82% of 300 starts; "
+     "its thread is on-CPU 35% of its GPU stages' wall time; the process's loops are on-CPU 81% of the window "
+     "together: they contend for the GIL/host"),
+    # the drafter alone: launch-bound, and no GIL contention claimed (the process's host 32% busy)
+    (STARVED_DRAFTER, "launch-bound", "at 82% of 300 starts; its thread is on-CPU 35% of its GPU stages' wall time —"),
+    # the same low CPU share with few drained starts (30 of 300): not launch-bound
+    ({k: {**s, "starved": 10} for k, s in STARVED_DRAFTER.items()}, "balanced", ""),
+    # a per-step sync drains the stream once a step: 200 of 800 starts, not launch-bound
+    (PER_STEP_SYNC, "balanced", ""),
+    # STARVED is a share of starts, at or above it: 150 of 300 is launch-bound, 149 is not
+    ({k: {**s, "starved": n} for (k, s), n in zip(STARVED_DRAFTER.items(), (50, 50, 50), strict=True)}, "launch-bound",
+     "at 50% of 300"),
+    ({k: {**s, "starved": n} for (k, s), n in zip(STARVED_DRAFTER.items(), (50, 50, 49), strict=True)}, "balanced", ""),
+    # a GPU-bound target of two spans per step whose pageable input copy drains the stream before each
+    # pack: half its starts begin idle, but its GPU runs 3 s behind the host: not launch-bound
+    ({"target__target_forward": _ev(3.0, 2.7, 6.0, 100, 100), "target__pack_hidden": _ev(0.5, 0.4, 0.6, 100, 0),
+      "target__batch_queue_wait": {"share": 0.1}}, "balanced", ""),
+    # a role verdict still comes first
+    ({**STARVED_DRAFTER, "drafter__hs_queue_wait": {"share": 0.3}}, "target-bound", ""),
+])
+def test_starved_stream_verdicts(stages, kind, says):
+    v = verdict(_clock_record(**stages))
+    assert v.kind == kind, v.message
+    assert v.message.startswith(kind) and says in v.message
+    if kind == "launch-bound":
+        assert "CUDA graphs" in v.message
+        if "contend" not in says:
+            assert "GIL" not in v.message
+
+
+def test_starved_verdict_from_simulated_runs(monkeypatch):
+    """ProfileStats -> record -> verdict on the simulated stream; the thread's CPU clock never moves (0%)."""
+    stats, stream, wall = _sim_stats(monkeypatch)
+    prof = stats.loop("drafter")
+    for _ in range(20):  # 1 ms of host per 0.2 ms kernel: the GPU idles at every span start
+        _sim_step(prof, stream, 0.001, 0.0002, sync=False)
+    wall.t += 0.02  # the loop's GPU stages fill most of the window
+    rec = window_record(stats, stats.take_window())
+    assert verdict(rec).kind == "launch-bound", verdict(rec).message
+    for _ in range(20):  # 0.1 ms of host per 5 ms kernel and a read-back per step: the GPU is the limit
+        _sim_step(prof, stream, 0.0001, 0.005, sync=True)
+    rec = window_record(stats, stats.take_window())
+    assert verdict(rec).kind != "launch-bound", verdict(rec).message

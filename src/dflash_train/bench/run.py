@@ -273,8 +273,8 @@ def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, pla
     }
     res["time_to_first_step_s"] = loops[0].first_step_at - t_launch  # CLOCK_MONOTONIC: same in every process
     if last_profile is not None:  # the last window (the timed steps and the end of the warm-up)
-        res["profile"] = {loop: {k: {key: v[key] for key in ("share", "p95_ms", "host_busy", "device_busy") if key in v}
-                                 for k, v in d["stages"].items()}
+        keep = ("share", "p95_ms", "host_busy", "device_busy", "starved_share")
+        res["profile"] = {loop: {k: {key: v[key] for key in keep if key in v} for k, v in d["stages"].items()}
                           for loop, d in last_profile["loops"].items()}
         res["verdict"] = last_profile["verdict"]
         res["verdicts"] = [w["verdict"]["kind"] for w in windows]  # every window's, in order

@@ -69,10 +69,10 @@ def _window_max(recs: list[Record], loop: str, stage: str, field: str) -> float:
     return max(_window_values(recs, loop, stage, field), default=0.0)
 
 
-def _ratio(stage: dict[str, float], field: str) -> str:
-    """A cumulative clock over the stage's wall time, as a column; '-' where that clock is absent."""
-    wall = stage.get("wall_s", 0.0)
-    return f"{stage[field] / wall * 100:>7.0f}%" if field in stage and wall > 0 else f"{'-':>8}"
+def _ratio(stage: dict[str, float], field: str, over: str = "wall_s") -> str:
+    """A cumulative clock over the stage's wall time (or another total), as a column; '-' where absent."""
+    whole = stage.get(over, 0.0)
+    return f"{stage[field] / whole * 100:>7.0f}%" if field in stage and whole > 0 else f"{'-':>8}"
 
 
 def wall_seconds(recs: list[Record]) -> float:
@@ -83,7 +83,7 @@ def _stage_table(recs: list[Record], loop: str, wall_s: float) -> list[str]:
     stages = _last_cumulative(recs, loop)
     width = max([len(n) for n in stages] + [len("stage")]) + 2
     head = (f"{'count':>8}{'total s':>10}{'mean ms':>10}{'min ms':>10}{'p95 ms':>10}{'max ms':>10}"
-            f"{'host':>8}{'dev':>8}{'share':>8}")
+            f"{'host':>8}{'dev':>8}{'starved':>8}{'share':>8}")
     lines = [f"    {'stage':<{width}}{head}"]
     for name in in_stage_order(stages):
         count, total = stages[name]["count"], stages[name]["total_s"]
@@ -93,7 +93,8 @@ def _stage_table(recs: list[Record], loop: str, wall_s: float) -> list[str]:
         lines.append(f"    {name:<{width}}{count:>8}{total:>10.2f}{mean_ms:>10.2f}"
                      + (f"{min(mins):>10.2f}" if mins else f"{'-':>10}")
                      + f"{_window_max(recs, loop, name, 'p95_ms'):>10.2f}{_window_max(recs, loop, name, 'max_ms'):>10.2f}"
-                     f"{_ratio(stages[name], 'cpu_s')}{_ratio(stages[name], 'device_s')}{share * 100:>7.1f}%")
+                     f"{_ratio(stages[name], 'cpu_s')}{_ratio(stages[name], 'device_s')}"
+                     f"{_ratio(stages[name], 'starved', over='starts')}{share * 100:>7.1f}%")
     return lines
 
 

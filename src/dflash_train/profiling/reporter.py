@@ -77,7 +77,7 @@ class ProfileReporter:
                 for stage, s in data["stages"].items():
                     self.tb.add_scalar(f"profile/{loop}/{stage}/share", s["share"], step)
                     self.tb.add_scalar(f"profile/{loop}/{stage}/p95_ms", s["p95_ms"], step)
-                    for busy in ("host_busy", "device_busy"):  # the span clocks, where measured
+                    for busy in ("host_busy", "device_busy", "starved_share"):  # the span clocks, where measured
                         if busy in s:
                             self.tb.add_scalar(f"profile/{loop}/{stage}/{busy}", s[busy], step)
                 for name, rate in data["rates"].items():

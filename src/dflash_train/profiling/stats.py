@@ -20,6 +20,12 @@ thread's CPU time (`time.thread_time`, one call per span edge) and, for event sp
 Their ratios tell a launch-bound loop (on-CPU all the time, the GPU keeps pace) from one blocked
 at a sync (neither on-CPU nor running its own GPU work); see verdict.py.
 
+An event span also asks, as it starts, whether its stream has drained (`stream.query()`: every
+kernel queued before has finished, so the GPU sits idle on this stream until the host queues
+more). `SpanClocks.starved` of `starts`: the share of a loop's span starts where the GPU waited
+for the host, the direct sign of a launch-bound loop that neither clock shows (events bracket
+the idle gaps, so device ~ wall; threads sharing the GIL each show a low CPU share).
+
 When profiling is off the loops hold `NULL_PROFILE`, whose methods do nothing: no `if profile`
 checks in the loops, and a disabled span costs one method call and a shared null context.
 """
@@ -43,21 +49,35 @@ _NULL_CONTEXT = contextlib.nullcontext()
 Key = tuple[str, str]  # (loop, stage)
 
 
+def cuda_stream_drained() -> bool:
+    """True when all work queued on this thread's current CUDA stream has finished (the GPU is idle on it).
+
+    cudaStreamQuery: non-blocking, no host sync; a few microseconds of host time per call.
+    """
+    return torch.cuda.current_stream().query()
+
+
 @dataclass(slots=True)
 class SpanClocks:
-    """Sums over one stage's spans: wall and thread-CPU time always, device time only from CUDA events."""
+    """Sums over one stage's spans: wall and thread-CPU time always; from CUDA events only, device
+    time and how many span starts (`starts`) found the stream drained (`starved`)."""
 
     count: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
     device_s: float | None = None
+    starts: int = 0  # event-span starts that queried the stream (0: no event spans, fields absent)
+    starved: int = 0  # of those, the ones that found it drained: the GPU was waiting for the host
 
-    def add(self, wall: float, cpu: float, device: float | None = None) -> None:
+    def add(self, wall: float, cpu: float, device: float | None = None, starved: bool | None = None) -> None:
         self.count += 1
         self.wall_s += wall
         self.cpu_s += cpu
         if device is not None:
             self.device_s = (self.device_s or 0.0) + device
+        if starved is not None:
+            self.starts += 1
+            self.starved += bool(starved)
 
     def merge(self, other: SpanClocks) -> None:
         self.count += other.count
@@ -65,6 +85,8 @@ class SpanClocks:
         self.cpu_s += other.cpu_s
         if other.device_s is not None:
             self.device_s = (self.device_s or 0.0) + other.device_s
+        self.starts += other.starts
+        self.starved += other.starved
 
 
 @dataclass
@@ -113,13 +135,17 @@ class LoopProfile:
     def _event_span(self, key: str, sync: str | None) -> Iterator[None]:
         stats, timer = self._stats, self._stats.device_timer
         t0, c0 = stats.clock(), stats.cpu_clock()
+        # Has the GPU caught up with everything queued before this stage (idle, waiting for the host)?
+        # One non-blocking stream query per span start: microseconds, no host sync. Asked before the
+        # start event is recorded, so that event is not itself the work found pending.
+        starved = stats.stream_drained()
         start = timer.mark()
         try:
             yield
         finally:
             end = timer.mark()
             c1 = stats.cpu_clock()
-            stats._add_events(self.name, key, start, end, (stats.clock() - t0, c1 - c0), sync)
+            stats._add_events(self.name, key, start, end, (stats.clock() - t0, c1 - c0, starved), sync)
 
     def span(self, key: str, device: bool = False, sync: str | None = None):
         """Time the block under `key`; device=True marks GPU work (CUDA events in event mode);
@@ -146,10 +172,14 @@ class ProfileStats:
     def __init__(self, process: str = "main", *, cuda_events: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
                  cpu_clock: Callable[[], float] = time.thread_time,
+                 stream_drained: Callable[[], bool] = cuda_stream_drained,
                  memory_stats: Callable[[], Mapping[str, Any]] | None = None) -> None:
-        """memory_stats: e.g. `lambda: torch.cuda.memory_stats(device)`, sampled once per window
-        (a host-side read of the allocator's counters, no device sync); None = no allocator telemetry."""
+        """stream_drained: asked once per event-span start (event mode on CUDA only), True when the
+        calling thread's stream has no unfinished work; memory_stats: e.g.
+        `lambda: torch.cuda.memory_stats(device)`, sampled once per window (a host-side read of the
+        allocator's counters, no device sync); None = no allocator telemetry."""
         self.process, self.cuda_events, self.clock, self.cpu_clock = process, cuda_events, clock, cpu_clock
+        self.stream_drained = stream_drained
         self.memory_stats = memory_stats
         # event spans: (start, end) event pairs queued in order, resolved when a window is taken
         self.device_timer = DeviceTimer(cuda_events and torch.cuda.is_available())
@@ -186,7 +216,9 @@ class ProfileStats:
             if sync is not None:
                 self.syncs[(loop, key)] = sync
 
-    def _add_events(self, loop: str, key: str, start, end, host: tuple[float, float], sync: str | None) -> None:
+    def _add_events(self, loop: str, key: str, start, end, host: tuple[float, float, bool],
+                    sync: str | None) -> None:
+        """host: the span's wall and CPU seconds and whether its start found the stream drained."""
         with self._lock:  # under the lock: a window taken now holds the span or the next one does
             self.device_timer.add(start, end, ((loop, key), *host))
             if sync is not None:
@@ -209,9 +241,9 @@ class ProfileStats:
             pending = self.device_timer.detach()  # this window's event spans; later ones queue anew
             self._reset(now)
         # Waiting here blocks only this (reporter) thread, never the streams the loops feed.
-        for device, (key, wall, cpu) in pending.resolve():
+        for device, (key, wall, cpu, starved) in pending.resolve():
             durations[key].append(device)  # event spans report device time, as before the clocks
-            clocks[key].add(wall, cpu, device)
+            clocks[key].add(wall, cpu, device, starved)
         for k, values in durations.items():
             acc = self.cumulative_durations[k]
             acc[0] += len(values)

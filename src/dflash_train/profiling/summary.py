@@ -9,11 +9,13 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
                                              # spans only (not add()ed waits): the three clocks
                                              "wall_s", "cpu_s", "host_busy",
                                              "device_s", "device_busy",   # CUDA-event spans only
+                                             "starts", "starved", "starved_share",  # CUDA-event spans only
                                              "sync"}},                    # if the span declared one
                         "counters": {<name>: <window sum>}, "rates": {<name>_per_s: <sum / window_s>},
                         "gauges": {<name>: {"mean", "max", "last"}},
                         "cumulative": {"stages": {<stage>: {"count", "total_s",
-                                                            "wall_s", "cpu_s", "device_s"}},  # clocks as above
+                                                            "wall_s", "cpu_s", "device_s",
+                                                            "starts", "starved"}},  # clocks as above
                                        "counters": {...}}}},
      "allocator": {...},   # CUDA only: allocator telemetry of the window, schema in allocator.py
      "verdict": {"kind": "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound" | "allocator-churn"
@@ -27,7 +29,9 @@ and wall time otherwise (as before the clocks existed); `wall_s` is always wall 
 `host_busy` = cpu_s / wall_s: the stage's thread was on a CPU (running Python, launching
 kernels, or spin-waiting in a CUDA sync). `device_busy` = device_s / wall_s: above 1 the GPU ran
 behind the host (work queued up), about 1 it kept pace with the host, well below 1 the span
-waited for something other than its own GPU work.
+waited for something other than its own GPU work. `starts` counts the stage's event spans,
+`starved` those whose start found their stream drained (all work queued before had finished: the
+GPU was idle, waiting for the host to queue this stage); `starved_share` = starved / starts.
 """
 
 from __future__ import annotations
@@ -76,10 +80,12 @@ def stage_stats(values: list[float], window_s: float) -> dict[str, float]:
 
 
 def clock_totals(c: SpanClocks) -> dict[str, float]:
-    """The clock sums of a stage's spans (device_s only where CUDA events timed them)."""
-    out = {"wall_s": float(c.wall_s), "cpu_s": float(c.cpu_s)}
+    """The clock sums of a stage's spans (device_s, starts and starved only where CUDA events timed them)."""
+    out: dict[str, Any] = {"wall_s": float(c.wall_s), "cpu_s": float(c.cpu_s)}
     if c.device_s is not None:
         out["device_s"] = float(c.device_s)
+    if c.starts:
+        out["starts"], out["starved"] = c.starts, c.starved
     return out
 
 
@@ -89,6 +95,8 @@ def clock_stats(c: SpanClocks, sync: str | None = None) -> dict[str, Any]:
     out["host_busy"] = c.cpu_s / c.wall_s if c.wall_s > 0 else 0.0
     if c.device_s is not None:
         out["device_busy"] = c.device_s / c.wall_s if c.wall_s > 0 else 0.0
+    if c.starts:
+        out["starved_share"] = c.starved / c.starts
     if sync is not None:
         out["sync"] = sync
     return out
@@ -133,9 +141,9 @@ def window_record(stats: ProfileStats, window: Window) -> dict[str, Any]:
     return record
 
 
-def _pct(s: dict[str, Any], field: str) -> str:
+def _pct(s: dict[str, Any], field: str, width: int = 7) -> str:
     """A busy ratio as a percentage column; '-' where that clock is absent (waits, no CUDA events)."""
-    return f"{s[field] * 100:>6.0f}%" if field in s else f"{'-':>7}"
+    return f"{s[field] * 100:>{width - 1}.0f}%" if field in s else f"{'-':>{width}}"
 
 
 def format_record(record: dict[str, Any], limit: int | None = None) -> str:
@@ -144,14 +152,15 @@ def format_record(record: dict[str, Any], limit: int | None = None) -> str:
             f"elapsed {record['elapsed_s']:.0f} s")
     lines = [head]
     cols = (f"{'stage':<22}{'count':>7}{'mean ms':>10}{'p50 ms':>10}{'min ms':>10}{'p95 ms':>10}{'max ms':>10}"
-            f"{'total s':>9}{'share':>7}{'host':>7}{'dev':>7}")
+            f"{'total s':>9}{'share':>7}{'host':>7}{'dev':>7}{'starved':>8}")
     for loop, data in record["loops"].items():
         lines.append(f"  [{loop}] {cols}")
         stages = list(data["stages"].items())
         for name, s in stages[:limit] if limit else stages:
             lines.append(f"  {'':<{len(loop) + 3}}{name:<22}{s['count']:>7}{s['mean_ms']:>10.2f}{s['p50_ms']:>10.2f}"
                          f"{s.get('min_ms', 0.0):>10.2f}{s['p95_ms']:>10.2f}{s['max_ms']:>10.2f}{s['total_s']:>9.2f}"
-                         f"{s['share'] * 100:>6.1f}%{_pct(s, 'host_busy')}{_pct(s, 'device_busy')}")
+                         f"{s['share'] * 100:>6.1f}%{_pct(s, 'host_busy')}{_pct(s, 'device_busy')}"
+                         f"{_pct(s, 'starved_share', 8)}")
         extras = [f"{k} {v:,.0f}" for k, v in data["rates"].items()]
         extras += [f"{k} mean {g['mean']:.1f} max {g['max']:.0f}" for k, g in data["gauges"].items()]
         if extras:

@@ -14,8 +14,10 @@ A loop that waits is not the bottleneck; the role it waits on is. The rules, che
     sync-bound     a stage is blocked (wall time neither on a CPU nor covered by its own device
                    time) for >= SYNC of the window, wall >= SYNC_RATIO x max(CPU, device), and the
                    block is not the loop's own queued GPU work surfacing (see _sync_bound).
-    launch-bound   a loop's GPU stages take >= WAIT of the window, their thread is on-CPU for
-                   >= HOST_BUSY of their wall time and the GPU keeps pace (see _launch_bound).
+    launch-bound   a loop's GPU stages take >= WAIT of the window, the GPU keeps pace and either its
+                   event spans found their stream drained (the GPU idle, waiting for the host) at
+                   >= STARVED of their starts, nested spans included, or their thread is on-CPU for
+                   >= HOST_BUSY of their wall time (see _launch_bound).
     balanced       none of the above: both roles are busy computing.
     idle           the window holds no timed stages.
 
@@ -41,6 +43,7 @@ SYNC = 0.25  # blocked share of the window that makes a stage the verdict
 SYNC_RATIO = 2.0  # "well above": wall at least twice the larger of CPU and device time
 HOST_BUSY = 0.8  # thread CPU / wall at or above this is "CPU ~ wall"
 KEEPS_PACE = 0.1  # device work queued behind the host, as a share of the GPU stages' wall, below this
+STARVED = 0.5  # share of a loop's event-span starts that found the stream drained: the GPU waits for the host
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,25 @@ def _sync_bound(record: dict[str, Any]) -> Verdict | None:
                                  "or do it only on logging steps")
 
 
+def _starved(stages: dict[str, Any]) -> tuple[int, int]:
+    """(starved, starts) over all of a loop's event spans, nested ones included.
+
+    A loop with one host sync per step drains its stream once a step: only the step's first span
+    (and a span nested at its very start) starts on an idle GPU. A launch-bound loop finds the
+    stream drained at most span starts, the nested ones too.
+    """
+    return (sum(s.get("starved", 0) for s in stages.values()), sum(s.get("starts", 0) for s in stages.values()))
+
+
+def _host_cpu(record: dict[str, Any]) -> float:
+    """The thread CPU seconds of all the process's loops together (top-level spans: nested ones are inside)."""
+    return sum(s.get("cpu_s", 0.0) for data in record["loops"].values()
+               for n, s in data.get("stages", {}).items() if "." not in n)
+
+
+LAUNCH_ADVICE = " — use CUDA graphs / torch.compile (mode='reduce-overhead') or bigger batches (--token-budget)"
+
+
 def _launch_bound(record: dict[str, Any]) -> Verdict | None:
     window = record.get("window_s", 0.0)
     for loop, data in record["loops"].items():
@@ -114,12 +136,24 @@ def _launch_bound(record: dict[str, Any]) -> Verdict | None:
             continue
         # The GPU keeps pace: little work queued behind the host, and its clock is not far below the
         # stages' wall time (that would be spans blocked on something else: the sync rule's case).
+        # A GPU-bound loop whose step drains the stream once (a pageable copy, an .item()) fails
+        # this: its GPU runs far behind the host within the step, though its first span starts idle.
         paced = _backlog(data["stages"]) <= KEEPS_PACE * wall and device * SYNC_RATIO >= wall
+        starved, starts = _starved(data["stages"])
+        if paced and starts and starved >= STARVED * starts:
+            # The direct signal: the GPU had finished everything queued when the host got to the next
+            # stage. It holds whatever the thread's CPU share (threads sharing the GIL each show a low one).
+            combined = _host_cpu(record) / window
+            gil = (f"; the process's loops are on-CPU {combined:.0%} of the window together: they contend for "
+                   "the GIL/host" if combined >= HOST_BUSY else "")
+            return Verdict("launch-bound", f"launch-bound: {loop} GPU spans found the stream drained (the GPU idle, "
+                                           f"waiting for the host) at {starved / starts:.0%} of {starts} starts; "
+                                           f"its thread is on-CPU {cpu / wall:.0%} of its GPU stages' wall time"
+                                           f"{gil}" + LAUNCH_ADVICE)
         if cpu >= HOST_BUSY * wall and paced:
             return Verdict("launch-bound", f"launch-bound: {loop} thread is on-CPU {cpu / wall:.0%} of its GPU "
                                            f"stages' wall time and the GPU only keeps pace (device {device / wall:.0%}"
-                                           " of wall) — use CUDA graphs / torch.compile (mode='reduce-overhead') "
-                                           "or bigger batches (--token-budget)")
+                                           " of wall)" + LAUNCH_ADVICE)
     return None
 
 
