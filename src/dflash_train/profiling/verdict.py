@@ -127,9 +127,12 @@ def _host_cpu(record: dict[str, Any]) -> float:
 LAUNCH_ADVICE = " — use CUDA graphs / torch.compile (mode='reduce-overhead') or bigger batches (--token-budget)"
 
 
-def _launch_bound(record: dict[str, Any]) -> Verdict | None:
+def _launch_bound(record: dict[str, Any], only: str | None = None) -> Verdict | None:
+    """The first loop (or loop `only`) that is launch-bound."""
     window = record.get("window_s", 0.0)
     for loop, data in record["loops"].items():
+        if only is not None and loop != only:
+            continue
         gpu = [s for n, s in data.get("stages", {}).items() if "." not in n and "device_s" in s]
         wall, cpu, device = (sum(s[k] for s in gpu) for k in ("wall_s", "cpu_s", "device_s"))
         if window <= 0 or wall < WAIT * window:
@@ -168,6 +171,14 @@ def _allocator_churn(record: dict[str, Any]) -> Verdict | None:
                                       "or lower --token-budget / --num-anchors")
 
 
+def _why(record: dict[str, Any], loop: str, role: Verdict) -> Verdict:
+    """A role verdict, with the reason when the limiting loop is itself launch-bound (then more devices
+    help less than fewer launches: 2026-12-01, SmolLM2 at 512-token packs, the target loop's spans
+    started on a drained stream every time)."""
+    found = _launch_bound(record, only=loop)
+    return role if found is None else Verdict(role.kind, f"{role.message}; the {loop} loop is itself {found.message}")
+
+
 def verdict(record: dict[str, Any]) -> Verdict:
     loops = record["loops"]
     if not any(data["stages"] for data in loops.values()):
@@ -180,11 +191,11 @@ def verdict(record: dict[str, Any]) -> Verdict:
         return Verdict("input-bound", f"input-bound: target workers wait {waits_in:.0%} for batches "
                                       "— raise --queue-depth or use shorter packing (--token-budget)")
     if waits_full >= WAIT:
-        return Verdict("drafter-bound", f"drafter-bound: target workers wait {waits_full:.0%} on a full hs_queue "
-                                        "— add drafter devices or cut anchors (--num-anchors)")
+        return _why(record, "drafter", Verdict("drafter-bound", f"drafter-bound: target workers wait {waits_full:.0%} "
+                                               "on a full hs_queue — add drafter devices or cut anchors (--num-anchors)"))
     if waits_empty >= WAIT:
-        return Verdict("target-bound", f"target-bound: drafters wait {waits_empty:.0%} on an empty hs_queue "
-                                       "— add target devices or shorten --token-budget")
+        return _why(record, "target", Verdict("target-bound", f"target-bound: drafters wait {waits_empty:.0%} on an "
+                                              "empty hs_queue — add target devices or shorten --token-budget"))
     if handoff >= HANDOFF:
         return Verdict("handoff-bound", f"handoff-bound: moving features takes {handoff:.0%} of a loop "
                                         "— put target and drafter on one host/GPU or cut --num-features")
