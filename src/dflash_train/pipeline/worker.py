@@ -42,8 +42,6 @@ from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetFo
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 
-FAULT_ENV = FAULT.name  # testing aid: "target:P" / "drafter:P" raises at pack P in that role
-
 
 @dataclass
 class WorkerSpec:
@@ -121,7 +119,7 @@ def _fault(role: str):
 
     def check(pack: Pack) -> None:
         if pack.index == at_pack:
-            raise RuntimeError(f"injected fault in the {role} loop at pack {at_pack} ({FAULT_ENV})")
+            raise RuntimeError(f"injected fault in the {role} loop at pack {at_pack} ({FAULT.name})")
     return check
 
 

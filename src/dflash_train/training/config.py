@@ -27,97 +27,96 @@ from dflash_train.profiling.session import ProfilingConfig
 from dflash_train.profiling.tools import parse_steps
 
 
-_opt = opt
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     # --- run -------------------------------------------------------------------------
-    run_dir: str = _opt("runs/default", "run directory: data cache, checkpoints, metrics, exported drafter")
-    target: str = _opt("smollm2-135m", "target spec (see `dflash-train eval --help`)")
-    device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
+    run_dir: str = opt("runs/default", "run directory: data cache, checkpoints, metrics, exported drafter")
+    target: str = opt("smollm2-135m", "target spec (see `dflash-train eval --help`)")
+    device: str = opt("auto", "cpu, cuda, cuda:N or auto")
     seed: int = knob_field(SEED, help="seed for the drafter init, data order and anchors")
     # --- data ------------------------------------------------------------------------
-    data: str = _opt("sharegpt", "conversations: sharegpt (embedded, train split) or a .json/.jsonl file")
-    num_conversations: int = _opt(160, "conversations to use from --data (0 = all)")
-    data_topic: Literal["code", "any"] = _opt("code", "keep only conversations whose first prompt is about: code | any "
-                           "(the embedded default evaluates on HumanEval, so it trains on ShareGPT's coding slice)")
-    regenerate: bool = _opt(True, "let the target rewrite the assistant turns (cached in RUN_DIR/regenerated.jsonl)")
+    data: str = opt("sharegpt", "conversations: sharegpt (embedded, train split) or a .json/.jsonl file")
+    num_conversations: int = opt(160, "conversations to use from --data (0 = all)")
+    data_topic: Literal["code", "any"] = opt("code", "keep only conversations whose first prompt is about: code | any "
+                          "(the embedded default evaluates on HumanEval, so it trains on ShareGPT's coding slice)")
+    regenerate: bool = opt(True, "let the target rewrite the assistant turns (cached in RUN_DIR/regenerated.jsonl)")
     regen_max_new_tokens: int = knob_field(REGEN_MAX_NEW_TOKENS)
-    regen_temperature: float = _opt(0.0, "sampling temperature of regeneration (0 = greedy)")
-    regen_batch_size: int = _opt(32, "conversations per regeneration batch")
-    regen_max_turns: int = _opt(1, "assistant turns regenerated per conversation")
-    regen_samples: int = _opt(1, "replies sampled per conversation (> 1 needs --regen-temperature > 0)")
-    regen_max_prompt_tokens: int = _opt(256, "skip conversations whose first prompt is longer (prefill cost)")
-    regen_server: str | None = _opt(None, "regenerate through this OpenAI-compatible server (vLLM, SGLang, llama.cpp; "
-                                    "base URL) instead of in-process; see `dflash-train regenerate --help`")
-    regen_model: str | None = _opt(None, "model name on --regen-server (default: the only one it serves)")
-    regen_concurrency: int = _opt(64, "requests in flight to --regen-server")
-    regen_api_key_env: str | None = _opt(None, "environment variable holding --regen-server's API key")
-    labels: Literal["data", "target"] = _opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
-                       "the true prefix, one teacher-forced forward per sequence; cached as labels.npy in the data)")
-    max_length: int = _opt(512, "tokens per training sequence (longer ones are truncated)")
-    on_bad: Literal["error", "skip"] = _opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
+    regen_temperature: float = opt(0.0, "sampling temperature of regeneration (0 = greedy)")
+    regen_batch_size: int = opt(32, "conversations per regeneration batch")
+    regen_max_turns: int = opt(1, "assistant turns regenerated per conversation")
+    regen_samples: int = opt(1, "replies sampled per conversation (> 1 needs --regen-temperature > 0)")
+    regen_max_prompt_tokens: int = opt(256, "skip conversations whose first prompt is longer (prefill cost)")
+    regen_server: str | None = opt(None, "regenerate through this OpenAI-compatible server (vLLM, SGLang, llama.cpp; "
+                                   "base URL) instead of in-process; see `dflash-train regenerate --help`")
+    regen_model: str | None = opt(None, "model name on --regen-server (default: the only one it serves)")
+    regen_concurrency: int = opt(64, "requests in flight to --regen-server")
+    regen_api_key_env: str | None = opt(None, "environment variable holding --regen-server's API key")
+    labels: Literal["data", "target"] = opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
+                      "the true prefix, one teacher-forced forward per sequence; cached as labels.npy in the data)")
+    max_length: int = opt(512, "tokens per training sequence (longer ones are truncated)")
+    on_bad: Literal["error", "skip"] = opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
     # --- drafter ---------------------------------------------------------------------
     num_layers: int = knob_field(NUM_LAYERS)
     block_size: int = knob_field(BLOCK_SIZE)
-    num_features: int | None = _opt(None, "target feature layers (default 5, fewer for shallow targets)")
-    init_drafter: str | None = _opt(None, "start from this drafter directory instead of a fresh init")
-    init_from_target: bool = _opt(True, "initialise the draft layers from the target's last layers and final norm "
-                                  "(else random); needs matching shapes")
-    sliding_layers: int = _opt(1, "draft layers (the first ones) with sliding-window attention")
-    sliding_window: int | None = _opt(16, "window of the sliding-window draft layers")
+    num_features: int | None = opt(None, "target feature layers (default 5, fewer for shallow targets)")
+    init_drafter: str | None = opt(None, "start from this drafter directory instead of a fresh init")
+    init_from_target: bool = opt(True, "initialise the draft layers from the target's last layers and final norm "
+                                 "(else random); needs matching shapes")
+    sliding_layers: int = opt(1, "draft layers (the first ones) with sliding-window attention")
+    sliding_window: int | None = opt(16, "window of the sliding-window draft layers")
     # --- objective -------------------------------------------------------------------
     num_anchors: int = knob_field(NUM_ANCHORS)
     gamma: float | None = knob_field(GAMMA)
     attention: AttentionBackend = knob_field(ATTENTION)
     loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
     kd_weight: float = knob_field(KD_WEIGHT)
-    token_budget: int = _opt(512, "context tokens packed into one step")
-    cache_features: bool | None = _opt(None, "compute each sequence's target features once and keep them in the "
-                                       "target's device memory (tokens x features x hidden x 2 bytes on a GPU), so the "
-                                       "target runs only in the first epoch (default: on for CPU)")
+    token_budget: int = opt(512, "context tokens packed into one step")
+    cache_features: bool | None = opt(None, "compute each sequence's target features once and keep them in the "
+                                      "target's device memory (tokens x features x hidden x 2 bytes on a GPU), so the "
+                                      "target runs only in the first epoch (default: on for CPU)")
     # --- optimisation ----------------------------------------------------------------
-    lr: float = _opt(3e-3, "peak learning rate (AdamW; the paper recipe's 6e-4 suits long GPU runs)")
-    warmup_ratio: float = _opt(0.04, "fraction of steps of linear warm-up before the cosine decay")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    grad_clip: float = _opt(1.0, "gradient-norm clip (0 = off)")
-    epochs: float = _opt(5.0, "passes over the data (ignored when --max-steps > 0)")
-    max_steps: int = _opt(0, "optimizer steps (0 = derive from --epochs)")
-    grad_accum: int = _opt(1, "packs per drafter worker per optimizer step (gradient accumulation)")
-    compile_target: bool = _opt(False, "torch.compile the target's decoder layers for the feature forwards "
-                                "(one graph for all layers, compiled once per run)")
+    lr: float = opt(3e-3, "peak learning rate (AdamW; the paper recipe's 6e-4 suits long GPU runs)")
+    warmup_ratio: float = opt(0.04, "fraction of steps of linear warm-up before the cosine decay")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "gradient-norm clip (0 = off)")
+    epochs: float = opt(5.0, "passes over the data (ignored when --max-steps > 0)")
+    max_steps: int = opt(0, "optimizer steps (0 = derive from --epochs)")
+    grad_accum: int = opt(1, "packs per drafter worker per optimizer step (gradient accumulation)")
+    compile_target: bool = opt(False, "torch.compile the target's decoder layers for the feature forwards "
+                               "(one graph for all layers, compiled once per run)")
     # --- pipeline --------------------------------------------------------------------
-    target_devices: str | None = _opt(None, "devices of the target workers, comma-separated (e.g. cuda:0); "
-                                      "with --drafter-devices: one process per device")
-    drafter_devices: str | None = _opt(None, "devices of the drafter workers, comma-separated (e.g. cuda:1,cuda:2); "
-                                       "several = data parallel; the same list as --target-devices = a target and a "
-                                       "drafter on every device (whole pipelines, data parallel)")
-    overlap: bool | None = _opt(None, "a device holding both roles: run the target on its own thread and CUDA stream so its forwards "
-                                "fill the drafter's gaps (default: on for CUDA, off for CPU)")
-    queue_depth: int = _opt(4, "depth of the batch queue and of the feature (hs) queue")
-    peer_timeout: float = _opt(600.0, "seconds without progress before a worker is reported stuck")
-    dist_port: int = _opt(0, "TCP port of the torch.distributed rendezvous on this host (0 = a free one)")
+    target_devices: str | None = opt(None, "devices of the target workers, comma-separated (e.g. cuda:0); "
+                                     "with --drafter-devices: one process per device")
+    drafter_devices: str | None = opt(None, "devices of the drafter workers, comma-separated (e.g. cuda:1,cuda:2); "
+                                      "several = data parallel; the same list as --target-devices = a target and a "
+                                      "drafter on every device (whole pipelines, data parallel)")
+    overlap: bool | None = opt(None, "a device holding both roles: run the target on its own thread and CUDA stream so its forwards "
+                               "fill the drafter's gaps (default: on for CUDA, off for CPU)")
+    queue_depth: int = opt(4, "depth of the batch queue and of the feature (hs) queue")
+    peer_timeout: float = opt(600.0, "seconds without progress before a worker is reported stuck")
+    dist_port: int = opt(0, "TCP port of the torch.distributed rendezvous on this host (0 = a free one)")
     # --- profiling -------------------------------------------------------------------
     profile_interval: float | None = dataclasses.field(  # the environment's default, read when the config is built
         default_factory=PROFILE_INTERVAL_ENV.seconds,
         metadata={"help": f"seconds between profile summaries, 0 = off (default ${PROFILE_INTERVAL_ENV.name}; unset = off)"})
-    profile_cuda_events: bool = _opt(False, "time GPU stages with CUDA events (device time, resolved lazily) "
-                                     "instead of host wall clock")
-    torch_profile: str | None = _opt(None, "START:END steps to record with torch.profiler (a Chrome trace per process "
-                                     "in RUN_DIR/traces)")
-    memory_history: int = _opt(0, "CUDA: keep the last N allocator events with their Python stacks from the start, so the "
-                               "out-of-memory snapshot (RUN_DIR/oom-<process>.pickle) shows what allocated each block; "
-                               "costs ~2 us of host time per allocation and free and a few KB of host memory per "
-                               "entry (100000: a few hundred MB); 0 = off")
+    profile_cuda_events: bool = opt(False, "time GPU stages with CUDA events (device time, resolved lazily) "
+                                    "instead of host wall clock")
+    torch_profile: str | None = opt(None, "START:END steps to record with torch.profiler (a Chrome trace per process "
+                                    "in RUN_DIR/traces)")
+    memory_history: int = opt(0, "CUDA: keep the last N allocator events with their Python stacks from the start, so the "
+                              "out-of-memory snapshot (RUN_DIR/oom-<process>.pickle) shows what allocated each block; "
+                              "costs ~2 us of host time per allocation and free and a few KB of host memory per "
+                              "entry (100000: a few hundred MB); 0 = off")
     # --- logging and checkpoints -----------------------------------------------------
-    log_every: int = _opt(10, "steps between metric records")
-    checkpoint_every: int = _opt(100, "steps between checkpoints (0 = only at the end)")
-    keep_checkpoints: int = _opt(2, "checkpoints kept in RUN_DIR/checkpoints")
-    export_dtype: Literal["float32", "bfloat16"] = _opt("float32", "dtype of the exported drafter (float32 | bfloat16)")
+    log_every: int = opt(10, "steps between metric records")
+    checkpoint_every: int = opt(100, "steps between checkpoints (0 = only at the end)")
+    keep_checkpoints: int = opt(2, "checkpoints kept in RUN_DIR/checkpoints")
+    export_dtype: Literal["float32", "bfloat16"] = opt("float32", "dtype of the exported drafter (float32 | bfloat16)")
     # --- evaluation ------------------------------------------------------------------
-    eval_dataset: str = _opt("humaneval", "prompts for the before/after tau (humaneval, mtbench, sharegpt, file)")
-    eval_limit: int = _opt(4, "prompts evaluated before and after training (0 = skip)")
+    eval_dataset: str = opt("humaneval", "prompts for the before/after tau (humaneval, mtbench, sharegpt, file)")
+    eval_limit: int = opt(4, "prompts evaluated before and after training (0 = skip)")
     eval_max_new_tokens: int = knob_field(EVAL_MAX_NEW_TOKENS)
 
     def __post_init__(self) -> None:
