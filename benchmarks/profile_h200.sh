@@ -29,7 +29,7 @@
 # Still compiled in a, b, c: FlexAttention and the LM-head loss chunks (no eager switch; eager
 # FlexAttention is a CPU reference). The plants: benchmarks/planted.py (patched in-process).
 # Knobs (environment): DEVICE TARGET CONFIG CONVS TRAIN_SECONDS WARM_SECONDS INTERVAL MAX_STEPS
-# TRAIN_FLAGS (appended to every train) PLANT_B PLANT_C BENCH_FLAGS SKIP_BENCH=1. The plumbing on a
+# TRAIN_FLAGS (appended to every train) PLANT_B PLANT_C BENCH_FLAGS SKIP_BENCH=1 RUNS (default 'a b c d'). The plumbing on a
 # CPU (2 minutes; without CUDA the sync plant is a 20 ms sleep; OMP_NUM_THREADS=1 on a busy host):
 #   OMP_NUM_THREADS=1 DEVICE=cpu TARGET=random:tiny CONVS=200 TRAIN_SECONDS=15 WARM_SECONDS=1 INTERVAL=2 \
 #   TRAIN_FLAGS="--token-budget 512 --max-length 128 --num-anchors 8 --num-layers 1" \
@@ -88,10 +88,11 @@ data=$(ls -d "$out"/warm/data-*/ 2>/dev/null | head -1)
 data_flag=()
 [ -n "$data" ] && [ -f "$data/meta.json" ] && data_flag=(--data "${data%/}")  # else each run prepares its own
 export TRAIN_SECONDS
-step a 180 train "$out/a" "${data_flag[@]}"
-PLANT=$PLANT_B step b 180 train "$out/b" "${data_flag[@]}"
-PLANT=$PLANT_C step c 180 train "$out/c" "${data_flag[@]}"
-step d 180 train "$out/d" "${data_flag[@]}" --token-budget "${SMALL_BUDGET:-2048}"
+runs=" ${RUNS:-a b c d} "  # e.g. RUNS=d: the small-pack run alone (compares of missing runs print no output)
+[[ $runs == *" a "* ]] && step a 180 train "$out/a" "${data_flag[@]}"
+[[ $runs == *" b "* ]] && PLANT=$PLANT_B step b 180 train "$out/b" "${data_flag[@]}"
+[[ $runs == *" c "* ]] && PLANT=$PLANT_C step c 180 train "$out/c" "${data_flag[@]}"
+[[ $runs == *" d "* ]] && step d 180 train "$out/d" "${data_flag[@]}" --token-budget "${SMALL_BUDGET:-2048}"
 
 # profile-report of a, b, c and --compare a->b, a->c, as recorded and on two views (benchmarks/profile_h200.py)
 step reports 150 python3 benchmarks/profile_h200.py reports "$out"

@@ -166,6 +166,23 @@ def test_multi_turn_conditions_on_regenerated_history(tiny_target, tmp_path):
     assert c0["regenerated_by"] == "random:tiny" and c0["max_new_tokens"] == NEW and c0["temperature"] == 0.0
 
 
+def test_a_turn_whose_prompt_reaches_max_context_ends_the_conversation(tiny_target, tmp_path):
+    convs = [Conversation("c0", [user("first"), asst("orig 1"), user("second " * 40), asst("orig 2"),
+                                 user("third"), asst("orig 3")]),
+             Conversation("c1", [user("one"), asst("o1"), user("two"), asst("o2")])]
+    # room for c1's second prompt, not for c0's (its second user turn alone is ~40 tokens)
+    second = tiny_target.render_chat([user("one"), asst("x" * NEW), user("two")])
+    cfg = RegenConfig(max_new_tokens=NEW, max_context=len(second) + NEW)
+    report = regenerate(tiny_target, convs, tmp_path / "r.jsonl", cfg, progress=False)
+    c0, c1 = read_lines(tmp_path / "r.jsonl")
+    assert [m["role"] for m in c0["messages"]] == ["user", "assistant"]  # the long user turn is dropped
+    assert [m["role"] for m in c1["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert (report.turns, report.context_cut) == (3, 1)
+    assert "1 conversations ended where the next prompt reached --max-context" in report.summary()
+    with pytest.raises(UsageError, match="^--max-context must be >= 2"):
+        RegenConfig(max_context=1)
+
+
 def test_sampling_is_seeded(tiny_target, tmp_path):
     convs = conversations(1)
     runs = []

@@ -48,6 +48,7 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool) -
     # the sample count joins the keys only when > 1, so the caches of earlier runs stay valid
     regen_key = (cfg.regen_max_new_tokens, cfg.regen_temperature, cfg.regen_max_turns,
                  *([cfg.regen_samples] if cfg.regen_samples > 1 else []),
+                 *([cfg.max_length] if cfg.regen_max_turns != 1 else []),  # later turns stop at the window
                  *([cfg.regen_server, cfg.regen_model] if cfg.regen_server else []))  # old cache keys unchanged
     data_dir = run_dir / f"data-{_key(src_key, cfg.regenerate, *regen_key, cfg.max_length)}"
     if (data_dir / "meta.json").is_file():
@@ -64,7 +65,7 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool) -
         regen_path = run_dir / f"regenerated-{_key(src_key, *regen_key)}.jsonl"
         regen_cfg = RegenConfig(max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
                                 batch_size=cfg.regen_batch_size, max_turns=cfg.regen_max_turns, seed=cfg.seed,
-                                samples=cfg.regen_samples)
+                                samples=cfg.regen_samples, max_context=cfg.max_length)
         rep = _regenerate(cfg, target, convs, regen_path, regen_cfg, progress)
         say(f"regenerate: {rep.summary()}")
         convs = read_regenerated(regen_path, sample_ids([c.id for c in convs], cfg.regen_samples))

@@ -47,6 +47,11 @@ class RegenConfig:
     """Seeds torch's generator for sampling, or the per-request seeds sent to a server (--seed)."""
     samples: int = 1
     """Replies sampled per conversation; > 1 needs temperature > 0 (--samples)."""
+    max_context: int | None = None
+    """In-process only: a later turn whose prompt (the history so far plus its user turn) has this many
+    tokens or more is not regenerated, and the conversation ends at the reply before it; None = no
+    limit (--max-context). The train job passes --max-length: tokens past it are never trained on,
+    and one long history would widen its whole batch's KV cache."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -58,6 +63,8 @@ class RegenConfig:
             raise UsageError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.samples < 1:
             raise UsageError(f"--samples must be >= 1, got {self.samples}")
+        if self.max_context is not None and self.max_context < 2:
+            raise UsageError(f"--max-context must be >= 2, got {self.max_context}")
         if self.samples > 1 and self.temperature == 0:
             raise UsageError(f"--samples {self.samples} needs a temperature > 0 (at T=0 every sample is the same)")
 
@@ -77,6 +84,8 @@ class RegenReport:
     """Assistant turns generated."""
     empty_replies: int = 0
     """Turns whose text is empty or whitespace (the target stopped at once)."""
+    context_cut: int = 0
+    """Conversations ended before a turn whose prompt reached max_context."""
     duplicate_ids: int = 0
     """Input conversations skipped because an earlier one in the same input had their id."""
     requests: int = 0
@@ -99,6 +108,8 @@ class RegenReport:
             text += f"; {self.failed} conversations failed (not written; a rerun retries them)"
         if self.empty_replies:
             text += f"; {self.empty_replies} empty replies"
+        if self.context_cut:
+            text += f"; {self.context_cut} conversations ended where the next prompt reached --max-context"
         if self.duplicate_ids:
             text += f"; skipped {self.duplicate_ids} conversations with a repeated id"
         return text

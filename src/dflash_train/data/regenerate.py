@@ -14,8 +14,10 @@ Conditioning on the target's own earlier replies (not the originals) keeps every
 context on the target's distribution, which is what it will see when the drafter serves it.
 The cost is that turn k needs turn k-1 first, so turns are generated in rounds: a batch of
 conversations does its first turn in one batched decode, then its second turn for the
-conversations that have one, and so on. `--max-turns` caps the rounds; a conversation is cut
-after its last regenerated reply, and user turns left without a reply are dropped.
+conversations that have one, and so on. `--max-turns` caps the rounds, and `--max-context` stops
+a conversation before a turn whose prompt would reach that many tokens (the train job's window);
+a conversation is cut after its last regenerated reply, and user turns left without a reply are
+dropped.
 
 Where the target replies: wherever the original has an assistant turn after at least one user
 turn (a run of consecutive assistant turns counts once), and at the end when the conversation
@@ -114,10 +116,21 @@ def _record(job: _Job, header: dict) -> dict:
 def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport) -> None:
     """Fill every job's history, one batched decode per turn index."""
     for k in range(max(len(j.segments) for j in jobs)):
-        active = [j for j in jobs if k < len(j.segments)]
-        for job in active:
+        active, prompts = [], []
+        for job in jobs:
+            if k >= len(job.segments):
+                continue
+            prompt = target.render_chat(job.history + job.segments[k])
+            if k and cfg.max_context is not None and len(prompt) >= cfg.max_context:
+                del job.segments[k:]  # the conversation ends at its last reply (its user turn is dropped)
+                report.context_cut += 1
+                continue
             job.history.extend(job.segments[k])
-        replies = _generate(target, [target.render_chat(j.history) for j in active], cfg, stops)
+            active.append(job)
+            prompts.append(prompt)
+        if not active:
+            break
+        replies = _generate(target, prompts, cfg, stops)
         for job, reply in zip(active, replies, strict=True):
             job.history.append({"role": "assistant", "content": reply.text})
             report.turns += 1
