@@ -250,6 +250,7 @@ def test_a_users_file_is_used_whole_and_sharegpt_counts_its_held_out_slice(tmp_p
     out = capsys.readouterr().out
     kept = json.loads((tmp_path / "train" / "meta.json").read_text())["sequences"]
     assert 180 < kept < 200 and f"left out {200 - kept}: {200 - kept} held out for evaluation" in out
+    assert f"{kept} conversations used of 200 read" in out  # the held-out slice is not subtracted twice
 
 
 def test_prepare_and_regenerate_commands(tmp_path, capsys):

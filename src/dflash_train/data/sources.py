@@ -47,8 +47,12 @@ class SourceReport:
             self.examples.append(f"{where}: {reason}")
 
     def drop(self, reason: str) -> None:
-        """A usable record that a selection rule leaves out (counted apart from bad records)."""
+        """A used record that a later selection rule leaves out (counted apart from bad records)."""
         self.used -= 1
+        self.leave_out(reason)
+
+    def leave_out(self, reason: str) -> None:
+        """A record left out before it was counted as used (the held-out split)."""
         self.filtered[reason] = self.filtered.get(reason, 0) + 1
 
     def summary(self) -> str:
@@ -82,7 +86,7 @@ def iter_conversations(source: str, *, split: str = "all", on_bad: str = "error"
             return
         report.read += 1
         if split != "all" and sharegpt.is_held_out(conv_id) != (split == "held-out"):
-            report.drop("held out for evaluation" if split == "train" else "in the train split")
+            report.leave_out("held out for evaluation" if split == "train" else "in the train split")
             continue
         try:
             if isinstance(record, BadRecord):
