@@ -103,10 +103,11 @@ def reports(out: Path) -> int:
         write_views(out)
     except Exception:  # noqa: BLE001 - the plain reports still run
         traceback.print_exc()
-    jobs = [(f"report-{run}", [out / run]) for run in RUNS]
+    made = {run for run in RUNS if (out / run / "profile.jsonl").is_file()}  # RUNS=d makes d alone
+    jobs = [(f"report-{run}", [out / run]) for run in RUNS if run in made]
     for suffix, root in (("", out), ("-steady", out / "views/steady"), ("-steady-host", out / "views/steady-host")):
-        jobs += [(f"compare-ab{suffix}", [root / "a", "--compare", root / "b"]),
-                 (f"compare-ac{suffix}", [root / "a", "--compare", root / "c"])]
+        jobs += [(f"compare-{a}{b}{suffix}", [root / a, "--compare", root / b])
+                 for a, b in (("a", "b"), ("a", "c")) if {a, b} <= made]
     failed = 0
     for name, argv in jobs:
         with open(out / f"{name}.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
@@ -121,7 +122,7 @@ def reports(out: Path) -> int:
 
 
 def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
-    from dflash_train.profiling.verdict import _allocator_churn, _launch_bound, _sync_bound
+    from dflash_train.profiling.verdict import _allocator_churn, _launch_bound, _sync_bound, verdict
 
     path = out / run / "profile.jsonl"
     if not path.is_file():
@@ -135,6 +136,9 @@ def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
     med = f"{tps[len(tps) // 2]:,.0f}" if tps else "-"
     lines = [f"  {run} ({plant or ('small packs' if run == 'd' else 'clean')}): verdicts of {len(sr)} steady windows: {hist or '-'} "
              f"(all: {' '.join(kinds)}); drafter tokens/s median {med}"]
+    now = [verdict(r).kind for r in sr]  # a record made by older code, judged by this tree's rules
+    if now != steady_kinds:
+        lines.append("    by this tree's rules: " + ", ".join(f"{k} {now.count(k)}" for k in dict.fromkeys(now)))
     # each clock rule on its own, whichever rule came first (the verdict is the first match)
     rules = (("allocator-churn", _allocator_churn), ("sync-bound", _sync_bound), ("launch-bound", _launch_bound))
     fired = ", ".join(f"{n} {sum(rule(r) is not None for r in sr)}/{len(sr)}" for n, rule in rules)
@@ -199,8 +203,10 @@ def summary(out: Path) -> int:
         lines.append(f"  step {name:<8} rc {rc:>3}  {secs:>4} s" + ("" if rc == "0" else f"   <-- FAILED: {out / name}.log"))
     plants = {"a": None, "b": os.environ.get("PLANT_B", ""), "c": os.environ.get("PLANT_C", ""), "d": None}
     for run, plant in plants.items():
-        lines += _run_lines(out, run, plant)
-    lines += _compare_lines(out, "ab", plants["b"]) + _compare_lines(out, "ac", plants["c"])
+        lines += _run_lines(out, run, plant) if (out / run).is_dir() else [f"  {run}: not run (RUNS)"]
+    for pair in ("ab", "ac"):
+        if (out / f"compare-{pair}.log").is_file():
+            lines += _compare_lines(out, pair, plants[pair[1]])
     lines += _bench_lines(out) if (out / "bench-8b.json").is_file() or (out / "bench.log").is_file() else []
     text = "\n".join(lines)
     (out / "summary.txt").write_text(text + "\n")

@@ -692,11 +692,12 @@ PER_STEP_SYNC = {f"drafter__{name}": _ev(wall, wall * 0.35, wall, 100, 100 if fi
     # pack: half its starts begin idle, but its GPU runs 3 s behind the host: not launch-bound
     ({"target__target_forward": _ev(3.0, 2.7, 6.0, 100, 100), "target__pack_hidden": _ev(0.5, 0.4, 0.6, 100, 0),
       "target__batch_queue_wait": {"share": 0.1}}, "balanced", ""),
-    # a role verdict still comes first, and says why when the loop it names is itself launch-bound
+    # a role verdict still comes first; a launch-bound drafter does not explain a target-bound window...
     ({**STARVED_DRAFTER, "drafter__hs_queue_wait": {"share": 0.3}}, "target-bound", ""),
+    # ...but when the loop it names is itself launch-bound, the verdict is that, with the role in brackets
     ({**STARVED_TARGET, "drafter__hs_queue_wait": {"share": 0.3}, "drafter__backward": _ev(1.0, 0.9, 1.0, 100, 0)},
-     "target-bound", "an empty hs_queue — add target devices or shorten --token-budget; the target loop is itself "
-     "launch-bound: target GPU spans found the stream drained (the GPU idle, waiting for the host) at 100%"),
+     "launch-bound", "launch-bound (target-bound: drafters wait 30% on an empty hs_queue): target GPU spans found "
+     "the stream drained (the GPU idle, waiting for the host) at 100%"),
 ])
 def test_starved_stream_verdicts(stages, kind, says):
     v = verdict(_clock_record(**stages))

@@ -8,6 +8,8 @@ A loop that waits is not the bottleneck; the role it waits on is. The rules, che
     drafter-bound  target loops wait >= WAIT on a full hs_queue (hs_queue_full_wait): drafters
                    consume features slower than targets make them.
     target-bound   drafter loops wait >= WAIT on an empty hs_queue (hs_queue_wait).
+                   Either becomes `launch-bound (drafter-bound: ...)` when the limiting loop is
+                   itself launch-bound (the rule below, for that loop only).
     handoff-bound  moving features (handoff) takes >= HANDOFF of a loop's time.
     allocator-churn  after the warm-up windows the CUDA caching allocator still frees and mallocs
                    device memory (or retries a failed malloc) within a window (allocator.churn).
@@ -171,12 +173,15 @@ def _allocator_churn(record: dict[str, Any]) -> Verdict | None:
                                       "or lower --token-budget / --num-anchors")
 
 
-def _why(record: dict[str, Any], loop: str, role: Verdict) -> Verdict:
-    """A role verdict, with the reason when the limiting loop is itself launch-bound (then more devices
-    help less than fewer launches: 2026-12-01, SmolLM2 at 512-token packs, the target loop's spans
-    started on a drained stream every time)."""
+def _role(record: dict[str, Any], kind: str, loop: str, reason: str, advice: str) -> Verdict:
+    """The role verdict `kind` (loop `loop` limits the pipeline), or `launch-bound` with the role in
+    brackets when that loop is itself launch-bound: then fewer launches help it more than more
+    devices do (2026-12-01, SmolLM2 at 2K-token packs: the drafter limited every steady window and
+    its spans started on a drained stream at 100% of their starts)."""
     found = _launch_bound(record, only=loop)
-    return role if found is None else Verdict(role.kind, f"{role.message}; the {loop} loop is itself {found.message}")
+    if found is None:
+        return Verdict(kind, f"{kind}: {reason} — {advice}")
+    return Verdict("launch-bound", f"launch-bound ({kind}: {reason}): {found.message.removeprefix('launch-bound: ')}")
 
 
 def verdict(record: dict[str, Any]) -> Verdict:
@@ -191,11 +196,11 @@ def verdict(record: dict[str, Any]) -> Verdict:
         return Verdict("input-bound", f"input-bound: target workers wait {waits_in:.0%} for batches "
                                       "— raise --queue-depth or use shorter packing (--token-budget)")
     if waits_full >= WAIT:
-        return _why(record, "drafter", Verdict("drafter-bound", f"drafter-bound: target workers wait {waits_full:.0%} "
-                                               "on a full hs_queue — add drafter devices or cut anchors (--num-anchors)"))
+        return _role(record, "drafter-bound", "drafter", f"target workers wait {waits_full:.0%} on a full hs_queue",
+                     "add drafter devices or cut anchors (--num-anchors)")
     if waits_empty >= WAIT:
-        return _why(record, "target", Verdict("target-bound", f"target-bound: drafters wait {waits_empty:.0%} on an "
-                                              "empty hs_queue — add target devices or shorten --token-budget"))
+        return _role(record, "target-bound", "target", f"drafters wait {waits_empty:.0%} on an empty hs_queue",
+                     "add target devices or shorten --token-budget")
     if handoff >= HANDOFF:
         return Verdict("handoff-bound", f"handoff-bound: moving features takes {handoff:.0%} of a loop "
                                         "— put target and drafter on one host/GPU or cut --num-features")
