@@ -38,10 +38,24 @@ def data_tokens(d: Path, cfg: dict) -> int | None:
     return None
 
 
+def trained_tokens(records: list[dict]) -> list[float]:
+    """Target tokens trained on up to each metrics record: its interval's tokens/s times the interval's
+    seconds, summed (exact to 0.03% on 2026-12-01e's L12B8); [] for records without both fields."""
+    if not records or not all("target_tokens_per_s" in r and "elapsed_s" in r for r in records):
+        return []
+    total, out = 0.0, []
+    for r in records:
+        total += r["target_tokens_per_s"] * r["elapsed_s"]
+        out.append(total)
+    return out
+
+
 def label(r: dict) -> str:
     rec = r["recipe"]
+    length = f"{rec['max_steps']} steps" if rec.get("max_steps") else f"{rec.get('epochs')} epochs"
+    turns = f", {rec['regen_max_turns']} turns" if rec.get("regen_max_turns", 1) != 1 else ""
     return (f"{r['name']}: {rec.get('num_layers')} layers, B={rec.get('block_size', 16)}, {rec.get('num_anchors')} anchors, "
-            f"{rec.get('epochs')} epochs, lr {rec.get('lr')}")
+            f"{length}, lr {rec.get('lr')}{turns}")
 
 
 def run_config(path: Path) -> dict:
@@ -67,15 +81,17 @@ def variant_summary(d: Path) -> dict:
     tokens = data_tokens(d, cfg)
     steps = int(m.group(1)) if m else (records[-1]["step"] if records else 0)
     per_step = tokens * cfg.get("epochs", 0) / steps if tokens and steps and not cfg.get("max_steps") else None
+    seen = trained_tokens(records)
     out = {
         "name": d.name, "exit_code": int(code), "wall_s": int(wall),
         "recipe": {k: cfg.get(k) for k in ("num_layers", "block_size", "num_anchors", "token_budget", "lr",
-                                           "epochs", "gamma", "labels", "sliding_layers") if k in cfg},
+                                           "epochs", "max_steps", "gamma", "labels", "sliding_layers", "regen_max_turns") if k in cfg},
         "steps": steps, "train_s": int(m.group(2)) if m else None,
-        "train_tokens": round(tokens * cfg.get("epochs", 0)) if tokens else None,
+        "train_tokens": round(seen[-1]) if seen else round(tokens * cfg.get("epochs", 0)) if tokens else None,
         "train_tau_estimate": records[-1]["expected_tau"] if records else None,
         "train_acc": records[-1]["acc"] if records else None,
-        "curve": [(r["step"] * per_step if per_step else r["step"], r["expected_tau"]) for r in records],
+        "curve": [(x, r["expected_tau"]) for x, r in zip(seen, records, strict=True)] if seen else
+                 [(r["step"] * per_step if per_step else r["step"], r["expected_tau"]) for r in records],
     }
     for name in DATASETS:
         f = d / f"eval-{name}.json"
