@@ -54,7 +54,8 @@ class GreedyLoop:
         self.caches: tuple[StaticCache, StaticCache] | None = None
         self.store = GraphStore()
         self.state: _State | None = None
-        self._prompt: tuple[torch.Tensor, int] | None = None  # the prompt's features, until the first step
+        # the prompt's features, the drafter's meta for all but their last B, and the first step's key length
+        self._prompt: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @torch.no_grad()
     def start(self, prompt: list[int], max_new_tokens: int) -> int:
@@ -71,15 +72,28 @@ class GreedyLoop:
         s.count.fill_(1)
         s.limit.fill_(max_new_tokens)
         s.step.zero_()
-        s.meta.copy_(torch.tensor([0, len(prompt), min(B, max_new_tokens)]))
-        self._prompt = (out.features, bucket(len(prompt) + B))
+        # The first step takes the prompt's last n features as a later step takes a verify's, so it
+        # runs as one (a graph replay on CUDA); first_step puts the rest into the drafter's cache.
+        L = len(prompt)
+        n = min(L, B)
+        s.meta.copy_(torch.tensor([L - n, n, min(B, max_new_tokens)]))
+        self._prompt = (out.features, torch.tensor([0, L - n, 1], device=dev), bucket(L + B))
         return int(first)  # host sync: the caller's stop check
 
+    @torch.no_grad()
     def first_step(self) -> None:
-        """The step on the prompt's features: eager (any prompt length), no host sync."""
-        feats, kv_len = self._prompt
+        """The step on the prompt, as every later step runs (one graph replay on CUDA), after an eager
+        drafter pass that writes all but the prompt's last B features into its context cache: the
+        only part whose shape follows the prompt's length. An eager first step (~2,000 kernel
+        launches) cost more per prompt than several graphed steps. No host sync."""
+        feats, prefix_meta, kv_len = self._prompt
         self._prompt = None
-        self._step(feats, kv_len)
+        s, L = self.state, feats.shape[1]
+        n = min(L, self.B)
+        if L > n:  # a one-slot block: only the context's K/V are wanted, its draft is discarded
+            self.engine.forward(feats[:, :L - n], s.last[None], prefix_meta, self.caches[1], bucket(L - n + 1))
+        s.feats[:, :n].copy_(feats[:, L - n:])
+        self.advance(1, kv_len)
 
     @torch.no_grad()
     def advance(self, steps: int, kv_len: int) -> None:
@@ -89,25 +103,24 @@ class GreedyLoop:
         key = (kv_len, self.lm.compiled, self.engine.compiled)
         for _ in range(steps):
             if self.engine.graphs:
-                graphs.advance(self.store, key, lambda: self._step(self.state.feats, kv_len, fast=True), self.device)
+                graphs.advance(self.store, key, lambda: self._step(self.state.feats, kv_len), self.device)
             else:
-                self._step(self.state.feats, kv_len, fast=True)
+                self._step(self.state.feats, kv_len)
 
     def records(self, lo: int, hi: int) -> list[list[int]]:
         return self.state.records[lo:hi].tolist()  # host sync: the steps' outcomes, once per chunk
 
     @torch.no_grad()
-    def _step(self, feats: torch.Tensor, kv_len: int, fast: bool = False) -> None:
-        """One step; `fast`: a full-width step, through the engines' compiled forwards when they have them."""
-        s, B = self.state, self.B
+    def _step(self, feats: torch.Tensor, kv_len: int) -> None:
+        """One full-width step, through the engines' compiled forwards when they have them."""
+        s = self.state
         target_cache, draft_cache = self.caches
-        draft_fwd = self.engine.step_forward if fast else self.engine.forward
-        verify_fwd = self.lm.step_forward if fast else self.lm.forward
         block = torch.cat([s.last, self._masks])[None]
-        draft = draft_fwd(feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
+        draft = self.engine.step_forward(feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
         start = s.meta[0] + s.meta[1]  # position of block slot 0
         block = torch.cat([s.last, draft])[None]
-        out = verify_fwd(block, (start + self._slots)[None], target_cache, kv_len, layers=self.layers, logits="all")
+        out = self.lm.step_forward(block, (start + self._slots)[None], target_cache, kv_len, layers=self.layers,
+                                   logits="all")
         pred = out.logits[0].argmax(-1)  # [B]: slot i's target token for position start+i+1
         ok = (draft == pred[:-1]) & (self._slots[:-1] < s.meta[2] - 1)  # only the block's q-1 drafts count
         accepted = ok.long().cumprod(0).sum()
@@ -116,7 +129,7 @@ class GreedyLoop:
         s.count += accepted + 1
         s.last.copy_(pred.gather(0, accepted[None]))
         s.feats.copy_(out.features)
-        width = (s.limit - s.count + 1).clamp(1, B)  # the host loop's q_len for the next block
+        width = (s.limit - s.count + 1).clamp(1, self.B)  # the host loop's q_len for the next block
         s.meta.copy_(torch.stack([start, accepted + 1, width]))
 
     def _allocate(self, capacity: int, steps: int) -> None:
