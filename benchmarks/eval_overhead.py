@@ -24,19 +24,16 @@ import statistics
 import sys
 import time
 from datetime import date
+from pathlib import Path
 
 import torch
 
+from decode_speed import _sync, device_steps  # a sibling script: benchmarks/ is sys.path[0]
 from dflash_train.eval import greedy_loop
+from dflash_train.files import write_atomic
 from dflash_train.eval.evaluate import EvalConfig, evaluate
-from dflash_train.models import static_lm
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.targets import load_target
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)  # host sync: honest wall time
 
 
 def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
@@ -54,20 +51,6 @@ def first_step_ms(target, drafter, prompts: list[list[int]], new_tokens: int) ->
         _sync(target.device)
         times.append(time.perf_counter() - t0)
     return round(1e3 * statistics.median(times), 3)
-
-
-def back_to_back_ms(target, drafter, prompt: list[int], steps: int = 64) -> float:
-    loop = greedy_loop.for_pair(target, drafter)
-    kv = static_lm.bucket(len(prompt) + (steps + 2) * drafter.block_size)
-    for _ in range(2):  # the first round captures the graph
-        loop.start(prompt, steps * drafter.block_size)
-        loop.first_step()
-        _sync(target.device)
-        t0 = time.perf_counter()
-        loop.advance(steps, kv)
-        _sync(target.device)
-        secs = time.perf_counter() - t0
-    return round(1e3 * secs / steps, 3)
 
 
 def main(argv=None) -> int:
@@ -90,7 +73,7 @@ def main(argv=None) -> int:
     prompts = _prompts(args.prompts, args.prompt_min, args.prompt_max, min(len(target.tokenizer), target.vocab_size))
     report = evaluate(target, drafter, prompts, EvalConfig(max_new_tokens=args.new_tokens), progress=False)
     step_ms = 1e3 * (report.generated_tokens - len(prompts)) / report.dflash_tokens_per_s / report.steps
-    b2b = back_to_back_ms(target, drafter, prompts[0])
+    b2b = device_steps(target, drafter, prompts[0])["ms_per_step"]
     out = {
         "target": args.target, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "date": date.today().isoformat(), "torch": torch.__version__,
@@ -103,11 +86,10 @@ def main(argv=None) -> int:
         "per_prompt_ms": round((step_ms - b2b) * report.steps / len(prompts), 2),
         "first_step_ms": first_step_ms(target, drafter, prompts[:10], args.new_tokens),
     }
-    print(json.dumps(out, indent=1))
+    text = json.dumps(out, indent=1) + "\n"
+    print(text, end="")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        write_atomic(Path(args.json), lambda f: f.write(text.encode()))
     return 0
 
 
