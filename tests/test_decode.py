@@ -241,3 +241,12 @@ def test_compiled_decode_steps_take_the_eager_steps(device):
     speculative_generate(target, drafter, other, 17, device_loop=False)
     target_generate(target, other, 20)
     assert counters["stats"]["unique_graphs"] == frames
+
+
+def test_the_warm_up_reaches_every_bucket_of_prompt_lengths():
+    """The longest prompt first (it sizes the caches), then the shortest of each other 128-token bucket."""
+    from dflash_train.eval.evaluate import warm_prompts
+
+    prompts = [[0] * n for n in (93, 321, 150, 100, 129, 300, 260)]
+    assert [len(p) for p in warm_prompts(prompts)] == [321, 93, 129]
+    assert [len(p) for p in warm_prompts([[1] * 5])] == [5]

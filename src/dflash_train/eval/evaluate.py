@@ -26,6 +26,7 @@ from dflash_train.config import BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, knob_field, val
 from dflash_train.errors import UsageError
 from dflash_train.eval.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.static_lm import KV_BUCKET
 from dflash_train.models.targets import Target
 
 
@@ -126,6 +127,19 @@ class EvalReport:
                 f"(prompt@token: logit gap {gaps}; ties are <= {self.tie_gap:g})")
 
 
+def warm_prompts(prompts: list[list[int]], size: int = KV_BUCKET) -> list[list[int]]:
+    """The prompts a CUDA warm-up decodes in full: the longest first (it sizes the caches that
+    every later decode reuses, with their graphs), then the shortest of every other `size`-token
+    bucket of prompt lengths. A decode captures a graph per key-length bucket it reaches, from its
+    prompt's bucket up; with the longest prompt alone, every bucket below it was captured on the
+    clock, by the first prompt that reached it (an eager run and a capture of a whole step each)."""
+    longest = max(prompts, key=len)
+    shortest: dict[int, list[int]] = {}
+    for p in sorted(prompts, key=len):
+        shortest.setdefault(-(-len(p) // size), p)
+    return [longest] + [p for b, p in sorted(shortest.items()) if b != -(-len(longest) // size)]
+
+
 def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: EvalConfig,
              progress: bool = True) -> EvalReport:
     """Decode every prompt (token ids, chat template applied) with and without the drafter."""
@@ -133,14 +147,16 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     stops = target.stop_token_ids()
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
     # Warm-up outside the clocks: first-call allocations, kernel selection and, on CUDA, the
-    # graph captures of every key-length bucket (the longest prompt at full length reaches them all).
-    # On CPU (no graphs) a short run does: a full one would cost a whole prompt's decode.
-    warm, new = (max(prompts, key=len), cfg.max_new_tokens) if target.device.type == "cuda" else (prompts[0][:32], 2 * B)
+    # graph captures of the key-length buckets the prompts reach (warm_prompts). On CPU (no
+    # graphs) a short run does: a full one would cost a whole prompt's decode.
+    cuda = target.device.type == "cuda"
+    warm, new = (warm_prompts(prompts), cfg.max_new_tokens) if cuda else ([prompts[0][:32]], 2 * B)
     if cfg.compile and not compile_decode(target, drafter):
         raise UsageError(f"--compile: {target.config.model_type} targets decode through HF's forward, which is not compiled")
-    speculative_generate(target, drafter, warm, new, cfg.temperature, B, [], gen)
-    if cfg.baseline:
-        target_generate(target, warm, new, cfg.temperature, [], gen)
+    for prompt in warm:
+        speculative_generate(target, drafter, prompt, new, cfg.temperature, B, [], gen)
+        if cfg.baseline:
+            target_generate(target, prompt, new, cfg.temperature, [], gen)
 
     spec_runs: list[DecodeResult] = []
     base_runs: list[DecodeResult] = []
