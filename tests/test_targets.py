@@ -150,6 +150,25 @@ def test_init_from_target_copies_the_last_layers(tiny_target):
         init_from_target(too_deep, tiny_target)
 
 
+def test_a_wider_mlp_starts_as_the_targets_and_a_narrower_one_is_refused(tiny_target):
+    """--intermediate-size: the target's units first, the extra ones silent (down_proj columns zero), not dead."""
+    from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
+
+    width = tiny_target.config.intermediate_size
+    drafter = new_drafter(drafter_config_for(tiny_target, num_layers=2, block_size=4, intermediate_size=2 * width,
+                                             dtype="float32")).float()
+    init_from_target(drafter, tiny_target)
+    x = torch.randn(3, tiny_target.config.hidden_size)
+    for dst, src in zip(drafter.layers, list(tiny_target.decoder.layers)[-2:], strict=True):
+        assert dst.mlp.up_proj.weight.shape[0] == 2 * width
+        torch.testing.assert_close(dst.mlp(x), src.mlp(x.to(src.mlp.up_proj.weight.dtype)).float())
+        assert dst.mlp.gate_proj.weight[width:].abs().sum() > 0  # extra units can learn (their gradients flow)
+    narrow = new_drafter(drafter_config_for(tiny_target, num_layers=2, block_size=4, intermediate_size=width // 2,
+                                            dtype="float32"))
+    with pytest.raises(UsageError, match="--init-from-target.*--intermediate-size may widen"):
+        init_from_target(narrow, tiny_target)
+
+
 def test_compiled_layers_give_the_same_features_with_one_graph_for_all_layers():
     """--compile-target: hooks stay outside the graph, the layers share it, eager again afterwards."""
     import torch._dynamo

@@ -22,8 +22,8 @@ from pathlib import Path
 from dflash_train.app.train import run as run_train
 from dflash_train.bench.config import BenchConfig
 from dflash_train.bench.run import run_bench
-from dflash_train.config import (BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, NUM_LAYERS, REGEN_MAX_NEW_TOKENS, RELEASED, SEED,
-                                 TRACEBACK_ENV, add_arguments, check)
+from dflash_train.config import (BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, INTERMEDIATE_SIZE, NUM_LAYERS, REGEN_MAX_NEW_TOKENS,
+                                 RELEASED, SEED, TRACEBACK_ENV, add_arguments, check)
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
 from dflash_train.data.regen_common import RegenConfig
@@ -81,6 +81,7 @@ def _check_output_file(path: str, flag: str) -> None:
 def cmd_init_drafter(args) -> int:
     check(NUM_LAYERS, args.num_layers, "--num-layers")
     check(BLOCK_SIZE, args.block_size, "--block-size")
+    check(INTERMEDIATE_SIZE, args.intermediate_size, "--intermediate-size")
     _check_seed(args.seed)
     parse_dtype(args.save_dtype, "--save-dtype")
     check_replaceable(Path(args.out), "--out")  # before loading the target: a wrong --out costs nothing
@@ -88,7 +89,8 @@ def cmd_init_drafter(args) -> int:
     cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size,
                              num_features=args.num_features, target_layer_ids=args.target_layer_ids,
                              mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
-                             num_sliding_layers=args.sliding_layers, dtype=args.save_dtype)
+                             num_sliding_layers=args.sliding_layers, intermediate_size=args.intermediate_size,
+                             dtype=args.save_dtype)
     model = new_drafter(cfg, args.seed)
     out = save_drafter(model, args.out, parse_dtype(args.save_dtype, "--save-dtype"), flag="--out")
     n_params = sum(p.numel() for p in model.parameters())
@@ -251,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "else an unused special token")
     p.add_argument("--sliding-layers", type=int, default=0, help="number of sliding-window draft layers (first ones)")
     p.add_argument("--sliding-window", type=int, default=None, help="window of the sliding layers")
+    p.add_argument("--intermediate-size", type=int, default=INTERMEDIATE_SIZE.default, help=INTERMEDIATE_SIZE.help)
     p.add_argument("--save-dtype", default="bfloat16", help="dtype of the written weights (default bfloat16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")

@@ -55,6 +55,8 @@ class Knob:
 # --- the drafter -------------------------------------------------------------------------
 BLOCK_SIZE = Knob(4, "block size B", at_least(2))
 NUM_LAYERS = Knob(1, "draft layers", at_least(1))
+INTERMEDIATE_SIZE = Knob(None, "the draft layers' MLP width (default: the target's); wider adds capacity and training "
+                               "FLOPs, while at batch-1 decode its small matmuls are latency-bound", at_least(1))
 # --- the objective -----------------------------------------------------------------------
 NUM_ANCHORS = Knob(32, "anchors drawn per sequence each time it is seen", at_least(1))
 LOSS_CHUNK_ROWS = Knob(4096, "block tokens per LM-head + loss chunk", at_least(1))

@@ -18,7 +18,8 @@ from dflash_train.training.config import TrainConfig
 def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:
     return drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
                               num_features=cfg.num_features, dtype=cfg.export_dtype,
-                              num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window)
+                              num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window,
+                              intermediate_size=cfg.intermediate_size)
 
 
 def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashDrafter:

@@ -74,12 +74,13 @@ def check_resume_shape(cfg: TrainConfig, saved) -> None:
     """--resume continues the checkpoint's drafter: flags that would shape another one are refused, by name."""
     sliding = sum(t == SLIDING_ATTENTION for t in saved.layer_types)
     theirs = {"num_layers": saved.num_hidden_layers, "block_size": saved.block_size, "sliding_layers": sliding,
-              "num_features": len(saved.target_layer_ids)}
+              "num_features": len(saved.target_layer_ids), "intermediate_size": saved.intermediate_size}
     if sliding:
         theirs["sliding_window"] = saved.sliding_window
     ours = {k: getattr(cfg, k) for k in theirs}
-    if ours["num_features"] is None:  # unset: the default, whatever the checkpoint has
-        ours["num_features"] = theirs["num_features"]
+    for k in ("num_features", "intermediate_size"):
+        if ours[k] is None:  # unset: the default, whatever the checkpoint has
+            ours[k] = theirs[k]
     bad = [f"--{k.replace('_', '-')} {ours[k]} (the checkpoint's: {v})" for k, v in theirs.items() if ours[k] != v]
     if bad:
         raise UsageError(f"--resume: {', '.join(bad)}; a resumed run trains the checkpoint's drafter: drop these "

@@ -16,8 +16,9 @@ DEFAULT_NUM_FEATURES = 5
 def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_features: int | None = None,
                        target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                        sliding_window: int | None = None, num_sliding_layers: int = 0,
-                       dtype: str = "bfloat16") -> DFlashConfig:
-    """Drafter layers copy the target's layer shape (hidden, MLP, heads), as the released drafters do.
+                       intermediate_size: int | None = None, dtype: str = "bfloat16") -> DFlashConfig:
+    """Drafter layers copy the target's layer shape (hidden, MLP, heads), as the released drafters do;
+    `intermediate_size` widens (or narrows) the MLP alone.
 
     The number of target features is independent of `num_layers`: 5 by default, fewer for
     targets too shallow to give 5 distinct layers between 1 and N-3.
@@ -38,7 +39,7 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
     layer_types = [SLIDING_ATTENTION] * num_sliding_layers + [FULL_ATTENTION] * (num_layers - num_sliding_layers)
     return DFlashConfig(
         hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
+        intermediate_size=intermediate_size or c.intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
@@ -91,7 +92,9 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
     draft layer starts as a trained attention + MLP block instead of noise: attention that
     already locates recent tokens, and output scales the frozen LM head expects. Targets
     without per-head q/k norms (Llama) leave q_norm/k_norm at one. The fusion `fc` has no
-    counterpart and keeps its random init.
+    counterpart and keeps its random init. A wider MLP (--intermediate-size) gets the target's
+    units first: its extra gate/up rows keep their random init and their down_proj columns start
+    at zero, so the layer starts as the target's and the extra units grow from there.
     """
     layers = target.decoder.layers
     n = len(drafter.layers)
@@ -100,7 +103,7 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
     with torch.no_grad():
         for dst, src in zip(drafter.layers, list(layers)[-n:]):
             pairs = [(dst.self_attn, src.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
-                     (dst.mlp, src.mlp, ("gate_proj", "up_proj", "down_proj")),
+                     (dst.mlp, src.mlp, _MLP),
                      (dst, src, ("input_layernorm", "post_attention_layernorm"))]
             for dst_mod, src_mod, names in pairs:
                 for name in names:
@@ -112,7 +115,14 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
 def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str) -> None:
     for pname, p in dst.named_parameters():
         q = getattr(src, pname, None)
-        if q is None or q.shape != p.shape:
+        wider = q is not None and name in _MLP and q.dim() == p.dim() and all(a <= b for a, b in zip(q.shape, p.shape))
+        if q is None or (q.shape != p.shape and not wider):
+            hint = " (--intermediate-size may widen the MLP, not narrow it)" if name in _MLP else ""
             raise UsageError(f"--init-from-target: target {name}.{pname} has shape "
-                             f"{None if q is None else tuple(q.shape)}, the drafter {tuple(p.shape)}")
-        p.copy_(q.to(p.dtype))
+                             f"{None if q is None else tuple(q.shape)}, the drafter {tuple(p.shape)}{hint}")
+        if q.shape != p.shape and name == "down_proj":
+            p.zero_()  # the extra units' outputs start at zero: the layer computes the target's
+        p[tuple(slice(0, k) for k in q.shape)].copy_(q.to(p.dtype))
+
+
+_MLP = ("gate_proj", "up_proj", "down_proj")

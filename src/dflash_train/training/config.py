@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_train import config
-from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, GAMMA, KD_WEIGHT, LOSS_CHUNK_ROWS,
-                                 NUM_ANCHORS, NUM_LAYERS, PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS, SEED,
-                                 AttentionBackend, field_types, flag, knob_field, opt, validate)
+from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, GAMMA, INTERMEDIATE_SIZE, KD_WEIGHT,
+                                 LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_LAYERS, PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS,
+                                 SEED, AttentionBackend, field_types, flag, knob_field, opt, validate)
 from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
 from dflash_train.objective.objective import ObjectiveConfig
@@ -67,6 +67,7 @@ class TrainConfig:
                                  "(else random); needs matching shapes")
     sliding_layers: int = opt(1, "draft layers (the first ones) with sliding-window attention")
     sliding_window: int | None = opt(16, "window of the sliding-window draft layers")
+    intermediate_size: int | None = knob_field(INTERMEDIATE_SIZE)
     # --- objective -------------------------------------------------------------------
     num_anchors: int = knob_field(NUM_ANCHORS)
     gamma: float | None = knob_field(GAMMA)
