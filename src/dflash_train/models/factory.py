@@ -115,7 +115,7 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
 def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str) -> None:
     for pname, p in dst.named_parameters():
         q = getattr(src, pname, None)
-        wider = q is not None and name in _MLP and q.dim() == p.dim() and all(a <= b for a, b in zip(q.shape, p.shape))
+        wider = q is not None and name in _MLP and q.dim() == p.dim() and all(a <= b for a, b in zip(q.shape, p.shape, strict=True))
         if q is None or (q.shape != p.shape and not wider):
             hint = " (--intermediate-size may widen the MLP, not narrow it)" if name in _MLP else ""
             raise UsageError(f"--init-from-target: target {name}.{pname} has shape "
