@@ -168,6 +168,21 @@ def test_regenerates_multi_turn_conversations(server, tmp_path, smol_tokenizer):
     assert "4 requests" in report.summary()
 
 
+def test_a_later_turn_whose_prompt_reaches_max_context_ends_the_conversation(server, tmp_path, smol_tokenizer):
+    """As in-process: the first turn always runs; a later one whose prompt (counted by the target's
+    tokenizer) reaches --max-context is not sent, and the record ends at the reply before it."""
+    conv = Conversation("long", [user("What is 2+2?"), asst("o1"), user("And times 3?"), asst("o2")])
+    first = len(smol_tokenizer.apply_chat_template(conv.messages[:1], add_generation_prompt=True, tokenize=True))
+    cfg = RegenConfig(max_new_tokens=12, max_context=first + 1)
+    out = tmp_path / "r.jsonl"
+    report = rc.regenerate_via_server([conv], out, cfg, server_cfg(server.url), tokenizer=smol_tokenizer,
+                                      tokenizer_name=ALIAS, progress=False)
+    assert (report.written, report.turns, report.requests, report.context_cut) == (1, 1, 1, 1)
+    assert [m["role"] for m in read_lines(out)[0]["messages"]] == ["user", "assistant"]
+    with pytest.raises(UsageError, match="^--max-context with --server needs --target"):
+        rc.regenerate_via_server([conv], tmp_path / "r2.jsonl", cfg, server_cfg(server.url), progress=False)
+
+
 def test_samples_and_settings_in_the_header(server, tmp_path):
     """--samples 2 writes q0#0, q0#1 (seeded per record and turn); other settings are refused."""
     out = tmp_path / "s.jsonl"

@@ -188,8 +188,6 @@ def cmd_regenerate(args) -> int:
     _check_seed(args.seed)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                       max_turns=args.max_turns, seed=args.seed, samples=args.samples, max_context=args.max_context)
-    if args.server is not None and args.max_context is not None:
-        raise UsageError("--max-context is in-process only (a server batches long prompts itself)")
     if args.server is None:
         for flag, value in (("--model", args.model), ("--api-key-env", args.api_key_env),
                             ("--chat-template-kwargs", args.chat_template_kwargs)):
@@ -322,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="conversations per batched decode (in-process)")
     p.add_argument("--max-turns", type=int, default=None, help="assistant turns regenerated per conversation")
     p.add_argument("--max-context", type=int, default=None,
-                   help="in-process: end a conversation before a turn whose prompt has this many tokens or more")
+                   help="end a conversation before a later turn whose prompt has this many tokens or more "
+                   "(with --server, counted by --target's tokenizer)")
     p.add_argument("--samples", type=int, default=1, help="replies sampled per conversation, written as ID#0.. "
                    "(> 1 needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0)

@@ -147,8 +147,11 @@ def regenerate_via_server(conversations: Iterable[Conversation], out_path: Path,
                           progress: bool = True) -> RegenReport:
     """Append every conversation not yet in `out_path`, its assistant turns written by the server.
 
-    `tokenizer` (the target's, optional) re-tokenises replies the server returns no token ids for.
+    `tokenizer` (the target's, optional) re-tokenises replies the server returns no token ids for,
+    and counts each later turn's prompt against cfg.max_context (which needs it).
     """
+    if cfg.max_context is not None and tokenizer is None:
+        raise UsageError("--max-context with --server needs --target: its tokenizer counts each prompt's tokens")
     return asyncio.run(_Run(conversations, Path(out_path), cfg, server, tokenizer, tokenizer_name, progress).main())
 
 
@@ -277,6 +280,9 @@ class _Run:
         history: list[Message] = []
         replies = []
         for turn, segment in enumerate(reply_segments(conv, self.cfg.max_turns)):
+            if turn and self._reaches_context(history + segment):
+                self.report.context_cut += 1  # the conversation ends at its last reply, as in-process
+                break
             history.extend(segment)
             reply = await self._complete(history, _request_seed(self.cfg.seed, conv.id, turn))
             if reply is None:
@@ -284,6 +290,16 @@ class _Run:
             history.append({"role": "assistant", "content": reply.text})
             replies.append(reply.meta)
         return {"id": conv.id, "messages": history, **self.header, "replies": replies}
+
+    def _reaches_context(self, messages: list[Message]) -> bool:
+        """Whether this prompt has cfg.max_context tokens or more, through the target's tokenizer and chat
+        template. The server may render a few tokens differently: a guard against regenerating
+        histories that would not be trained on, not an exact limit."""
+        if self.cfg.max_context is None:
+            return False
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 **(self.server.chat_template_kwargs or {}))
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids) >= self.cfg.max_context
 
     def _body(self, messages: list[Message], seed: int) -> dict:
         body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,

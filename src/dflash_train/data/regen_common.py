@@ -48,10 +48,11 @@ class RegenConfig:
     samples: int = 1
     """Replies sampled per conversation; > 1 needs temperature > 0 (--samples)."""
     max_context: int | None = None
-    """In-process only: a later turn whose prompt (the history so far plus its user turn) has this many
-    tokens or more is not regenerated, and the conversation ends at the reply before it; None = no
-    limit (--max-context). The train job passes --max-length: tokens past it are never trained on,
-    and one long history would widen its whole batch's KV cache."""
+    """A later turn whose prompt (the history so far plus its user turn) has this many tokens or more
+    is not regenerated, and the conversation ends at the reply before it; None = no limit
+    (--max-context; the server path counts with the target's tokenizer). The train job passes
+    --max-length: tokens past it are never trained on, and in-process one long history would widen
+    its whole batch's KV cache."""
 
     def __post_init__(self) -> None:
         validate(self)

@@ -45,8 +45,8 @@ class TrainConfig:
     regen_max_new_tokens: int = knob_field(REGEN_MAX_NEW_TOKENS)
     regen_temperature: float = opt(0.0, "sampling temperature of regeneration (0 = greedy)")
     regen_batch_size: int = opt(32, "conversations per regeneration batch")
-    regen_max_turns: int = opt(1, "assistant turns regenerated per conversation (in-process, a later turn is skipped "
-                                  "once its prompt reaches --max-length)")
+    regen_max_turns: int = opt(1, "assistant turns regenerated per conversation (a later turn is skipped once its "
+                                  "prompt reaches --max-length)")
     regen_samples: int = opt(1, "replies sampled per conversation (> 1 needs --regen-temperature > 0)")
     regen_max_prompt_tokens: int = opt(256, "skip conversations whose first prompt is longer (prefill cost)")
     regen_server: str | None = opt(None, "regenerate through this OpenAI-compatible server (vLLM, SGLang, llama.cpp; "
