@@ -1,18 +1,55 @@
 #!/usr/bin/env bash
-# The embedded target's drafter trained on all of ShareGPT (train split) on one GPU, then tau on
-# HumanEval, MT-Bench and held-out ShareGPT (T=0, B=16, 128 new tokens, 40 prompts each).
-#   bash benchmarks/quality_smollm2_h200.sh RUN_DIR [extra train flags...]
-set -euo pipefail
+# Issue #14's record run: configs/smollm2-h200.toml end to end on one GPU, timed as a user runs it
+# (data, regeneration, training, export and the config's own HumanEval eval, with the target-only
+# baseline), then tau on MT-Bench and held-out ShareGPT (T=0, 40 prompts, 128 new tokens).
+#   bash benchmarks/quality_smollm2_h200.sh RUN_DIR [extra train flags, which override the config...]
+# Writes RUN_DIR/quality.json with the keys of benchmarks/results/quality-smollm2-h200.json
+# (tau_humaneval, tau_mtbench, tau_sharegpt, speedup, train_tokens, steps, wall_s, device, date,
+# command). Longer than one device call (~13 min on an H200): start it with setsid nohup and poll.
+# The plumbing on a CPU (a few minutes):
+#   EVAL_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/quality_smollm2_h200.sh /tmp/q --device cpu --target random:tiny \
+#   --num-conversations 40 --no-regenerate --num-layers 2 --max-steps 4 --max-length 128 --token-budget 512 \
+#   --eval-limit 2 --eval-max-new-tokens 8
+set -uo pipefail
 run=${1:?usage: quality_smollm2_h200.sh RUN_DIR [train flags]}
 shift
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH="$repo/src:$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code; recipe_summary
+limit=${EVAL_LIMIT:-40} tokens=${EVAL_TOKENS:-128} target=smollm2-135m
+for ((i = 1; i < $#; i++)); do [ "${!i}" = --target ] && { j=$((i + 1)); target=${!j}; }; done
 dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
+mkdir -p "$run"
 start=$(date +%s)
-dft train --device cuda --run-dir "$run" --data sharegpt --num-conversations 0 --data-topic any \
-  --regen-batch-size 2048 --regen-max-new-tokens 256 --regen-max-prompt-tokens 512 --max-length 1024 \
-  --num-layers 3 --block-size 16 --num-anchors 256 --token-budget 16384 --lr 1e-3 --epochs 3 \
-  --eval-limit 0 --checkpoint-every 0 --log-every 50 "$@"
-for d in humaneval mtbench sharegpt; do
-  dft eval --target smollm2-135m --drafter "$run/drafter" --dataset $d --limit 40 --max-new-tokens 128 \
-    --json "$run/eval-$d.json" | tail -6
+dft train --config "$repo/configs/smollm2-h200.toml" --run-dir "$run" --quiet "$@" > "$run/train.log" 2>&1
+rc=$?
+wall=$(( $(date +%s) - start ))
+echo "train: rc $rc in $wall s (log $run/train.log)"
+[ $rc -eq 0 ] || exit $rc
+for d in mtbench sharegpt; do
+  dft eval --target "$target" --drafter "$run/drafter" --dataset $d --limit "$limit" --max-new-tokens "$tokens" \
+    --no-baseline --quiet --json "$run/eval-$d.json" > "$run/eval-$d.log" 2>&1 || { cat "$run/eval-$d.log"; exit 1; }
+  head -1 "$run/eval-$d.log"
 done
-echo "wall_s $(( $(date +%s) - start ))"
+python3 - "$run" "$wall" "bash benchmarks/quality_smollm2_h200.sh $run $*" <<'EOF'
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+from recipe_summary import trained_tokens  # benchmarks/ is on PYTHONPATH (not a package)
+
+run, wall, command = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+after = json.loads((run / "eval_after.json").read_text())
+records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+tokens = trained_tokens(records)
+out = {"tau_humaneval": after["tau"], "tau_mtbench": json.loads((run / "eval-mtbench.json").read_text())["tau"],
+       "tau_sharegpt": json.loads((run / "eval-sharegpt.json").read_text())["tau"], "speedup": after["speedup"],
+       "lossless_humaneval": after["lossless"], "train_tokens": round(tokens[-1]) if tokens else None,
+       "steps": records[-1]["step"] if records else 0, "wall_s": wall,
+       "wall_s_note": "the whole train job: data, regeneration, training, export, HumanEval eval before and after",
+       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+       "date": datetime.date.today().isoformat(), "command": command}
+(run / "quality.json").write_text(json.dumps(out, indent=1) + "\n")
+print(json.dumps(out, indent=1))
+EOF
