@@ -71,8 +71,9 @@ class CompiledSteps:
     each layer's norms, RoPE and residual adds (SmolLM2-135M's graphed token step goes from 1,462
     kernels to 605 and 3.23 to 1.56 ms on an H200: docs/evaluation.md). A compiled step attends
     over the whole cache instead of a key-length bucket: one shape, so one compile and one graph
-    per step kind, for a few masked keys more per layer. Prefills (and the drafter's first step,
-    over the prompt) stay on the eager `forward`: their lengths vary, and each would compile anew.
+    per step kind, for a few masked keys more per layer. Prefills (and the drafter's pass over the
+    prompt before its first step) stay on the eager `forward`: their lengths vary, and each would
+    compile anew.
     The engine has `forward` and `_cache` (its last cache, whose graphs were captured eagerly).
     """
 
