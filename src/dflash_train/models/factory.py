@@ -113,16 +113,20 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
 
 
 def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str) -> None:
+    """Copy src's parameters into dst's; an MLP projection may be wider in dst (the target's units first)."""
     for pname, p in dst.named_parameters():
         q = getattr(src, pname, None)
-        wider = q is not None and name in _MLP and q.dim() == p.dim() and all(a <= b for a, b in zip(q.shape, p.shape, strict=True))
-        if q is None or (q.shape != p.shape and not wider):
+        if q is None or not (q.shape == p.shape or (name in _MLP and _fits_inside(q, p))):
             hint = " (--intermediate-size may widen the MLP, not narrow it)" if name in _MLP else ""
             raise UsageError(f"--init-from-target: target {name}.{pname} has shape "
                              f"{None if q is None else tuple(q.shape)}, the drafter {tuple(p.shape)}{hint}")
         if q.shape != p.shape and name == "down_proj":
             p.zero_()  # the extra units' outputs start at zero: the layer computes the target's
         p[tuple(slice(0, k) for k in q.shape)].copy_(q.to(p.dtype))
+
+
+def _fits_inside(q: torch.Tensor, p: torch.Tensor) -> bool:
+    return q.dim() == p.dim() and all(a <= b for a, b in zip(q.shape, p.shape, strict=True))
 
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
