@@ -166,7 +166,8 @@ def test_a_stopped_worker_is_named_when_progress_stalls(prepared, tmp_path):
     """SIGSTOP of a drafter worker: after --peer-timeout the run ends naming that worker, not the
     target that stalled behind it."""
     proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000",
-                   "--peer-timeout", "15"])  # above the start-up time of 3 CPU workers
+                   "--peer-timeout", "30"])  # above the start-up time of 3 CPU workers, on a busy host too
+    # (at 15 s a full-suite run beside other work on 2 cores stalled at start-up, 2026-12-01)
     workers = _wait_for_training(proc, tmp_path)
     os.kill(workers[-1], signal.SIGSTOP)  # ranks start in order: the last is drafter rank 2
     try:
