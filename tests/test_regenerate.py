@@ -221,6 +221,24 @@ def test_files_from_before_the_sample_count_resume(tiny_target, tmp_path):
                    progress=False)
 
 
+def test_a_rerun_with_other_turn_settings_is_refused_and_older_files_resume(tiny_target, tmp_path):
+    """max_turns and max_context join the header: a rerun with other values would mix two datasets in
+    one file. max_context counts only past the first turn; files written before these keys resume."""
+    out = tmp_path / "t.jsonl"
+    one = RegenConfig(max_new_tokens=NEW, max_turns=1, max_context=64)
+    regenerate(tiny_target, conversations(1), out, one, progress=False)
+    with pytest.raises(UsageError, match=r"t\.jsonl:1: was regenerated with max_turns 1 \(this run: 2\)"):
+        regenerate(tiny_target, conversations(2), out, RegenConfig(max_new_tokens=NEW, max_turns=2), progress=False)
+    report = regenerate(tiny_target, conversations(2), out, RegenConfig(max_new_tokens=NEW, max_turns=1,
+                                                                        max_context=512), progress=False)
+    assert (report.already_done, report.written) == (1, 1)  # one turn: the window is no setting of the file
+    old = [{k: v for k, v in r.items() if k not in ("max_turns", "max_context")} for r in read_lines(out)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old), encoding="utf-8")
+    report = regenerate(tiny_target, conversations(3), out, RegenConfig(max_new_tokens=NEW, max_turns=3),
+                        progress=False)
+    assert (report.already_done, report.written) == (2, 1)
+
+
 # --- resumable output ----------------------------------------------------------------------------
 
 N = 5

@@ -189,10 +189,8 @@ class _Run:
                                      limits=limits) as client:
             self.client = client
             self.model = await self._preflight()
-            self.header = {"regenerated_by": self.model, "server": self.server.url,
-                           "max_new_tokens": self.cfg.max_new_tokens, "temperature": self.cfg.temperature,
-                           "samples": self.cfg.samples, "chat_template_kwargs": self.server.chat_template_kwargs,
-                           "reasoning": self.server.reasoning}
+            self.header = {"regenerated_by": self.model, "server": self.server.url, **self.cfg.settings(),
+                           "chat_template_kwargs": self.server.chat_template_kwargs, "reasoning": self.server.reasoning}
             done = resume(self.out_path, self.header)
             convs = self.conversations
             total = len(convs) * self.cfg.samples if hasattr(convs, "__len__") else None

@@ -54,6 +54,13 @@ class RegenConfig:
     --max-length: tokens past it are never trained on, and in-process one long history would widen
     its whole batch's KV cache."""
 
+    def settings(self) -> dict:
+        """What a record keeps of this config, so that a rerun with other settings is refused, not mixed.
+        max_context only matters past the first turn: with one turn it reads None, so a single-turn
+        file stays valid whatever the training window."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "samples": self.samples,
+                "max_turns": self.max_turns, "max_context": self.max_context if self.max_turns != 1 else None}
+
     def __post_init__(self) -> None:
         validate(self)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -210,11 +217,14 @@ def _parse_line(raw: bytes) -> dict | None:
 # path writes no "server": its records read as server None, which a server run's URL never equals
 # (and a server's record is refused by an in-process run even when the model names agree).
 HEADER_DEFAULTS = {"samples": 1, "server": None}
+# Header keys recorded since 2026-12-01: a record without one was written before, with a value no
+# one knows, so it is not compared (such files still resume, as they did).
+UNKNOWN_BEFORE = ("max_turns", "max_context")
 
 
 def check_same_run(path: Path, lineno: int, record: dict, header: dict) -> None:
     """Refuse to mix outputs of different targets, servers or settings in one file."""
-    ours = {"server": None, **header}
+    ours = {k: v for k, v in {"server": None, **header}.items() if k in record or k not in UNKNOWN_BEFORE}
     theirs = {k: record.get(k, HEADER_DEFAULTS.get(k)) for k in ours}
     if theirs != ours:
         diff = ", ".join(f"{k} {theirs[k]!r} (this run: {ours[k]!r})" for k in ours if theirs[k] != ours[k])

@@ -28,7 +28,8 @@ Resumable: the output is an append-only JSONL with one line per finished convers
 batch is written, flushed and fsync'ed before the next starts, so a killed run loses at most
 the batch in flight. On start the file is read back, a torn last line (no newline or invalid
 JSON) is truncated away, and conversations whose id is already there are skipped. A file
-written with another target, temperature or token limit is refused rather than mixed.
+written with another target, temperature, token limit, sample count, turn count or (past the
+first turn) context limit is refused rather than mixed.
 At T=0 a resumed run writes exactly what an uninterrupted one would; at T>0 the samples of the
 redone conversations differ (the random stream restarts at --seed), the distribution does not.
 
@@ -83,8 +84,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     """Append every conversation not yet in `out_path`, its assistant turns written by `target`."""
     out_path = Path(out_path)
     t0 = time.perf_counter()
-    header = {"regenerated_by": target.spec, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-              "samples": cfg.samples}
+    header = {"regenerated_by": target.spec, **cfg.settings()}
     done = resume(out_path, header)
     stops = target.stop_token_ids()  # builds the vocabulary dict: once per run, not per turn
     report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
