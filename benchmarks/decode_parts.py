@@ -75,7 +75,7 @@ def _step_in_place(loop, prompt: list[int], max_new_tokens: int):
     saved = [t.clone() for t in live]
 
     def step(kv_len: int) -> None:
-        loop._step(s.feats, kv_len, fast=True)
+        loop._step(kv_len)
         for t, v in zip(live, saved, strict=True):
             t.copy_(v)
     return step
