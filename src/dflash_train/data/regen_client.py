@@ -62,6 +62,7 @@ from tqdm import tqdm
 from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, append, pending, reply_segments,
                                             resume, with_samples)
 from dflash_train.data.sources import Conversation
+from dflash_train.data.tokenize import template_ids
 from dflash_train.errors import UsageError
 from dflash_train.models import targets
 
@@ -295,9 +296,9 @@ class _Run:
         histories that would not be trained on, not an exact limit."""
         if self.cfg.max_context is None:
             return False
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 **(self.server.chat_template_kwargs or {}))
-        return len(ids["input_ids"] if hasattr(ids, "keys") else ids) >= self.cfg.max_context
+        kwargs = self.server.chat_template_kwargs or {}
+        ids = template_ids(self.tokenizer, messages, add_generation_prompt=True, **kwargs)
+        return len(ids) >= self.cfg.max_context
 
     def _body(self, messages: list[Message], seed: int) -> dict:
         body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,

@@ -122,9 +122,11 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length:
     return truncate(*encode_chat(tokenizer, messages, stop_ids=stop_ids), max_length)
 
 
-def template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def template_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False,
+                 **template_kwargs) -> list[int]:
     """What `apply_chat_template(tokenize=True)` gives: the reference encode_chat must match."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        **template_kwargs)
     if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)

@@ -26,7 +26,7 @@ from dflash_train.config import BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, knob_field, val
 from dflash_train.errors import UsageError
 from dflash_train.eval.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.static_lm import KV_BUCKET
+from dflash_train.models.static_lm import KV_BUCKET, bucket
 from dflash_train.models.targets import Target
 
 
@@ -136,8 +136,8 @@ def warm_prompts(prompts: list[list[int]], size: int = KV_BUCKET) -> list[list[i
     longest = max(prompts, key=len)
     shortest: dict[int, list[int]] = {}
     for p in sorted(prompts, key=len):
-        shortest.setdefault(-(-len(p) // size), p)
-    return [longest] + [p for b, p in sorted(shortest.items()) if b != -(-len(longest) // size)]
+        shortest.setdefault(bucket(len(p), size), p)
+    return [longest] + [p for b, p in sorted(shortest.items()) if b != bucket(len(longest), size)]
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: EvalConfig,

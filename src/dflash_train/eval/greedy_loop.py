@@ -111,20 +111,21 @@ class GreedyLoop:
         key = (kv_len, self.lm.compiled, self.engine.compiled)
         for _ in range(steps):
             if self.engine.graphs:
-                graphs.advance(self.store, key, lambda: self._step(self.state.feats, kv_len), self.device)
+                graphs.advance(self.store, key, lambda: self._step(kv_len), self.device)
             else:
-                self._step(self.state.feats, kv_len)
+                self._step(kv_len)
 
     def records(self, lo: int, hi: int) -> list[list[int]]:
         return self.state.records[lo:hi].tolist()  # host sync: the steps' outcomes, once per chunk
 
     @torch.no_grad()
-    def _step(self, feats: torch.Tensor, kv_len: int) -> None:
-        """One full-width step, through the engines' compiled forwards when they have them."""
+    def _step(self, kv_len: int) -> None:
+        """One full-width step on the last verify's features (state.feats), through the engines' compiled
+        forwards when they have them."""
         s = self.state
         target_cache, draft_cache = self.caches
         block = torch.cat([s.last, self._masks])[None]
-        draft = self.engine.step_forward(feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
+        draft = self.engine.step_forward(s.feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
         start = s.meta[0] + s.meta[1]  # position of block slot 0
         block = torch.cat([s.last, draft])[None]
         out = self.lm.step_forward(block, (start + self._slots)[None], target_cache, kv_len, layers=self.layers,
