@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dflash_train.eval import greedy_loop
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.eval.speculative import compile_decode, rejection_sample, speculative_generate, target_generate
 from dflash_train.models.checkpoint import save_drafter
@@ -158,14 +159,22 @@ def partial_pair():
     return _partial_pair()
 
 
+@pytest.mark.parametrize("lag", [0, 2])  # 2: records read two steps late, as on CUDA (where it is 1)
 @pytest.mark.parametrize("max_new", [40, 23, 2])
-def test_the_device_loop_takes_the_host_loops_steps(partial_pair, max_new):
-    """T=0 on a StaticLM target: the device-state loop commits, accepts and counts exactly what the host loop does."""
+def test_the_device_loop_takes_the_host_loops_steps(partial_pair, max_new, lag):
+    """T=0 on a StaticLM target: the device-state loop commits, accepts and counts exactly what the host
+    loop does, and queues no step past the token limit however late it reads."""
     target, drafter, prompt = partial_pair
-    ours = speculative_generate(target, drafter, prompt, max_new)
+    loop = greedy_loop.for_pair(target, drafter)
+    loop.lag = lag
+    try:
+        ours = speculative_generate(target, drafter, prompt, max_new)
+    finally:
+        loop.lag = None
     host = speculative_generate(target, drafter, prompt, max_new, device_loop=False)
     assert (ours.tokens, ours.committed, ours.accepted, ours.slots) == (host.tokens, host.committed, host.accepted,
                                                                          host.slots)
+    assert loop.queued == len(ours.committed)
     if max_new == 40:
         assert {0, 2, 4} <= set(ours.accepted) and ours.slots[-1] < 4  # partial, full and cut-short steps
 
@@ -203,11 +212,15 @@ def test_the_device_loop_stops_at_a_stop_token(tiny_target, make_drafter):
     want = base[:base.index(stop) + 1]
     for device_loop in (True, False):
         assert speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop], device_loop=device_loop).tokens == want
+    loop = greedy_loop.for_pair(tiny_target, drafter)
+    loop.lag = 2  # a stop is seen two steps late: at most two steps run past it, and change nothing
+    res = speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop])
+    assert res.tokens == want and 0 < loop.queued - len(res.committed) <= 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_graphed_device_loop_takes_the_host_loops_steps():
-    """On CUDA the device loop replays one graph per step and checks the end every few steps; its
+    """On CUDA the device loop replays one graph per step and reads each step back a step late; its
     graphs are reused by a decode with another token limit (the limit is state, not a constant)."""
     target, drafter, prompt = _partial_pair("cuda")
     for max_new in (40, 23, 150, 23):

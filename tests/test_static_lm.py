@@ -97,14 +97,18 @@ def test_regeneration_equals_hf_loop(target):
     assert not ours[0].hit_limit and ours[0].ids[-1] == stops[0]
 
 
-def test_generate_splits_rows_and_checks_stops_every_n(target):
-    """check_every > 1 only decodes past the stop (the caller cuts there): the kept tokens are the same."""
+def test_generate_reads_the_stop_check_lag_steps_late(target):
+    """A stop check read `lag` steps late decodes exactly `lag` steps past the stop, which the caller
+    cuts: the kept tokens are those of a check read at once."""
     lm = static_lm.for_model(target.model)
-    prompts = _prompts(3, seed=2)
-    every = generate(lm, prompts, 10, [7], check_every=1).rows
-    sparse = generate(lm, prompts, 10, [7], check_every=4).rows
-    cut = [spec._cut(r, {7}) for r in every]
-    assert [spec._cut(r, {7}) for r in sparse] == cut
+    prompt = _prompts(1, seed=2)[0]
+    free = generate(lm, [prompt], 12, []).rows[0]
+    stop = free[3]
+    first = free.index(stop) + 1  # tokens up to and including the first stop
+    at_once = generate(lm, [prompt], 12, [stop], lag=0).rows[0]
+    late = generate(lm, [prompt], 12, [stop], lag=2).rows[0]
+    assert len(at_once) == first and len(late) == first + 2
+    assert spec._cut(late, {stop}) == at_once == free[:first]
 
 
 def test_target_generate_equals_hf(target):
@@ -132,6 +136,6 @@ def test_cuda_graph_replays_equal_eager():
     t = load_target("random:tiny", device="cuda", dtype=torch.float32, seed=0)
     eager, graphed = StaticLM(t.model, graphs=False), StaticLM(t.model, graphs=True)
     prompts = _prompts(5, seed=5)
-    a = generate(eager, prompts, 24, [], check_every=1).rows
-    b = generate(graphed, prompts, 24, [], check_every=8).rows
+    a = generate(eager, prompts, 24, [], lag=0).rows
+    b = generate(graphed, prompts, 24, []).rows
     assert a == b

@@ -4,10 +4,10 @@ A batch-1 DFlash step is a draft, a verify and an acceptance test. When the host
 acceptance, every step ends in a sync and the GPU idles while Python reads the tokens and
 builds the next block. At T=0 acceptance is a comparison the device can make itself, so here
 a whole step (draft, verify, accept, the next step's state) is one function of device
-buffers, on CUDA one graph replay, and the host reads the steps' records back only every few
-steps to see whether the decode has ended. Steps past the end are wasted work, never wrong
-output: the host replays the records with the host loop's own rules (the token limit, stop
-tokens) and ignores the rest.
+buffers, on CUDA one graph replay, and the host reads each step's record back one step late
+(`host_reads`: the next step runs while it reads) to see whether the decode has ended. A step
+past the end is wasted work, never wrong output: the host replays the records with the host
+loop's own rules (the token limit, stop tokens) and ignores the rest.
 
 The semantics are `speculative_generate`'s host loop, step for step: the same block widths
 (a block cut short by the token limit is masked to its width, see `static_drafter`), the same
@@ -24,10 +24,9 @@ import torch
 from dflash_train.models import graphs, static_drafter, static_lm
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.graphs import GraphStore
+from dflash_train.models.host_reads import LaggedReads
 from dflash_train.models.static_lm import StaticCache, StaticLM, bucket
 from dflash_train.models.targets import Target
-
-MAX_CHUNK = 8  # steps between two checks at most: bounds the steps wasted past a stop token
 
 
 @dataclass
@@ -56,12 +55,17 @@ class GreedyLoop:
         self.state: _State | None = None
         # the prompt's features, the drafter's meta for all but their last B, and the first step's key length
         self._prompt: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.lag: int | None = None  # steps queued past the one read next (None: host_reads' default)
+        self.reads = LaggedReads(self.device, self.lag)  # the queued steps' records, on their way to the host
+        self.queued = 0  # steps queued in this decode
 
     @torch.no_grad()
     def start(self, prompt: list[int], max_new_tokens: int) -> int:
         """Prefill the prompt; returns the first token (host sync: the caller's stop check)."""
         B, dev = self.B, self.device
-        self._allocate(len(prompt) + max_new_tokens + (MAX_CHUNK + 2) * B, max_new_tokens + MAX_CHUNK + 1)
+        self.reads, self.queued = LaggedReads(dev, self.lag), 0
+        lag = self.reads.lag
+        self._allocate(len(prompt) + max_new_tokens + (lag + 2) * B, max_new_tokens + lag + 1)
         target_cache, _ = self.caches
         ids = torch.tensor([prompt], device=dev)
         pos = torch.arange(len(prompt), device=dev)[None]
@@ -101,7 +105,17 @@ class GreedyLoop:
                 ctx[:, :rows] = feats[:, :rows]
                 self.engine.step(ctx, s.last[None], prefix_meta, draft_cache, bucket(rows + 1))
         s.feats[:, :n].copy_(feats[:, L - n:])
+        self.queue(kv_len)
+
+    def queue(self, kv_len: int) -> None:
+        """Run one more step (keys below kv_len) and start its record's copy to the host; no host sync."""
         self.advance(1, kv_len)
+        self.reads.post(self.state.records[self.queued])
+        self.queued += 1
+
+    def read(self) -> list[int]:
+        """The oldest unread step's record: drafts accepted, then the target's B argmaxes."""
+        return self.reads.read().tolist()  # host sync (host_reads): that step's, not the ones queued after it
 
     @torch.no_grad()
     def advance(self, steps: int, kv_len: int) -> None:
@@ -114,9 +128,6 @@ class GreedyLoop:
                 graphs.advance(self.store, key, lambda: self._step(kv_len), self.device)
             else:
                 self._step(kv_len)
-
-    def records(self, lo: int, hi: int) -> list[list[int]]:
-        return self.state.records[lo:hi].tolist()  # host sync: the steps' outcomes, once per chunk
 
     @torch.no_grad()
     def _step(self, kv_len: int) -> None:

@@ -265,7 +265,8 @@ def compile_decode(target: Target, drafter: DFlashDrafter) -> bool:
 
 def _greedy_generate(loop: greedy_loop.GreedyLoop, prompt: list[int], max_new_tokens: int,
                      stops: set[int]) -> DecodeResult:
-    """The T=0 decode on the device; the host reads the steps back in chunks and applies the host loop's rules."""
+    """The T=0 decode on the device; the host reads each step back one step late (on CUDA) and applies
+    the host loop's rules."""
     dev, B = loop.device, loop.B
     t0 = now(dev)
     res = DecodeResult(tokens=[loop.start(prompt, max_new_tokens)], prefill_s=0.0, decode_s=0.0)
@@ -274,30 +275,23 @@ def _greedy_generate(loop: greedy_loop.GreedyLoop, prompt: list[int], max_new_to
     done = _finished(res, max_new_tokens, stops)
     if not done:
         loop.first_step()
-    queued, read = (0 if done else 1), 0  # steps run on the device, steps applied here
     while not done:
-        for accepted, *pred in loop.records(read, queued):
-            read += 1
-            # The accepted drafts equal the target's argmaxes; then comes its next token.
-            q_len = min(B, max_new_tokens - len(res.tokens) + 1)
-            _extend(res, accepted, pred[:accepted + 1], q_len, max_new_tokens, stops)
-            done = _finished(res, max_new_tokens, stops)
-            if done:
-                break
-        if not done:
-            steps = _chunk(res, max_new_tokens, dev)
-            loop.advance(steps, static_lm.bucket(len(prompt) + len(res.tokens) - 1 + steps * B))
-            queued += steps
-    res.decode_s = now(dev) - t1
+        while not loop.reads.due() and _more(res, max_new_tokens, len(loop.reads), B):
+            loop.queue(static_lm.bucket(len(prompt) + len(res.tokens) - 1 + (len(loop.reads) + 1) * B))
+        accepted, *pred = loop.read()
+        # The accepted drafts equal the target's argmaxes; then comes its next token.
+        q_len = min(B, max_new_tokens - len(res.tokens) + 1)
+        _extend(res, accepted, pred[:accepted + 1], q_len, max_new_tokens, stops)
+        done = _finished(res, max_new_tokens, stops)
+    res.decode_s = now(dev) - t1  # includes the lag's steps queued past the end
     return res
 
 
-def _chunk(res: DecodeResult, max_new_tokens: int, dev: torch.device) -> int:
-    """Steps to run before the next check: those the observed tau says are still needed (1 on CPU)."""
-    if dev.type != "cuda":
-        return 1  # syncs cost nothing on the CPU, and steps past the end would
-    tau = (len(res.tokens) - 1) / max(len(res.committed), 1)
-    return max(1, min(greedy_loop.MAX_CHUNK, int((max_new_tokens - len(res.tokens)) / max(tau, 1.0))))
+def _more(res: DecodeResult, max_new_tokens: int, unread: int, B: int) -> bool:
+    """Whether to queue another step before reading: always when none is queued, else only while the
+    queued ones cannot reach the token limit. A step queued past the end costs a whole step; not
+    queueing one costs the GPU only the read's round trip (then the host queues it)."""
+    return unread == 0 or max_new_tokens - len(res.tokens) > unread * B
 
 
 def _finished(res: DecodeResult, max_new_tokens: int, stops: set[int]) -> bool:

@@ -3,8 +3,8 @@
 Prompts are prefilled in row chunks (eagerly: compute-bound), then decoded one token per step
 (graph replays on CUDA). Rows that have stopped keep decoding until every row has (their extra
 tokens are cut by the caller at the first stop token): a static batch costs some wasted rows
-but no per-row bookkeeping. The stop check is the loop's only host sync, made every
-`check_every` steps on CUDA (every step on CPU, where it costs nothing and saves compute).
+but no per-row bookkeeping. The stop check is the loop's only host sync: every step, one step
+late on CUDA (`host_reads`: the GPU runs the next step while the host reads), at once on CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.models.host_reads import LaggedReads
 from dflash_train.models.sampling import greedy
 from dflash_train.models.static_lm import StaticLM, bucket
 
@@ -47,23 +48,23 @@ def max_rows(lm: StaticLM, capacity: int) -> int:
 
 @torch.no_grad()  # not inference_mode: a compiled StaticLM (StaticLM.compile) rejects its tensors
 def generate(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-             pick: Picker = greedy, check_every: int | None = None) -> Generated:
-    """Up to max_new_tokens tokens per prompt; sub-batches sized to the KV memory budget."""
+             pick: Picker = greedy, lag: int | None = None) -> Generated:
+    """Up to max_new_tokens tokens per prompt; sub-batches sized to the KV memory budget. Rows run up to
+    `lag` steps past the step where every row had stopped (host_reads.LAG on CUDA, 0 on CPU)."""
     cap = max(len(p) for p in prompts) + max_new_tokens
     step = max_rows(lm, cap)
     rows: list[list[int]] = []
     prefill_s = decode_s = 0.0
     for i in range(0, len(prompts), step):
-        part = _generate_batch(lm, prompts[i:i + step], max_new_tokens, stop_ids, pick, check_every)
+        part = _generate_batch(lm, prompts[i:i + step], max_new_tokens, stop_ids, pick, lag)
         rows += part.rows
         prefill_s, decode_s = prefill_s + part.prefill_s, decode_s + part.decode_s
     return Generated(rows, prefill_s, decode_s)
 
 
 def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                    pick: Picker, check_every: int | None) -> Generated:
+                    pick: Picker, lag: int | None) -> Generated:
     dev = lm.device
-    check_every = check_every or (8 if dev.type == "cuda" else 1)
     lens = [len(p) for p in prompts]
     width = max(lens)
     cache = lm.cache_for(len(prompts), width + max_new_tokens)
@@ -73,12 +74,13 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
     pos = torch.tensor(lens, device=dev)  # position of the token in `nxt`
     stops = torch.tensor(stop_ids or [-1], device=dev)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
+    ended = LaggedReads(dev, lag)  # whether every row has stopped, as of `lag` steps ago
     tokens = []
     for n in range(1, max_new_tokens + 1):
         tokens.append(nxt)
         done |= torch.isin(nxt, stops)
-        # Host sync, every check_every steps: stop once every row has ended.
-        if n == max_new_tokens or (n % check_every == 0 and bool(done.all())):
+        ended.post(done.all())
+        if n == max_new_tokens or (ended.due() and bool(ended.read())):  # host sync: the stop check
             break
         out = lm.step(nxt[:, None], pos[:, None], cache, bucket(width + n), logits="all")
         nxt = pick(out.logits[:, -1])
