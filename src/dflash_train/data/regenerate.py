@@ -117,10 +117,9 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
     """Fill every job's history, one batched decode per turn index."""
     for k in range(max(len(j.segments) for j in jobs)):
         active, prompts = [], []
-        for job in jobs:
-            if k >= len(job.segments):
-                continue
-            prompt = target.render_chat(job.history + job.segments[k])
+        turn = [job for job in jobs if k < len(job.segments)]
+        rendered = target.render_chats([job.history + job.segments[k] for job in turn])  # one batch: every core
+        for job, prompt in zip(turn, rendered, strict=True):
             if k and cfg.max_context is not None and len(prompt) >= cfg.max_context:
                 del job.segments[k:]  # the conversation ends at its last reply (its user turn is dropped)
                 report.context_cut += 1
