@@ -83,6 +83,19 @@ def test_unlocatable_assistant_turn_is_a_bad_record(tok, monkeypatch):
         tokenize_conversation(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], 64)
 
 
+def test_a_batch_encodes_each_conversation_as_alone_and_a_bad_one_in_its_place(tok, monkeypatch):
+    from dflash_train.data.tokenize import encode_chat, encode_chats
+
+    monkeypatch.setattr(tok, "chat_template", tok.chat_template.replace("message['content']",
+                                                                        "message['content'] | upper"))
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]  # rewritten: not found
+    good = [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "HELLO THERE"}]
+    longer = good + [{"role": "user", "content": "AGAIN"}, {"role": "assistant", "content": "SURE, AGAIN"}]
+    out = encode_chats(tok, [bad, good, longer, bad])
+    assert isinstance(out[0], BadRecord) and isinstance(out[3], BadRecord)
+    assert out[1:3] == [encode_chat(tok, good), encode_chat(tok, longer)] and sum(out[2][1]) > sum(out[1][1]) > 0
+
+
 def test_truncation_keeps_a_prefix(tok):
     full_ids, full_mask = tokenize_conversation(tok, CHAT, max_length=4096)
     first_loss = full_mask.index(1)

@@ -24,13 +24,14 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
 from dflash_train.data.conversations import BadRecord
 from dflash_train.data.sources import ON_BAD, Conversation
-from dflash_train.data.tokenize import encode_chat, end_of_turn_ids, template_ids, truncate
+from dflash_train.data.tokenize import encode_chats, end_of_turn_ids, template_ids, truncate
 from dflash_train.errors import UsageError
 from dflash_train.files import AtomicDirectory
 
@@ -39,6 +40,7 @@ FORMAT_VERSION = 1
 _ARRAYS = ("input_ids.npy", "loss_mask.npy", "offsets.npy")
 LABELS = "labels.npy"
 _MAX_EXAMPLES = 5
+PREPARE_BATCH = 512  # conversations tokenized together (every core), their arrays kept until written anyway
 
 
 @dataclass
@@ -85,9 +87,11 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
     seq_ids: list[np.ndarray] = []
     seq_masks: list[np.ndarray] = []
     conv_ids: list[str] = []
-    for conv in conversations:
+    for conv, encoded in _encoded(tokenizer, conversations, stops):
         try:
-            ids, mask = encode_chat(tokenizer, conv.messages, stop_ids=stops)
+            if isinstance(encoded, BadRecord):
+                raise encoded
+            ids, mask = encoded
             if not conv_ids:  # once: our render + tokenize must be what the target sees
                 _check_matches_template(tokenizer, conv, ids, target_spec)
             cut = len(ids) > max_length
@@ -122,6 +126,13 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
     }
     write_sequences(out, seq_ids, seq_masks, conv_ids, meta, overwrite)
     return report
+
+
+def _encoded(tokenizer, conversations: Iterable[Conversation], stops: set[int]):
+    """(conversation, encode_chat's result or its BadRecord), encoded PREPARE_BATCH at a time."""
+    it = iter(conversations)
+    while batch := list(islice(it, PREPARE_BATCH)):
+        yield from zip(batch, encode_chats(tokenizer, [c.messages for c in batch], stop_ids=stops), strict=True)
 
 
 def write_sequences(out: Path, ids: list[np.ndarray], masks: list[np.ndarray], conv_ids: list[str], meta: dict,

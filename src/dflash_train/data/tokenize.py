@@ -67,12 +67,37 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], *,
     stop_ids: the end-of-turn ids to mark after each assistant content; default
     `end_of_turn_ids(tokenizer)`. Pass them in when encoding many conversations to skip the lookup.
     """
+    out = encode_chats(tokenizer, [messages], stop_ids=stop_ids)[0]
+    if isinstance(out, BadRecord):
+        raise out
+    return out
+
+
+def encode_chats(tokenizer, conversations: list[list[dict[str, str]]], *,
+                 stop_ids: Iterable[int] | None = None) -> list[tuple[list[int], list[int]] | BadRecord]:
+    """encode_chat of each conversation, in order, with the tokenizer run once over the batch (a fast
+    tokenizer spreads it over every core: most of preparing a dataset is this encode). A conversation
+    that cannot be encoded gets its BadRecord in its place."""
     stops = set(end_of_turn_ids(tokenizer) if stop_ids is None else stop_ids)
-    text = render_text(tokenizer, messages)
-    spans = assistant_spans(tokenizer, messages, text)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = list(enc["input_ids"])
-    offsets: list[tuple[int, int]] = [tuple(o) for o in enc["offset_mapping"]]
+    out: list[tuple[list[int], list[int]] | BadRecord] = []
+    rendered: list[tuple[int, str, list[tuple[int, int]]]] = []  # (index, text, assistant spans)
+    for i, messages in enumerate(conversations):
+        try:
+            text = render_text(tokenizer, messages)
+            rendered.append((i, text, assistant_spans(tokenizer, messages, text)))
+            out.append(([], []))  # filled below
+        except BadRecord as e:
+            out.append(e)
+    if rendered:
+        enc = tokenizer([text for _, text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        for (i, text, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"], strict=True):
+            out[i] = _loss_mask(list(ids), [tuple(o) for o in offsets], text, spans, stops)
+    return out
+
+
+def _loss_mask(ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[tuple[int, int]],
+               stops: set[int]) -> tuple[list[int], list[int]]:
+    """(ids, mask): 1 on tokens overlapping an assistant content span and on the end-of-turn token after it."""
     ends = [e for _, e in offsets]
     mask = [0] * len(ids)
     for start, end in spans:
