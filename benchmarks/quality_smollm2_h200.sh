@@ -5,7 +5,8 @@
 #   bash benchmarks/quality_smollm2_h200.sh RUN_DIR [extra train flags, which override the config...]
 # Writes RUN_DIR/quality.json with the keys of benchmarks/results/quality-smollm2-h200.json
 # (tau_humaneval, tau_mtbench, tau_sharegpt, speedup, train_tokens, steps, wall_s, device, date,
-# command). Longer than one device call (~13 min on an H200): start it with setsid nohup and poll.
+# command) and the job's seconds per phase (phases_s, from RUN_DIR/phases.json). Longer than one
+# device call (~15 min on an H200): start it with setsid nohup and poll.
 # The plumbing on a CPU (a few minutes):
 #   EVAL_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/quality_smollm2_h200.sh /tmp/q --device cpu --target random:tiny \
 #   --num-conversations 40 --no-regenerate --num-layers 2 --max-steps 4 --max-length 128 --token-budget 512 \
@@ -48,6 +49,7 @@ out = {"tau_humaneval": after["tau"], "tau_mtbench": json.loads((run / "eval-mtb
        "lossless_humaneval": after["lossless"], "train_tokens": round(tokens[-1]) if tokens else None,
        "steps": records[-1]["step"] if records else 0, "wall_s": wall,
        "wall_s_note": "the whole train job: data, regeneration, training, export, HumanEval eval before and after",
+       "phases_s": json.loads((run / "phases.json").read_text()),  # the job's own split of its time (app/phases.py)
        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
        "date": datetime.date.today().isoformat(), "command": command}
 (run / "quality.json").write_text(json.dumps(out, indent=1) + "\n")

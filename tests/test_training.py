@@ -179,7 +179,13 @@ def test_train_command_end_to_end_on_tiny(tmp_path, capsys):
             "--regen-max-new-tokens", "24", "--max-length", "96", "--token-budget", "192", "--block-size", "4",
             "--max-steps", "4", "--eval-limit", "1", "--eval-max-new-tokens", "8", "--eval-dataset", str(data), "--quiet"]
     assert main(argv) == 0
-    assert "note: on a CPU the speedup above says little" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: on a CPU the speedup above says little" in out
+    phases = json.loads((run / "phases.json").read_text())  # where the job's time went, phase by phase
+    assert list(phases) == ["load target", "select", "regenerate", "prepare", "eval before", "train", "eval after",
+                            "other", "total"]
+    assert all(s >= 0 for s in phases.values()) and phases["train"] > 0
+    assert abs(sum(phases.values()) - 2 * phases["total"]) < 0.5 and f"run {phases['total']:.0f} s: load target" in out
     assert (run / "drafter" / "model.safetensors").is_file() and (run / "config.toml").is_file()
     assert len((run / "metrics.jsonl").read_text().splitlines()) >= 1
     assert any((run / "tb").iterdir())

@@ -10,6 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from dflash_train.app.phases import Phases
 from dflash_train.data.dataset import PreparedDataset, prepare_dataset
 from dflash_train.data.regen_client import regenerate_via_server
 from dflash_train.data.regen_common import RegenConfig, RegenReport, read_regenerated, sample_ids
@@ -26,17 +27,21 @@ def _key(*parts: object) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool) -> PreparedDataset:
-    """The prepared data, with the target's labels when --labels target (computed once, then cached)."""
-    dataset = _prepared(cfg, target, run_dir, progress)
+def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool,
+                  phases: Phases | None = None) -> PreparedDataset:
+    """The prepared data, with the target's labels when --labels target (computed once, then cached).
+    phases: times its stages (select, regenerate, prepare, relabel)."""
+    phases = phases or Phases()
+    dataset = _prepared(cfg, target, run_dir, progress, phases)
     if cfg.labels != "target":
         return dataset
-    rep = relabel(target, dataset.path, progress=progress)
+    with phases.time("relabel"):
+        rep = relabel(target, dataset.path, progress=progress)
     say(f"relabel: {rep.summary()}")
     return PreparedDataset.open(dataset.path, labels=True)
 
 
-def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool) -> PreparedDataset:
+def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool, phases: Phases) -> PreparedDataset:
     """Regenerate (optionally) and tokenize the training conversations; reuse cached stages."""
     if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
         return PreparedDataset.open(cfg.data)
@@ -55,22 +60,25 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool) -
         say(f"using the prepared data in {data_dir}")
         return PreparedDataset.open(data_dir)
     report = SourceReport()
-    convs = select_conversations(iter_conversations(cfg.data, split=split, on_bad=cfg.on_bad, report=report,
-                                                    require_assistant=not cfg.regenerate), report,
-                                 topic=cfg.data_topic, limit=cfg.num_conversations,
-                                 target=target if cfg.regenerate else None,
-                                 max_prompt_tokens=cfg.regen_max_prompt_tokens)
+    with phases.time("select"):
+        convs = select_conversations(iter_conversations(cfg.data, split=split, on_bad=cfg.on_bad, report=report,
+                                                        require_assistant=not cfg.regenerate), report,
+                                     topic=cfg.data_topic, limit=cfg.num_conversations,
+                                     target=target if cfg.regenerate else None,
+                                     max_prompt_tokens=cfg.regen_max_prompt_tokens)
     say(f"data: {report.summary()}")
     if cfg.regenerate:
         regen_path = run_dir / f"regenerated-{_key(src_key, *regen_key)}.jsonl"
         regen_cfg = RegenConfig(max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
                                 batch_size=cfg.regen_batch_size, max_turns=cfg.regen_max_turns, seed=cfg.seed,
                                 samples=cfg.regen_samples, max_context=cfg.max_length)
-        rep = _regenerate(cfg, target, convs, regen_path, regen_cfg, progress)
+        with phases.time("regenerate"):
+            rep = _regenerate(cfg, target, convs, regen_path, regen_cfg, progress)
         say(f"regenerate: {rep.summary()}")
         convs = read_regenerated(regen_path, sample_ids([c.id for c in convs], cfg.regen_samples))
-    prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.max_length, on_bad=cfg.on_bad,
-                           target_spec=target.spec, source_summary=report.summary, overwrite=True)
+    with phases.time("prepare"):
+        prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.max_length, on_bad=cfg.on_bad,
+                               target_spec=target.spec, source_summary=report.summary, overwrite=True)
     say(f"prepare: {prep.summary()}")
     return PreparedDataset.open(data_dir)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.app.dataset import build_dataset
+from dflash_train.app.phases import Phases
 from dflash_train.app.drafter import check_mask_token_absent, make_drafter
 from dflash_train.app.local import total_steps, train_local
 from dflash_train.app.ranks import launch_workers, run_torchrun_rank, under_torchrun, worker_roles
@@ -36,6 +37,7 @@ from dflash_train.training.checkpoint import latest_checkpoint, load_state
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.trainer import GracefulStop
 
+PHASES_FILE = "phases.json"  # the last run's seconds per phase (app/phases.py)
 CPU_SPEEDUP_NOTE = (
     "note: on a CPU the speedup above says little about the drafter. The target's forward over a block "
     "of B tokens costs several one-token forwards there (its matmuls are compute-bound; on a GPU a "
@@ -62,7 +64,7 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 
 
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
-    t0 = time.perf_counter()
+    phases = Phases()
     run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
     state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
@@ -70,11 +72,12 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         check_backend_device(cfg.attention, d)  # before any data is regenerated
     if cfg.init_drafter and not resume:
         load_config(cfg.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
-    target = load_target(cfg.target, device=device)
+    with phases.time("load target"):
+        target = load_target(cfg.target, device=device)
     say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
                if cfg.eval_limit else [])
-    dataset = build_dataset(cfg, target, run_dir, progress)
+    dataset = build_dataset(cfg, target, run_dir, progress, phases)
     drafter = make_drafter(cfg, target, ckpt)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -83,32 +86,36 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     before = None
     if prompts and ckpt is None:
         # tau only: the untrained drafter's speedup and losslessness are not the question here
-        before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress, baseline=False)
+        with phases.time("eval before"):
+            before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress, baseline=False)
         say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
-    if roles:
-        init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
-        del target, drafter  # the workers load their own; free this process's device memory
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress)
-        if code:
-            return code
-        target = load_target(cfg.target, device=device)  # released while the workers ran
-        drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
-    else:
-        steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress)
+    with phases.time("train"):
+        if roles:
+            init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
+            del target, drafter  # the workers load their own; free this process's device memory
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress)
+            if code:
+                return code
+            target = load_target(cfg.target, device=device)  # released while the workers ran
+            drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
+        else:
+            steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress)
     export = export_drafter(drafter, run_dir, cfg)
     if prompts:
-        after = eval_tau(target, load_drafter(export, device=device, dtype=target.dtype), prompts, cfg, "after",
-                         run_dir, progress)
+        with phases.time("eval after"):
+            after = eval_tau(target, load_drafter(export, device=device, dtype=target.dtype), prompts, cfg, "after",
+                             run_dir, progress)
         print(after.summary())
         if device.type == "cpu":
             print(CPU_SPEEDUP_NOTE)
         print(f"tau on {len(prompts)} held-out {cfg.eval_dataset} prompts: "
               f"untrained {before.tau:.3f} -> trained {after.tau:.3f}" if before else
               f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval_dataset} prompts: {after.tau:.3f}")
-    print(f"trained {steps} steps in {seconds:.0f} s (run {time.perf_counter() - t0:.0f} s); "
-          f"drafter exported to {export}")
+    phases.save(run_dir / PHASES_FILE)
+    print(f"trained {steps} steps in {seconds:.0f} s; drafter exported to {export}")
+    print(f"{phases.summary()} ({run_dir / PHASES_FILE})")
     return 0
 
 
