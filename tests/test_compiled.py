@@ -20,3 +20,19 @@ def test_the_environment_still_decides_the_compile_pool(monkeypatch):
     monkeypatch.setattr(inductor_config, "quiesce_async_compile_pool", True)
     compiled.compile_serialized(lambda x: x + 1)
     assert inductor_config.quiesce_async_compile_pool is True
+
+
+def test_a_function_compiles_past_torchs_eight_variants(monkeypatch):
+    """Training and the evals' decode shapes compile more than 8 variants of one fused chain in one
+    process; past torch's default limit dynamo would run it eagerly from then on."""
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # torch's default
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    fn = compiled.compile_serialized(lambda x: x * 2 + 1, backend=counter, dynamic=False)  # a variant per shape
+    for n in range(1, 13):  # 12 static shapes: 12 variants
+        assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
+    assert counter.frame_count == 12 and dynamo_config.recompile_limit == compiled.RECOMPILE_LIMIT
+    torch._dynamo.reset()

@@ -31,6 +31,7 @@ F = TypeVar("F", bound=Callable)
 
 _LOCK = threading.RLock()
 QUIESCE_ENV = "TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL"
+RECOMPILE_LIMIT = 64  # compiled variants per function a process may hold (torch's default: 8)
 
 
 def keep_compile_pool() -> None:
@@ -44,14 +45,31 @@ def keep_compile_pool() -> None:
         inductor_config.quiesce_async_compile_pool = False
 
 
-def compile_serialized(fn: F, dynamic: Mapping[int, int] | None = None, **compile_kwargs) -> F:
+def allow_recompiles() -> None:
+    """Room for every variant a train job compiles of one function. Past recompile_limit variants
+    dynamo runs the function eagerly, with a warning. The fused drafter chains (models/fused.py)
+    are compiled for training (with grad, dynamic token counts, size-1 specializations) and again,
+    in the same process, for the evals' no-grad decode shapes; on the H200 (2026-12-02) the eval
+    after training hit the limit for `_rms_norm` and `_norm_rope` and decoded at 5.50 ms per DFlash
+    step, against 4.77-4.79 ms for the same drafter in fresh processes. Raised, not lowered: an
+    explicit higher setting stays."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, **compile_kwargs) -> F:
     """torch.compile(fn), each call made under the process's compile lock.
 
     dynamic: {positional argument: dimension} compiled as dynamic from the first call. Token
     counts change (the context's vs the block's, pack to pack, the last loss chunk), and under
     automatic dynamic shapes each such function compiled twice: static first, then dynamic.
+    True or False: torch.compile's own `dynamic` (False: one static variant per shape).
     """
     keep_compile_pool()
+    allow_recompiles()
+    if isinstance(dynamic, bool):
+        compile_kwargs["dynamic"], dynamic = dynamic, None
     compiled = torch.compile(fn, **compile_kwargs)
     marks = tuple((dynamic or {}).items())
 
