@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import signal
 import time
 from pathlib import Path
@@ -86,8 +87,11 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     before = None
     if prompts and ckpt is None:
         # tau only: the untrained drafter's speedup and losslessness are not the question here
+        # in the dtype the trained drafter is evaluated in (the export, below): the same decode, and
+        # cheaper than the fp32 master weights (6.4 ms a step on the H200 against 4.8 ms in bf16)
         with phases.time("eval before"):
-            before = eval_tau(target, drafter, prompts, cfg, "before", run_dir, progress, baseline=False)
+            before = eval_tau(target, copy.deepcopy(drafter).to(target.dtype), prompts, cfg, "before", run_dir,
+                              progress, baseline=False)
         say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
     with phases.time("train"):
         if roles:
