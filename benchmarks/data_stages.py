@@ -8,7 +8,10 @@ Before regeneration the job measures every ShareGPT first prompt against
 (`data/regenerate.py`); preparation tokenizes every conversation with offsets
 (`data/dataset.py`). Each is timed here the way the job runs it (one tokenizer call per batch:
 Target.render_chats, tokenize.encode_chats) and one conversation at a time (the loops before
-2026-12-02), with a check that both give the same tokens. CPU only, no GPU needed: the tokenizer
+2026-12-02: one unbatched apply_chat_template call per prompt; encode_chat, a batch of one, for
+preparation, which is the old call's work), with a check that both give the same tokens. The
+batched selection also skips tokenizing prompts too long by their characters alone; the one at
+a time column tokenizes every one, as the old loop did. CPU only, no GPU needed: the tokenizer
 spreads a batch over every core, so the ratio grows with the core count (`cores` in the output).
 Regeneration's prompts are stood in for by ShareGPT's own first three turns (user, assistant,
 user, ...; up to 4,000 characters), the histories the regenerated later turns grow into.
@@ -25,10 +28,11 @@ import time
 from datetime import date
 from pathlib import Path
 
+from dflash_train.data.conversations import first_prompt
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import Conversation, SourceReport, default_split, iter_conversations
-from dflash_train.data.tokenize import encode_chat, encode_chats, end_of_turn_ids
+from dflash_train.data.tokenize import encode_chat, encode_chats, end_of_turn_ids, template_ids
 from dflash_train.files import write_atomic
 from dflash_train.models.targets import load_target
 
@@ -58,6 +62,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     target = load_target(args.target, device="cpu")
+    tok = target.tokenizer
     convs = list(iter_conversations("sharegpt", split=default_split("sharegpt"), on_bad="skip", report=SourceReport(),
                                     require_assistant=False))
     out: dict[str, object] = {"target": args.target, "cores": os.cpu_count(), "date": date.today().isoformat(),
@@ -65,11 +70,11 @@ def main(argv=None) -> int:
 
     picked, out["select_batched_s"] = _timed(lambda: select_conversations(
         iter(convs), SourceReport(), topic="any", limit=0, target=target, max_prompt_tokens=args.max_prompt_tokens))
-    _, out["select_one_at_a_time_s"] = _timed(lambda: [len(target.render_chat(c.messages[:1])) for c in convs])
+    _, out["select_one_at_a_time_s"] = _timed(lambda: [len(template_ids(tok, first_prompt(c.messages), True)) for c in convs])
     out["select_conversations"] = f"{len(picked)} of {len(convs)}"
 
     prompts = _histories(convs, 5, 4000)[:args.regen_prompts]  # user, assistant, user, assistant, user
-    alone, out["regen_render_one_at_a_time_s"] = _timed(lambda: [target.render_chat(p) for p in prompts])
+    alone, out["regen_render_one_at_a_time_s"] = _timed(lambda: [template_ids(tok, p, True) for p in prompts])
     batched, out["regen_render_batched_s"] = _timed(lambda: target.render_chats(prompts))
     assert alone == batched, "batched rendering must give the same tokens"
     out["regen_prompts"] = len(prompts)

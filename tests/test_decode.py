@@ -204,6 +204,20 @@ def test_the_device_loop_starts_each_block_at_the_last_committed_token():
         assert res.tokens == [0, 1] * 10 + [0] and res.accepted == [0] + [1] * 10
 
 
+def test_a_released_drafter_is_freed_with_its_decode_engines(tiny_target, make_drafter):
+    """The loop and engine registries are weak-keyed, but their values hold the drafter: release lets go."""
+    import gc
+    import weakref
+
+    drafter = make_drafter(block_size=4)
+    speculative_generate(tiny_target, drafter, _prompts(1, seed=3)[0], 8)
+    alive = weakref.ref(drafter)
+    greedy_loop.release(drafter)
+    del drafter
+    gc.collect()
+    assert alive() is None
+
+
 def test_the_device_loop_stops_at_a_stop_token(tiny_target, make_drafter):
     drafter = make_drafter(block_size=4)
     prompt = _prompts(1, seed=3)[0]
@@ -214,7 +228,10 @@ def test_the_device_loop_stops_at_a_stop_token(tiny_target, make_drafter):
         assert speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop], device_loop=device_loop).tokens == want
     loop = greedy_loop.for_pair(tiny_target, drafter)
     loop.lag = 2  # a stop is seen two steps late: at most two steps run past it, and change nothing
-    res = speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop])
+    try:
+        res = speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop])
+    finally:
+        loop.lag = None
     assert res.tokens == want and 0 < loop.queued - len(res.committed) <= 2
 
 

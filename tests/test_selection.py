@@ -3,7 +3,7 @@
 from dflash_train.data import selection
 from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import Conversation, SourceReport
-from dflash_train.data.tokenize import CHARS_PER_TOKEN
+from dflash_train.data.tokenize import max_token_chars, template_ids
 
 
 def _conv(i: int, words: int) -> Conversation:
@@ -14,7 +14,7 @@ def _conv(i: int, words: int) -> Conversation:
 def _one_at_a_time(target, convs, limit, max_tokens):
     picked, dropped = [], 0
     for conv in convs:
-        n = len(target.render_chat(conv.messages[:1]))
+        n = len(template_ids(target.tokenizer, conv.messages[:1], add_generation_prompt=True))  # one call each
         if n > max_tokens:
             dropped += 1
             continue
@@ -40,7 +40,8 @@ def test_batched_measuring_picks_and_counts_what_one_at_a_time_did(tiny_target, 
 def test_a_prompt_too_long_by_its_characters_is_dropped_untokenized(tiny_target, monkeypatch):
     short = _conv(1, 1)
     max_tokens = len(tiny_target.render_chat(short.messages[:1]))
-    huge = Conversation("huge", [{"role": "user", "content": "x" * (CHARS_PER_TOKEN * (max_tokens + 1) + 1)}])
+    chars = max_token_chars(tiny_target.tokenizer) * (max_tokens + 1) + 1
+    huge = Conversation("huge", [{"role": "user", "content": "x" * chars}])
     seen = []
     render = tiny_target.render_chats
     monkeypatch.setattr(tiny_target, "render_chats", lambda convs: seen.extend(convs) or render(convs))

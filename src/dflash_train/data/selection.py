@@ -8,7 +8,7 @@ from itertools import islice
 
 from dflash_train.data.conversations import first_prompt
 from dflash_train.data.sources import Conversation, SourceReport
-from dflash_train.data.tokenize import CHARS_PER_TOKEN
+from dflash_train.data.tokenize import max_token_chars
 from dflash_train.models.targets import Target
 
 # A first prompt "about code": a fence, a keyword of code or a language name.
@@ -29,8 +29,9 @@ def select_conversations(convs: Iterable[Conversation], report: SourceReport, *,
     """
     picked: list[tuple[int, Conversation]] = []
     on_topic = _on_topic(convs, report, topic)
+    token_chars = max_token_chars(target.tokenizer) if target is not None else 0
     while chunk := list(islice(on_topic, min(RENDER_BATCH, limit - len(picked)) if limit else RENDER_BATCH)):
-        for n, conv in zip(_prompt_lengths(chunk, target, max_prompt_tokens), chunk, strict=True):
+        for n, conv in zip(_prompt_lengths(chunk, target, max_prompt_tokens, token_chars), chunk, strict=True):
             if n > max_prompt_tokens:
                 report.drop("prompt longer than --regen-max-prompt-tokens")
             else:
@@ -41,14 +42,15 @@ def select_conversations(convs: Iterable[Conversation], report: SourceReport, *,
     return [conv for _, conv in picked]
 
 
-def _prompt_lengths(convs: list[Conversation], target: Target | None, max_prompt_tokens: int) -> list[int]:
+def _prompt_lengths(convs: list[Conversation], target: Target | None, max_prompt_tokens: int,
+                    token_chars: int) -> list[int]:
     """Tokens of each rendered first prompt (0 without a target); a prompt whose text alone holds more
-    than max_prompt_tokens tokens (no token spans more than CHARS_PER_TOKEN characters) is not
+    than max_prompt_tokens tokens (no token covers more than `token_chars` characters) is not
     tokenized: max_prompt_tokens + 1 stands for it (a 19 MB record took 50 s to tokenize)."""
     if target is None:
         return [0] * len(convs)
     prompts = [first_prompt(conv.messages) for conv in convs]
-    fits = [sum(len(m["content"]) for m in p) <= CHARS_PER_TOKEN * (max_prompt_tokens + 1) for p in prompts]
+    fits = [sum(len(m["content"]) for m in p) <= token_chars * (max_prompt_tokens + 1) for p in prompts]
     lengths = iter(len(ids) for ids in target.render_chats([p for p, ok in zip(prompts, fits, strict=True) if ok]))
     return [next(lengths) if ok else max_prompt_tokens + 1 for ok in fits]
 

@@ -115,9 +115,18 @@ def truncate(ids: Sequence[int], mask: Sequence[int], max_length: int) -> tuple[
     return ids, mask
 
 
-# No token spans more characters than this (the longest are whitespace runs), so the first
-# max_length tokens of a conversation lie within its first CHARS_PER_TOKEN * max_length characters.
+# Tokens rarely span more characters than this, so the first max_length tokens of a conversation
+# lie within its first CHARS_PER_TOKEN * max_length characters (clip_messages). Not a bound: the
+# longest tokens are whitespace and symbol runs, 81 characters in SmolLM2's vocabulary; a text
+# averaging over 64 characters a token would be one long run of them. max_token_chars is a bound.
 CHARS_PER_TOKEN = 64
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` can cover: its longest vocabulary entry. An
+    entry is the token's bytes (byte-level BPE) or characters (SentencePiece), never fewer than the
+    characters it decodes to."""
+    return max(len(token) for token in tokenizer.get_vocab())
 
 
 def clip_messages(messages: list[dict[str, str]], max_chars: int) -> list[dict[str, str]]:

@@ -185,3 +185,9 @@ def for_pair(target: Target, drafter: DFlashDrafter) -> GreedyLoop | None:
         engine = static_drafter.for_drafter(drafter, target.model.get_input_embeddings(), target.lm_head)
         loop = _INSTANCES[drafter] = GreedyLoop(lm, drafter, engine)
     return loop
+
+
+def release(drafter: DFlashDrafter) -> None:
+    """Forget the drafter's decode loop and engine (and their caches and graphs), which hold it."""
+    _INSTANCES.pop(drafter, None)
+    static_drafter.release(drafter)

@@ -55,7 +55,8 @@ def allow_recompiles() -> None:
     explicit higher setting stays."""
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
 
 
 def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, **compile_kwargs) -> F:

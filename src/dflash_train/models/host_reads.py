@@ -31,9 +31,9 @@ class LaggedReads:
             self._posted.append((value.clone(), None))
             return
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-        host.copy_(value, non_blocking=True)
+        host.copy_(value, non_blocking=True)  # on the current stream of value's device
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(value.device))  # that stream, even when another device is current
         self._posted.append((host, done))
 
     def due(self) -> bool:

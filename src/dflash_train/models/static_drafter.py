@@ -44,6 +44,12 @@ def for_drafter(drafter: DFlashDrafter, embed: nn.Module, head: nn.Module) -> St
     return engine
 
 
+def release(drafter: DFlashDrafter) -> None:
+    """Forget the drafter's StaticDrafter: the engine holds the drafter, so the weak-keyed registry
+    alone never lets either go (nor the engine's caches and graphs)."""
+    _INSTANCES.pop(drafter, None)
+
+
 class StaticDrafter(CompiledSteps):
     """Batch-1 draft steps of a DFlashDrafter over a StaticCache (see the module docstring).
 

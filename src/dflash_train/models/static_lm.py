@@ -61,6 +61,11 @@ def for_model(model: nn.Module) -> StaticLM | None:
     return _INSTANCES[model]
 
 
+def release(model: nn.Module) -> None:
+    """Forget the model's StaticLM (it holds the model: the weak-keyed registry alone never lets go)."""
+    _INSTANCES.pop(model, None)
+
+
 def bucket(n: int, size: int = KV_BUCKET) -> int:
     return -(-n // size) * size
 
