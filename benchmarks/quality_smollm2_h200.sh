@@ -48,7 +48,7 @@ out = {"tau_humaneval": after["tau"], "tau_mtbench": json.loads((run / "eval-mtb
        "tau_sharegpt": json.loads((run / "eval-sharegpt.json").read_text())["tau"], "speedup": after["speedup"],
        "lossless_humaneval": after["lossless"], "train_tokens": round(tokens[-1]) if tokens else None,
        "steps": records[-1]["step"] if records else 0, "wall_s": wall,
-       "wall_s_note": "the whole train job: data, regeneration, training, export, HumanEval eval before and after",
+       "wall_s_note": "the whole train job: data, regeneration, training, export, HumanEval eval (with the target-only baseline)",
        "phases_s": json.loads((run / "phases.json").read_text()),  # the job's own split of its time (app/phases.py)
        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
        "date": datetime.date.today().isoformat(), "command": command}

@@ -170,6 +170,16 @@ def test_toml_config_and_overrides(tmp_path, capsys):
     assert "num_anchors" in capsys.readouterr().err
 
 
+def test_tau_before_training_is_measured_for_a_drafter_that_starts_trained(tmp_path):
+    from dflash_train.app.train import evaluates_before
+
+    fresh, trained = TrainConfig(), TrainConfig(init_drafter="some/drafter")
+    assert not evaluates_before(fresh, None) and evaluates_before(trained, None)  # auto
+    assert evaluates_before(TrainConfig(eval_before="yes"), None)
+    assert not evaluates_before(TrainConfig(init_drafter="d", eval_before="no"), None)
+    assert not evaluates_before(TrainConfig(eval_before="yes"), tmp_path)  # resumed: part-trained
+
+
 def test_train_command_end_to_end_on_tiny(tmp_path, capsys):
     data = tmp_path / "convs.jsonl"
     data.write_text("".join(json.dumps({"id": f"x{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
@@ -178,7 +188,7 @@ def test_train_command_end_to_end_on_tiny(tmp_path, capsys):
     argv = ["train", "--target", "random:tiny", "--run-dir", str(run), "--data", str(data), "--num-conversations", "0",
             "--regen-max-new-tokens", "24", "--max-length", "96", "--token-budget", "192", "--block-size", "4",
             "--max-steps", "4", "--eval-limit", "1", "--eval-max-new-tokens", "8", "--eval-dataset", str(data), "--quiet"]
-    assert main(argv) == 0
+    assert main(argv + ["--eval-before", "yes"]) == 0
     out = capsys.readouterr().out
     assert "note: on a CPU the speedup above says little" in out
     phases = json.loads((run / "phases.json").read_text())  # where the job's time went, phase by phase

@@ -3,7 +3,7 @@
     1. data     conversations (train split) -> target-regenerated replies -> tokenized dataset,
                 each stage cached in the run directory under a key of its settings (app/dataset.py)
     2. drafter  a fresh drafter shaped for the target (or --init-drafter, or the checkpoint on --resume)
-    3. tau      of the untrained drafter on held-out prompts
+    3. tau      of the drafter before training, when it starts trained (--eval-before)
     4. train    one device (app/local.py) or one process per device (app/ranks.py):
                 checkpoints, metrics.jsonl, TensorBoard, profile summaries
     5. export   RUN_DIR/drafter/ in the reference format, and tau of the trained drafter
@@ -66,6 +66,14 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     return rep
 
 
+def evaluates_before(cfg: TrainConfig, ckpt: Path | None) -> bool:
+    """Whether the job measures tau before training: never on resume (the drafter is part-trained),
+    and by default only for a drafter that starts trained (--eval-before)."""
+    if ckpt is not None or cfg.eval_before == "no":
+        return False
+    return cfg.eval_before == "yes" or cfg.init_drafter is not None
+
+
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
     phases = Phases()
     run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
@@ -87,7 +95,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     say(f"drafter: {n_params / 1e6:.2f}M parameters, {drafter.config.num_hidden_layers} layers, "
         f"B={drafter.block_size}, target layers {drafter.config.target_layer_ids}")
     before = None
-    if prompts and ckpt is None:
+    if prompts and evaluates_before(cfg, ckpt):
         # tau only: the untrained drafter's speedup and losslessness are not the question here
         # in the dtype the trained drafter is evaluated in (the export, below): the same decode, and
         # cheaper than the fp32 master weights (6.4 ms a step on the H200 against 4.8 ms in bf16)

@@ -119,6 +119,10 @@ class TrainConfig:
     # --- evaluation ------------------------------------------------------------------
     eval_dataset: str = opt("humaneval", "prompts for the before/after tau (humaneval, mtbench, sharegpt, file)")
     eval_limit: int = opt(4, "prompts evaluated before and after training (0 = skip)")
+    eval_before: Literal["auto", "yes", "no"] = opt(
+        "auto", "tau before training too: auto = only for a drafter that starts trained (--init-drafter); a fresh "
+        "one, random or from the target's layers, accepts nothing (tau 1.000 on the H200 and CPU defaults), and its "
+        "eval cost the CPU default 129 s")
     eval_max_new_tokens: int = knob_field(EVAL_MAX_NEW_TOKENS)
 
     def __post_init__(self) -> None:
