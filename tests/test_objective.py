@@ -383,3 +383,78 @@ def test_segmented_attention_equals_dense_attention():
     n, m = spec.num_queries, spec.context_len + spec.num_queries
     q, k, v = torch.randn(1, 4, n, 8), torch.randn(1, 2, m, 8), torch.randn(1, 2, m, 8)
     torch.testing.assert_close(attend(q, k, v, segmented_mask(spec), 0.3), attend(q, k, v, dense_mask(spec), 0.3))
+
+
+def _loss_and_grads(obj, batches):
+    out = []
+    for b, anchors, feats in batches:
+        obj.drafter.zero_grad()
+        loss = obj(b, anchors, feats).loss
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in obj.drafter.parameters()]))
+    return out
+
+
+def _batches(device="cpu", width=3 * 64):
+    out = []
+    for seed, lens in enumerate([(13, 9, 11), (20, 7), (5, 17, 9, 12)]):
+        b = _packed(lens, seed).to(device)
+        anchors = sample_packed_anchors(_packed(lens, seed), 4, torch.Generator().manual_seed(seed)).to(device)
+        out.append((b, anchors, torch.randn(b.num_tokens, width, device=device)))
+    return out
+
+
+def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, make_drafter):
+    """--compile-drafter's plumbing (inductor is what runs on the GPU): every layer's forward compiled, same
+    math on packs of three shapes, one graph for all layers of a kind, the eager forward back on exit."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    obj = _objective(tiny_target, make_drafter, "dense", num_sliding_layers=1, sliding_window=5)
+    batches = _batches()
+    want = _loss_and_grads(obj, batches)
+    torch._dynamo.reset()
+    counters.clear()
+    with obj.drafter.compiled_layers(backend="eager"):
+        got = _loss_and_grads(obj, batches)
+    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+    for (lg, gg), (lw, gw) in zip(got, want, strict=True):
+        torch.testing.assert_close(lg, lw, rtol=1e-6, atol=1e-6)
+        for a, b in zip(gg, gw, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all("forward" not in vars(layer) for layer in obj.drafter.layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA")
+def test_compiled_draft_layers_equal_the_eager_ones_on_cuda():
+    """Inductor with FlexAttention traced into each layer: the loss and gradients of the eager layers."""
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.models.targets import load_target
+
+    target = load_target("random:tiny", device="cuda", dtype=torch.float32)
+    cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32", num_sliding_layers=1,
+                             sliding_window=5)
+    drafter = new_drafter(cfg, seed=1).float().cuda()
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="flex"))
+    batches = _batches("cuda")
+    want = _loss_and_grads(obj, batches)
+    with drafter.compiled_layers():
+        got = _loss_and_grads(obj, batches)
+    for (lg, gg), (lw, gw) in zip(got, want, strict=True):
+        torch.testing.assert_close(lg, lw, rtol=1e-4, atol=1e-4)
+        for a, b in zip(gg, gw, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, tmp_path):
+    """At the flag with --device cpu; at the drafter's device when --device auto lands on a CPU."""
+    from dflash_train.errors import UsageError
+    from dflash_train.training.config import TrainConfig
+    from dflash_train.training.drafter_loop import DrafterTrainLoop
+
+    with pytest.raises(UsageError, match="--compile-drafter"):
+        TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="cpu")
+    cfg = TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="auto")
+    with pytest.raises(UsageError, match="--compile-drafter"):
+        DrafterTrainLoop(cfg.trainer(), cfg.objective(), make_drafter(), tiny_target.embedding_weight,
+                         tiny_target.lm_head, tmp_path, 1)

@@ -79,6 +79,17 @@ def test_cached_features_train_identically_and_skip_the_target_after_epoch_one(p
     assert forwards("plain") == steps and 0 < forwards("cached") <= steps // 3 + 1
 
 
+def test_a_feature_cache_that_cannot_fit_the_gpu_is_refused_with_its_figures():
+    """The shipped H200 config's cache (7.71M tokens x 5 x 576 bf16 = 44 GB) fits 139 GB free; on a 24 GB
+    GPU it would run out of memory in the middle of the first epoch, so it stops before training."""
+    from dflash_train.app.local import check_cache_room
+    from dflash_train.errors import UsageError
+
+    check_cache_room(7_709_379, 5 * 576, torch.bfloat16, free_bytes=139 * 10**9)
+    with pytest.raises(UsageError, match=r"--cache-features: .*44\.4 GB.*--no-cache-features"):
+        check_cache_room(7_709_379, 5 * 576, torch.bfloat16, free_bytes=24 * 10**9)
+
+
 def test_a_pipeline_per_device_reproduces_the_single_device_losses(prepared, tmp_path, monkeypatch):
     """The same list to both flags: each process holds a target and a drafter; only gradients cross."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from dflash_train.errors import UsageError
 from dflash_train.profiling.reporter import ProfileReporter, resolve_interval
@@ -511,6 +512,20 @@ def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, i
                  "drafter.L1.mlp", "drafter.lm_head_loss"]
     assert all(stages[k]["count"] == 4 for k in ["drafter_forward", *internals])
     assert sum(stages[k]["total_s"] for k in internals) <= stages["drafter_forward"]["total_s"]
+
+
+def test_compiled_layers_are_timed_whole(make_drafter):
+    """--compile-drafter: a hook inside a compiled layer would break its graph, so each layer is one span."""
+    from dflash_train.profiling.hooks import drafter_spans
+
+    drafter = make_drafter(num_layers=2, block_size=4)
+    stats = ProfileStats("test")
+    prof = stats.loop("drafter")
+    with drafter_spans(drafter, prof, whole_layers=True), torch.no_grad():
+        drafter(torch.randn(1, 4, 64), torch.randn(1, 6, 3 * 64), torch.arange(10)[None])
+    stages = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]
+    assert {k for k in stages if k.startswith("drafter.")} == {"drafter.fc", "drafter.L0", "drafter.L1"}
+    assert all("forward" not in vars(m) for m in drafter.modules())  # no hook replaced a forward
 
 
 # --- #19: does each event span start find its stream drained (the GPU waiting for the host)?

@@ -55,8 +55,8 @@ _compiled_flex = None
 def _flex_attention(q: torch.Tensor):
     """FlexAttention is only fast when compiled (CUDA); eager mode is an exact reference elsewhere."""
     global _compiled_flex
-    if not q.is_cuda:
-        return flex_attention
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return flex_attention  # inside a compiled draft layer (--compile-drafter) it is traced into the graph
     if _compiled_flex is None:
         _compiled_flex = compile_serialized(flex_attention)  # automatic dynamic shapes: packs vary in length
     return _compiled_flex

@@ -19,13 +19,15 @@ says otherwise (TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 F = TypeVar("F", bound=Callable)
 
@@ -81,6 +83,32 @@ def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, *
         with _LOCK:
             return compiled(*args, **kwargs)
     return call  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def compiled_forwards(modules: Iterable[nn.Module], backend: str = "inductor",
+                      dynamic: Mapping[int, int] | None = None) -> Iterator[None]:
+    """Inside: each module's `forward` under torch.compile; the class's eager forward again on exit.
+
+    Only `forward` is compiled, so the modules' hooks (feature capture, profiling spans) stay
+    outside the graph. Modules of one class share one graph: their parameters are graph inputs.
+    The compile lock keeps compiles apart from other compiled calls, but a backward graph
+    compiled lazily on autograd's thread is outside it; a compiled function entered meanwhile by
+    another thread then runs eagerly for that call instead of raising.
+    """
+    import torch._dynamo
+
+    modules = list(modules)
+    for module in modules:
+        module.forward = compile_serialized(module.forward, dynamic=dynamic, backend=backend)
+    nested = torch._dynamo.config.error_on_nested_fx_trace
+    torch._dynamo.config.error_on_nested_fx_trace = False
+    try:
+        yield
+    finally:
+        torch._dynamo.config.error_on_nested_fx_trace = nested
+        for module in modules:
+            del module.forward
 
 
 class CompiledSteps:

@@ -13,7 +13,8 @@ Module names match the reference parameter names (`layers.{i}.self_attn.q_proj`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 from dflash_train.models import fused
 from dflash_train.models.attention import AttnMask, attend
+from dflash_train.models.compiled import compiled_forwards
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 
 
@@ -227,6 +229,25 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, masks.get(layer.layer_type), cache)
         return self.norm(x)
+
+    @contextlib.contextmanager
+    def compiled_layers(self, enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
+        """Inside: each draft layer's forward under torch.compile (training; --compile-drafter).
+
+        Eagerly a layer is ~20 operators and 5 compiled calls (the fused chains, FlexAttention), each
+        a launch and a guard check on the host, and autograd records each; on the H200 the 12-layer
+        B=8 drafter's step was half host time (docs/quality.md, session 16). Compiled, a layer is one
+        call whose graph holds the norms, projections, RoPE and FlexAttention (traced in, with its
+        block mask as an input), and one compiled backward. All layers share the graph (the sliding
+        window layers' mask predicate gets its own); the token counts are dynamic from the first
+        call. On exit the layers are eager again, so decoding never compiles its cache shapes.
+        """
+        if not enabled:
+            yield
+            return
+        # x, ctx, cos, sin: [1, tokens, ...]; block and context token counts change every pack
+        with compiled_forwards(self.layers, backend=backend, dynamic={0: 1, 1: 1, 2: 1, 3: 1}):
+            yield
 
     def _inference_masks(self, q_len: int, position_ids: torch.Tensor, cache: ContextCache | None) -> dict[str, AttnMask]:
         """Full layers see every key. Sliding layers, as in the reference, are causal within a

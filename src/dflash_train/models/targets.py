@@ -165,24 +165,10 @@ class Target:
         if not enabled:
             yield
             return
-        import torch._dynamo
+        from dflash_train.models.compiled import compiled_forwards
 
-        from dflash_train.models.compiled import compile_serialized
-
-        layers = list(self.decoder.layers)
-        for layer in layers:
-            layer.forward = compile_serialized(layer.forward, backend=backend)
-        # The compile lock (models/compiled.py) keeps compiles apart from other compiled calls;
-        # a backward graph compiled lazily on autograd's thread is outside it, so a layer entered
-        # meanwhile runs eagerly instead of raising (the target side: slower for a moment, no harm).
-        nested = torch._dynamo.config.error_on_nested_fx_trace
-        torch._dynamo.config.error_on_nested_fx_trace = False
-        try:
+        with compiled_forwards(self.decoder.layers, backend=backend):
             yield
-        finally:
-            torch._dynamo.config.error_on_nested_fx_trace = nested
-            for layer in layers:
-                del layer.forward  # the class's eager forward again
 
     @contextlib.contextmanager
     def _attention_for(self, mask) -> Iterator[None]:

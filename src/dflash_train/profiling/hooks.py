@@ -9,6 +9,7 @@ The drafter's breakdown inside `drafter_forward` (the objective adds `drafter.ma
     drafter.fc             fc + hidden_norm: the fusion of the target features into the context
     drafter.L{i}.attention layer i from its start to its post-attention norm (input norm, attention, residual)
     drafter.L{i}.mlp       layer i from its post-attention norm to its end (norm, MLP, residual)
+    drafter.L{i}           layer i whole, instead of the two above, when its forward is compiled
 
 Hooks are installed only when profiling is on (a disabled profile costs nothing) and removed
 when the block ends. The drafter is read by its module names (fc, hidden_norm, layers[i] with
@@ -42,13 +43,19 @@ def span_hooks(prof, key: str, start: nn.Module, end: nn.Module, *, before_end: 
 
 
 @contextlib.contextmanager
-def drafter_spans(drafter: nn.Module, prof) -> Iterator[None]:
-    """Time the drafter's fusion and each layer's attention and MLP into `prof` while the block runs."""
+def drafter_spans(drafter: nn.Module, prof, whole_layers: bool = False) -> Iterator[None]:
+    """Time the drafter's fusion and each layer's attention and MLP into `prof` while the block runs.
+
+    whole_layers: one span per layer (drafter.L{i}), for compiled layers, whose insides are one graph
+    that a hook inside would break."""
     if not prof.enabled:
         yield
         return
     handles = span_hooks(prof, "drafter.fc", drafter.fc, drafter.hidden_norm)
     for layer in drafter.layers:
+        if whole_layers:
+            handles += span_hooks(prof, f"drafter.L{layer.layer_idx}", layer, layer)
+            continue
         # attention's end and the MLP's start are both pre-hooks of the post-attention norm: in this order
         handles += span_hooks(prof, f"drafter.L{layer.layer_idx}.attention", layer, layer.post_attention_layernorm,
                               before_end=True)

@@ -88,6 +88,8 @@ class TrainConfig:
     grad_accum: int = opt(1, "packs per drafter worker per optimizer step (gradient accumulation)")
     compile_target: bool = opt(False, "torch.compile the target's decoder layers for the feature forwards "
                                "(one graph for all layers, compiled once per run)")
+    compile_drafter: bool = opt(False, "torch.compile each draft layer's training forward (one graph for all layers, "
+                                "FlexAttention traced in; CUDA): fewer launches and host time per step")
     # --- pipeline --------------------------------------------------------------------
     target_devices: str | None = opt(None, "devices of the target workers, comma-separated (e.g. cuda:0); "
                                      "with --drafter-devices: one process per device")
@@ -136,6 +138,8 @@ class TrainConfig:
                      "regen_temperature", "memory_history"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.compile_drafter and self.device == "cpu":
+            raise UsageError("--compile-drafter: compiled draft layers run on CUDA only (FlexAttention), not --device cpu")
         if self.sliding_layers < 0 or self.sliding_layers > self.num_layers:
             raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
         if self.sliding_layers and not (self.sliding_window or 0) >= 1:
@@ -224,6 +228,7 @@ class TrainerConfig:
     log_every: int
     checkpoint_every: int
     keep_checkpoints: int
+    compile_drafter: bool
 
 
 # The tree's sections, by the first field of each run of fields in TrainConfig's order.

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device
 from dflash_train.profiling.hooks import drafter_spans
@@ -21,11 +22,16 @@ class DrafterTrainLoop(Trainer):
                  embed_weight: torch.Tensor, lm_head: torch.nn.Module, run_dir: Path, total_steps: int, *,
                  hooks: Hooks | None = None, **trainer_args: Any) -> None:
         hooks = hooks or Hooks()
-        check_backend_device(objective_cfg.attention, next(drafter.parameters()).device)
+        device = next(drafter.parameters()).device
+        check_backend_device(objective_cfg.attention, device)
+        if cfg.compile_drafter and device.type != "cuda":
+            raise UsageError(f"--compile-drafter: compiled draft layers run on CUDA only (FlexAttention), not {device.type}")
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof)
         super().__init__(objective, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
         self.drafter = drafter
 
     def train(self, source) -> TrainResult:
-        with drafter_spans(self.drafter, self.prof):  # its fusion, attention and MLP into this loop's view
+        compiled = self.cfg.compile_drafter
+        # its fusion, attention and MLP into this loop's view (whole layers when compiled: their insides are one graph)
+        with self.drafter.compiled_layers(compiled), drafter_spans(self.drafter, self.prof, whole_layers=compiled):
             return super().train(source)
