@@ -111,6 +111,29 @@ def test_batched_greedy_equals_unbatched(tiny_target):
         assert reply.text == ref_text
 
 
+def test_each_decode_batch_holds_prompts_of_similar_length(tiny_target, monkeypatch):
+    """A batch's KV cache and attention span its longest prompt: prompts are decoded shortest first, in
+    batches of --batch-size, and the replies come back in the prompts' order."""
+    prompts = [tiny_target.render_chat([user("q " * n)]) for n in (9, 1, 30, 4, 17)]
+    cfg = RegenConfig(max_new_tokens=NEW, batch_size=2)
+    alone = [regen._decode(tiny_target, [p], cfg, tiny_target.stop_token_ids())[0] for p in prompts]
+    widths, decode = [], regen._decode
+    monkeypatch.setattr(regen, "_decode", lambda t, ps, *a: widths.append([len(p) for p in ps]) or decode(t, ps, *a))
+    replies = regen._generate(tiny_target, prompts, cfg, tiny_target.stop_token_ids())
+    assert widths == [sorted(map(len, prompts))[i:i + 2] for i in (0, 2, 4)]
+    assert [r.ids for r in replies] == [r.ids for r in alone]
+
+
+def test_a_pool_of_batches_writes_what_one_conversation_at_a_time_does(tiny_target, tmp_path):
+    """Later turns are sorted across the pool: the file is the one batches of one conversation write."""
+    convs = [Conversation(f"c{i}", [user("first " * (5 - i)), asst("o"), user("second " * (3 * i % 7)), asst("o")])
+             for i in range(5)]
+    for batch_size in (1, 2):
+        regenerate(tiny_target, convs, tmp_path / f"b{batch_size}.jsonl",
+                   RegenConfig(max_new_tokens=NEW, max_turns=2, batch_size=batch_size), progress=False)
+    assert read_lines(tmp_path / "b2.jsonl") == read_lines(tmp_path / "b1.jsonl")
+
+
 def test_left_padded_rows_get_their_own_positions(tiny_target):
     """RoPE is shift-invariant, so equal outputs alone would not catch padding-offset positions: look at them."""
     prompts = [tiny_target.render_chat([user("a long enough question")]), tiny_target.render_chat([user("hi")])]

@@ -40,7 +40,8 @@ class RegenConfig:
     temperature: float = 0.0
     """0 = greedy; > 0 = sampling from the target's tempered distribution (--temperature)."""
     batch_size: int = 16
-    """Conversations generated together, in-process only (--batch-size)."""
+    """Prompts decoded together, in-process only; each turn's prompts are sorted by length across a
+    write of regenerate.POOL_BATCHES batches of conversations (--batch-size)."""
     max_turns: int | None = None
     """Regenerate at most this many assistant turns per conversation; None = all (--max-turns)."""
     seed: int = 0

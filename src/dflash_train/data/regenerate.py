@@ -24,9 +24,14 @@ turn (a run of consecutive assistant turns counts once), and at the end when the
 ends on a user turn (prompt-only records such as MT-Bench `turns`). Assistant turns before the
 first user turn have nothing to answer and are dropped.
 
+Batches: conversations are taken POOL_BATCHES batches at a time, and each turn's prompts are
+decoded in batches of `--batch-size` prompts of similar length (shortest first). A batch's KV cache
+and every decode step's attention span its longest prompt, and a later turn's prompt holds the
+whole history so far, whose length the order of the source does not predict.
+
 Resumable: the output is an append-only JSONL with one line per finished conversation. Each
-batch is written, flushed and fsync'ed before the next starts, so a killed run loses at most
-the batch in flight. On start the file is read back, a torn last line (no newline or invalid
+pool is written, flushed and fsync'ed before the next starts, so a killed run loses at most
+the pool in flight. On start the file is read back, a torn last line (no newline or invalid
 JSON) is truncated away, and conversations whose id is already there are skipped. A file
 written with another target, temperature, token limit, sample count, turn count or (past the
 first turn) context limit is refused rather than mixed.
@@ -63,6 +68,12 @@ from dflash_train.models.targets import Target
 __all__ = ["RegenConfig", "RegenReport", "regenerate", "sample_ids"]
 
 
+# Conversations per write, in batches: each turn's prompts are sorted by length across the pool, so a
+# batch's width is near its own prompts' (turn 1 is sorted already by selection; later turns carry
+# histories of replies and user turns of any length). A killed run redoes at most one pool.
+POOL_BATCHES = 4
+
+
 @dataclass
 class _Job:
     """One conversation in flight: the prompt segment before each reply, and the history so far."""
@@ -93,8 +104,8 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
-        while batch := list(islice(todo, cfg.batch_size)):
-            jobs = [_Job(c.id, reply_segments(c, cfg.max_turns)) for c in batch]
+        while pool := list(islice(todo, cfg.batch_size * POOL_BATCHES)):
+            jobs = [_Job(c.id, reply_segments(c, cfg.max_turns)) for c in pool]
             _run_batch(target, jobs, cfg, stops, report)
             append(out, [_record(job, header) for job in jobs])
             report.written += len(jobs)
@@ -139,8 +150,18 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
 
 
 def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
-    """One reply per prompt: on a StaticLM (static KV cache, CUDA graphs) when the target's
-    architecture allows, else through HF's forward."""
+    """One reply per prompt, decoded in batches of cfg.batch_size prompts sorted by length."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    replies: dict[int, _Reply] = {}
+    for start in range(0, len(order), cfg.batch_size):
+        rows = order[start:start + cfg.batch_size]
+        replies.update(zip(rows, _decode(target, [prompts[i] for i in rows], cfg, stops), strict=True))
+    return [replies[i] for i in range(len(prompts))]
+
+
+def _decode(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
+    """One reply per prompt of one batch: on a StaticLM (static KV cache, CUDA graphs) when the
+    target's architecture allows, else through HF's forward."""
     lm = static_lm.for_model(target.model)
     if lm is None:
         return _hf_generate(target, prompts, cfg, stops)
