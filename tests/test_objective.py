@@ -446,6 +446,38 @@ def test_compiled_draft_layers_equal_the_eager_ones_on_cuda():
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+def test_a_training_step_is_queued_without_a_host_sync_on_cuda():
+    """The step (host pack to the GPU, blocks, masks, forward, backward, clip, AdamW) never waits for the GPU,
+    so the host queues step n+1 while the GPU still runs step n (a blocking host-to-device copy would wait)."""
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.models.targets import load_target
+    from dflash_train.training.update import Update, cosine_schedule, make_optimizer
+
+    target = load_target("random:tiny", device="cuda", dtype=torch.float32)
+    cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32", num_sliding_layers=1,
+                             sliding_window=5)
+    drafter = new_drafter(cfg, seed=1).float().cuda()
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="flex"))
+    opt = make_optimizer(drafter, 1e-3, 0.0)
+    update = Update(obj, opt, torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.1)), grad_clip=1.0)
+    host = _packed()
+    anchors = sample_packed_anchors(host, 4, torch.Generator().manual_seed(1))
+    feats = torch.randn(host.num_tokens, 3 * 64, device="cuda")
+
+    def step():  # as Trainer._step moves a pack
+        update.micro(host.to("cuda"), anchors.to("cuda", non_blocking=True), feats)
+        update.step()
+
+    step()  # compiles and creates the optimizer's state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, tmp_path):
     """At the flag with --device cpu; at the drafter's device when --device auto lands on a CPU."""
     from dflash_train.errors import UsageError

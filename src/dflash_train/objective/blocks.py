@@ -34,12 +34,12 @@ class Blocks:
     block_size: int
 
 
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for slots k >= 1; slot 0 has weight 0 (it holds the known token)."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
+def slot_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for slots k >= 1; slot 0 has weight 0 (it holds the known token).
+
+    Built on `device`: a copy from a (pageable) host tensor would synchronize the training stream."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0)
 
 
 def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mask_token_id: int,
@@ -63,7 +63,7 @@ def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mas
     ids = torch.full_like(src, mask_token_id)
     ids[:, 0] = batch.input_ids[anchors]
     positions = batch.positions[anchors][:, None] + k[None, :]
-    weights = slot_weights(B, gamma).to(dev)[None, :].expand_as(src) * labelled
+    weights = slot_weights(B, gamma, dev)[None, :].expand_as(src) * labelled
     return Blocks(anchors=anchors, input_ids=ids.flatten(), positions=positions.flatten(), labels=labels.flatten(),
                   weights=weights.flatten(), block_size=B)
 

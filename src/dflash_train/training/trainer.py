@@ -270,7 +270,9 @@ class Trainer:
             item: Features = source.get(self.prof)
             window.wait_s += time.perf_counter() - t_get
             pack = item.pack
-            batch, anchors = pack.batch.to(self.device), pack.anchors.to(self.device)
+            # non_blocking: a blocking copy from host memory synchronizes the stream, so the host would wait
+            # for the previous step's backward instead of queueing this step behind it
+            batch, anchors = pack.batch.to(self.device), pack.anchors.to(self.device, non_blocking=True)
             out = self.update.micro(batch, anchors, item.features, 1.0 / accum, sync=i == accum - 1)
             self.objective.add_metrics(window.objective_sums, out, pack.anchors)
             window.add_micro(pack.num_tokens, item.target_busy_s)
