@@ -36,3 +36,21 @@ def test_a_function_compiles_past_torchs_eight_variants(monkeypatch):
         assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
     assert counter.frame_count == 12 and dynamo_config.recompile_limit == compiled.RECOMPILE_LIMIT
     torch._dynamo.reset()
+
+
+def test_compiled_forward_blocks_restore_the_nested_trace_flag_in_any_exit_order():
+    """The target's and the drafter's blocks may close in either order (two threads): the process-wide flag
+    stays off while either is open and comes back as it was before the first."""
+    import torch._dynamo
+    from torch import nn
+
+    from dflash_train.models.compiled import compiled_forwards
+
+    before = torch._dynamo.config.error_on_nested_fx_trace
+    a, b = compiled_forwards([nn.Linear(2, 2)], backend="eager"), compiled_forwards([nn.Linear(2, 2)], backend="eager")
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert torch._dynamo.config.error_on_nested_fx_trace is False  # b is still open
+    b.__exit__(None, None, None)
+    assert torch._dynamo.config.error_on_nested_fx_trace is before

@@ -405,8 +405,8 @@ def _batches(device="cpu", width=3 * 64):
 
 
 def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, make_drafter):
-    """--compile-drafter's plumbing (inductor is what runs on the GPU): every layer's forward compiled, same
-    math on packs of three shapes, one graph for all layers of a kind, the eager forward back on exit."""
+    """--compile-drafter's plumbing (inductor is what runs on the GPU): every layer's forward compiled, the same
+    loss and gradients on packs of three shapes, the eager forward back on exit."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -479,13 +479,15 @@ def test_a_training_step_is_queued_without_a_host_sync_on_cuda():
 
 
 def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, tmp_path):
-    """At the flag with --device cpu; at the drafter's device when --device auto lands on a CPU."""
+    """At the flag with --device cpu or --attention dense; at the drafter's device when --device auto lands on a CPU."""
     from dflash_train.errors import UsageError
     from dflash_train.training.config import TrainConfig
     from dflash_train.training.drafter_loop import DrafterTrainLoop
 
     with pytest.raises(UsageError, match="--compile-drafter"):
         TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="cpu")
+    with pytest.raises(UsageError, match="--compile-drafter.*--attention dense"):
+        TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="cuda", attention="dense")
     cfg = TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="auto")
     with pytest.raises(UsageError, match="--compile-drafter"):
         DrafterTrainLoop(cfg.trainer(), cfg.objective(), make_drafter(), tiny_target.embedding_weight,

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from dflash_train.errors import UsageError
 from dflash_train.profiling.reporter import ProfileReporter, resolve_interval
@@ -518,14 +517,23 @@ def test_compiled_layers_are_timed_whole(make_drafter):
     """--compile-drafter: a hook inside a compiled layer would break its graph, so each layer is one span."""
     from dflash_train.profiling.hooks import drafter_spans
 
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     drafter = make_drafter(num_layers=2, block_size=4)
     stats = ProfileStats("test")
     prof = stats.loop("drafter")
-    with drafter_spans(drafter, prof, whole_layers=True), torch.no_grad():
+    torch._dynamo.reset()
+    counters.clear()
+    with drafter.compiled_layers(backend="eager"), drafter_spans(drafter, prof, whole_layers=True), torch.no_grad():
+        assert all("forward" in vars(layer) for layer in drafter.layers)  # compiled
         drafter(torch.randn(1, 4, 64), torch.randn(1, 6, 3 * 64), torch.arange(10)[None])
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # the spans stayed outside
     stages = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]
     assert {k for k in stages if k.startswith("drafter.")} == {"drafter.fc", "drafter.L0", "drafter.L1"}
-    assert all("forward" not in vars(m) for m in drafter.modules())  # no hook replaced a forward
+    assert all(stages[k]["count"] == 1 for k in ("drafter.L0", "drafter.L1"))
+    assert all("forward" not in vars(layer) for layer in drafter.layers)  # eager again
 
 
 # --- #19: does each event span start find its stream drained (the GPU waiting for the host)?

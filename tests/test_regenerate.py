@@ -124,14 +124,20 @@ def test_each_decode_batch_holds_prompts_of_similar_length(tiny_target, monkeypa
     assert [r.ids for r in replies] == [r.ids for r in alone]
 
 
-def test_a_pool_of_batches_writes_what_one_conversation_at_a_time_does(tiny_target, tmp_path):
-    """Later turns are sorted across the pool: the file is the one batches of one conversation write."""
+def test_a_pool_of_batches_writes_what_one_conversation_at_a_time_does(tiny_target, tmp_path, monkeypatch):
+    """Later turns are sorted across the pool (not within each batch only), and the file is the one batches
+    of one conversation write."""
     convs = [Conversation(f"c{i}", [user("first " * (5 - i)), asst("o"), user("second " * (3 * i % 7)), asst("o")])
              for i in range(5)]
-    for batch_size in (1, 2):
-        regenerate(tiny_target, convs, tmp_path / f"b{batch_size}.jsonl",
-                   RegenConfig(max_new_tokens=NEW, max_turns=2, batch_size=batch_size), progress=False)
+    regenerate(tiny_target, convs, tmp_path / "b1.jsonl", RegenConfig(max_new_tokens=NEW, max_turns=2, batch_size=1),
+               progress=False)
+    widths, decode = [], regen._decode
+    monkeypatch.setattr(regen, "_decode", lambda t, ps, *a: widths.append([len(p) for p in ps]) or decode(t, ps, *a))
+    regenerate(tiny_target, convs, tmp_path / "b2.jsonl", RegenConfig(max_new_tokens=NEW, max_turns=2, batch_size=2),
+               progress=False)
     assert read_lines(tmp_path / "b2.jsonl") == read_lines(tmp_path / "b1.jsonl")
+    turn2 = [w for batch in widths[3:] for w in batch]  # 5 conversations, batches of 2: turn 1 is the first 3 calls
+    assert len(turn2) == 5 and turn2 == sorted(turn2)
 
 
 def test_left_padded_rows_get_their_own_positions(tiny_target):

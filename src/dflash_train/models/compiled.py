@@ -96,19 +96,31 @@ def compiled_forwards(modules: Iterable[nn.Module], backend: str = "inductor",
     compiled lazily on autograd's thread is outside it; a compiled function entered meanwhile by
     another thread then runs eagerly for that call instead of raising.
     """
-    import torch._dynamo
-
     modules = list(modules)
     for module in modules:
         module.forward = compile_serialized(module.forward, dynamic=dynamic, backend=backend)
-    nested = torch._dynamo.config.error_on_nested_fx_trace
-    torch._dynamo.config.error_on_nested_fx_trace = False
+    _lazy_backward_compiles(+1)
     try:
         yield
     finally:
-        torch._dynamo.config.error_on_nested_fx_trace = nested
+        _lazy_backward_compiles(-1)
         for module in modules:
             del module.forward
+
+
+_OPEN = {"count": 0, "saved": True}  # compiled_forwards blocks open in this process, and the flag before the first
+
+
+def _lazy_backward_compiles(delta: int) -> None:
+    """dynamo's error_on_nested_fx_trace is process-wide: off while any compiled_forwards block is open (the
+    target's and the drafter's may close in either order, on different threads), as it was before the first."""
+    import torch._dynamo
+
+    with _LOCK:
+        if delta > 0 and _OPEN["count"] == 0:
+            _OPEN["saved"] = torch._dynamo.config.error_on_nested_fx_trace
+        _OPEN["count"] += delta
+        torch._dynamo.config.error_on_nested_fx_trace = _OPEN["saved"] if _OPEN["count"] == 0 else False
 
 
 class CompiledSteps:

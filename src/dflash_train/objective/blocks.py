@@ -13,6 +13,7 @@ target's greedy continuation of x_<=a, the block the drafter must guess at decod
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,12 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str | Non
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0)
 
 
+@functools.lru_cache(maxsize=16)
+def _slot_weights_on(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """slot_weights, made once per device: the training step's host launches kernels, it does not wait."""
+    return slot_weights(block_size, gamma, device)
+
+
 def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mask_token_id: int,
                  gamma: float) -> Blocks:
     """Block inputs, positions, same-position labels and weights for sorted `anchors`."""
@@ -63,7 +70,7 @@ def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mas
     ids = torch.full_like(src, mask_token_id)
     ids[:, 0] = batch.input_ids[anchors]
     positions = batch.positions[anchors][:, None] + k[None, :]
-    weights = slot_weights(B, gamma, dev)[None, :].expand_as(src) * labelled
+    weights = _slot_weights_on(B, gamma, dev)[None, :].expand_as(src) * labelled
     return Blocks(anchors=anchors, input_ids=ids.flatten(), positions=positions.flatten(), labels=labels.flatten(),
                   weights=weights.flatten(), block_size=B)
 

@@ -44,7 +44,7 @@ class TrainConfig:
     regenerate: bool = opt(True, "let the target rewrite the assistant turns (cached in RUN_DIR/regenerated.jsonl)")
     regen_max_new_tokens: int = knob_field(REGEN_MAX_NEW_TOKENS)
     regen_temperature: float = opt(0.0, "sampling temperature of regeneration (0 = greedy)")
-    regen_batch_size: int = opt(32, "conversations per regeneration batch")
+    regen_batch_size: int = opt(32, "prompts per regeneration batch (each turn's prompts sorted by length across 4 batches)")
     regen_max_turns: int = opt(1, "assistant turns regenerated per conversation (a later turn is skipped once its "
                                   "prompt reaches --max-length)")
     regen_samples: int = opt(1, "replies sampled per conversation (> 1 needs --regen-temperature > 0)")
@@ -138,8 +138,10 @@ class TrainConfig:
                      "regen_temperature", "memory_history"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        if self.compile_drafter and self.device == "cpu":
-            raise UsageError("--compile-drafter: compiled draft layers run on CUDA only (FlexAttention), not --device cpu")
+        if self.compile_drafter and (self.device == "cpu" or self.attention == "dense"):
+            raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
+                             + ("--device cpu" if self.device == "cpu" else "--attention dense (its per-sequence "
+                                "segments would recompile the layer for every pack)"))
         if self.sliding_layers < 0 or self.sliding_layers > self.num_layers:
             raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
         if self.sliding_layers and not (self.sliding_window or 0) >= 1:

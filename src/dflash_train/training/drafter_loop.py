@@ -24,8 +24,9 @@ class DrafterTrainLoop(Trainer):
         hooks = hooks or Hooks()
         device = next(drafter.parameters()).device
         check_backend_device(objective_cfg.attention, device)
-        if cfg.compile_drafter and device.type != "cuda":
-            raise UsageError(f"--compile-drafter: compiled draft layers run on CUDA only (FlexAttention), not {device.type}")
+        if cfg.compile_drafter and (device.type != "cuda" or objective_cfg.attention == "dense"):
+            raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
+                             + (device.type if device.type != "cuda" else "--attention dense"))
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof)
         super().__init__(objective, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
         self.drafter = drafter
