@@ -239,8 +239,10 @@ class DFlashDrafter(nn.Module):
         B=8 drafter's step was half host time (docs/quality.md, session 16). Compiled, a layer is one
         call whose graph holds the norms, projections, RoPE and FlexAttention (traced in, with its
         block mask as an input), and one compiled backward. All layers share the graph (the sliding
-        window layers' mask predicate gets its own); the token counts are dynamic from the first
-        call. On exit the layers are eager again, so decoding never compiles its cache shapes.
+        window layers' mask predicate gets its own). The layer inputs' token counts are dynamic from
+        the first call; the block mask's tensors are not marked yet, so each layer kind still compiles
+        a few versions before it settles (docs/pipeline.md). On exit the layers are eager again, so
+        decoding never compiles its cache shapes.
         """
         if not enabled:
             yield

@@ -24,10 +24,10 @@ class DrafterTrainLoop(Trainer):
         hooks = hooks or Hooks()
         device = next(drafter.parameters()).device
         check_backend_device(objective_cfg.attention, device)
-        if cfg.compile_drafter and (device.type != "cuda" or objective_cfg.attention == "dense"):
-            raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
-                             + (device.type if device.type != "cuda" else "--attention dense"))
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof)
+        if cfg.compile_drafter and objective.backend(device) != "flex":  # the backend the step will run
+            raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
+                             f"{objective.backend(device)} attention on {device.type}")
         super().__init__(objective, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
         self.drafter = drafter
 
