@@ -195,6 +195,16 @@ def test_multi_turn_conditions_on_regenerated_history(tiny_target, tmp_path):
     assert c0["regenerated_by"] == "random:tiny" and c0["max_new_tokens"] == NEW and c0["temperature"] == 0.0
 
 
+def test_the_batch_decodes_caches_are_dropped_once_regeneration_ends(tiny_target, tmp_path, monkeypatch):
+    """Training's feature cache needs the room the batch KV cache took (~35 GB on an H200)."""
+    made = []
+    real = regen.static_lm.for_model
+    monkeypatch.setattr(regen.static_lm, "for_model", lambda model: made.append(real(model)) or made[-1])
+    regenerate(tiny_target, conversations(3), tmp_path / "r.jsonl", RegenConfig(max_new_tokens=NEW), progress=False)
+    assert made and made[0] is not None  # the decode ran on a StaticLM
+    assert real(tiny_target.model) is not made[0]  # and it was let go: a later decode makes its own
+
+
 def test_a_turn_whose_prompt_reaches_max_context_ends_the_conversation(tiny_target, tmp_path):
     convs = [Conversation("c0", [user("first"), asst("orig 1"), user("second " * 40), asst("orig 2"),
                                  user("third"), asst("orig 3")]),
