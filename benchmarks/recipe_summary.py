@@ -17,7 +17,7 @@ import re
 import tomllib
 from pathlib import Path
 
-TRAINED = re.compile(r"trained (\d+) steps in (\d+) s \(run (\d+) s\)")
+TRAINED = re.compile(r"trained (\d+) steps in (\d+) s")  # "(run N s)" followed it in older logs
 DATASETS = ("humaneval", "mtbench", "sharegpt")
 
 
@@ -54,7 +54,8 @@ def label(r: dict) -> str:
     rec = r["recipe"]
     length = f"{rec['max_steps']} steps" if rec.get("max_steps") else f"{rec.get('epochs')} epochs"
     turns = f", {rec['regen_max_turns']} turns" if rec.get("regen_max_turns", 1) != 1 else ""
-    return (f"{r['name']}: {rec.get('num_layers')} layers, B={rec.get('block_size', 16)}, {rec.get('num_anchors')} anchors, "
+    mlp = f", MLP {rec['intermediate_size']}" if rec.get("intermediate_size") else ""
+    return (f"{r['name']}: {rec.get('num_layers')} layers{mlp}, B={rec.get('block_size', 16)}, {rec.get('num_anchors')} anchors, "
             f"{length}, lr {rec.get('lr')}{turns}")
 
 
@@ -85,7 +86,8 @@ def variant_summary(d: Path) -> dict:
     out = {
         "name": d.name, "exit_code": int(code), "wall_s": int(wall),
         "recipe": {k: cfg.get(k) for k in ("num_layers", "block_size", "num_anchors", "token_budget", "lr",
-                                           "epochs", "max_steps", "gamma", "labels", "sliding_layers", "regen_max_turns") if k in cfg},
+                                           "epochs", "max_steps", "gamma", "labels", "sliding_layers", "regen_max_turns",
+                                           "intermediate_size") if k in cfg},
         "steps": steps, "train_s": int(m.group(2)) if m else None,
         "train_tokens": round(seen[-1]) if seen else round(tokens * cfg.get("epochs", 0)) if tokens else None,
         "train_tau_estimate": records[-1]["expected_tau"] if records else None,
