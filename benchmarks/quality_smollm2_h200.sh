@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Issue #14's record run: configs/smollm2-h200.toml end to end on one GPU, timed as a user runs it
 # (data, regeneration, training, export and the config's own HumanEval eval, with the target-only
-# baseline), then tau on MT-Bench and held-out ShareGPT (T=0, 40 prompts, 128 new tokens).
+# baseline), then tau on MT-Bench (all 80 first turns, 10 per category: the file is sorted by category,
+# so its first 40 hold 4 of the 8) and held-out ShareGPT (40 prompts); T=0, 128 new tokens.
 #   bash benchmarks/quality_smollm2_h200.sh RUN_DIR [extra train flags, which override the config...]
 # Writes RUN_DIR/quality.json with the keys of benchmarks/results/quality-smollm2-h200.json
 # (tau_humaneval, tau_mtbench, tau_sharegpt, speedup, train_tokens, steps, wall_s, device, date,
 # command) and the job's seconds per phase (phases_s, from RUN_DIR/phases.json). Longer than one
 # device call (~15 min on an H200): start it with setsid nohup and poll.
 # The plumbing on a CPU (a few minutes):
-#   EVAL_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/quality_smollm2_h200.sh /tmp/q --device cpu --target random:tiny \
+#   EVAL_LIMIT=2 MTBENCH_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/quality_smollm2_h200.sh /tmp/q --device cpu --target random:tiny \
 #   --num-conversations 40 --no-regenerate --num-layers 2 --max-steps 4 --max-length 128 --token-budget 512 \
 #   --eval-limit 2 --eval-max-new-tokens 8
 set -uo pipefail
@@ -16,7 +17,7 @@ run=${1:?usage: quality_smollm2_h200.sh RUN_DIR [train flags]}
 shift
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH="$repo/src:$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code; recipe_summary
-limit=${EVAL_LIMIT:-40} tokens=${EVAL_TOKENS:-128} target=smollm2-135m
+limit=${EVAL_LIMIT:-40} mt_limit=${MTBENCH_LIMIT:-80} tokens=${EVAL_TOKENS:-128} target=smollm2-135m
 for ((i = 1; i < $#; i++)); do [ "${!i}" = --target ] && { j=$((i + 1)); target=${!j}; }; done
 dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
 mkdir -p "$run"
@@ -27,7 +28,8 @@ wall=$(( $(date +%s) - start ))
 echo "train: rc $rc in $wall s (log $run/train.log)"
 [ $rc -eq 0 ] || exit $rc
 for d in mtbench sharegpt; do
-  dft eval --target "$target" --drafter "$run/drafter" --dataset $d --limit "$limit" --max-new-tokens "$tokens" \
+  n=$limit; [ $d = mtbench ] && n=$mt_limit
+  dft eval --target "$target" --drafter "$run/drafter" --dataset $d --limit "$n" --max-new-tokens "$tokens" \
     --no-baseline --quiet --json "$run/eval-$d.json" > "$run/eval-$d.log" 2>&1 || { cat "$run/eval-$d.log"; exit 1; }
   head -1 "$run/eval-$d.log"
 done
@@ -38,13 +40,16 @@ import sys
 from pathlib import Path
 
 import torch
-from recipe_summary import trained_tokens  # benchmarks/ is on PYTHONPATH (not a package)
+from recipe_summary import first_tau, trained_tokens  # benchmarks/ is on PYTHONPATH (not a package)
 
 run, wall, command = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 after = json.loads((run / "eval_after.json").read_text())
 records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 tokens = trained_tokens(records)
-out = {"tau_humaneval": after["tau"], "tau_mtbench": json.loads((run / "eval-mtbench.json").read_text())["tau"],
+mt = json.loads((run / "eval-mtbench.json").read_text())
+out = {"tau_humaneval": after["tau"], "tau_mtbench": mt["tau"],
+       "tau_mtbench_first40": first_tau(mt, 40),  # its first 4 categories: what records before 2026-12-02c measured
+       "tau_mtbench_by_category": mt["tau_by_category"], "mtbench_prompts": mt["num_prompts"],
        "tau_sharegpt": json.loads((run / "eval-sharegpt.json").read_text())["tau"], "speedup": after["speedup"],
        "lossless_humaneval": after["lossless"], "train_tokens": round(tokens[-1]) if tokens else None,
        "steps": records[-1]["step"] if records else 0, "wall_s": wall,

@@ -102,7 +102,17 @@ def variant_summary(d: Path) -> dict:
             out[f"tau_{name}"] = r["tau"]
             out[f"speedup_{name}"] = r["speedup"]
             out[f"acceptance_{name}"] = [round(a, 3) for a in r["per_position_acceptance"][:4]]
+            if r.get("tau_by_category"):
+                out[f"tau_{name}_by_category"] = r["tau_by_category"]
+            if name == "mtbench" and len(r.get("per_prompt_tau", [])) > 40:
+                out["tau_mtbench_first40"] = first_tau(r, 40)  # what sweeps before 2026-12-02 measured
     return out
+
+
+def first_tau(report: dict, n: int) -> float:
+    """tau over an eval report's first n prompts (steps-weighted, as its tau is over all)."""
+    tau, steps = report["per_prompt_tau"][:n], report["per_prompt_steps"][:n]
+    return sum(t * s for t, s in zip(tau, steps, strict=True)) / max(1, sum(steps))
 
 
 def table(rows: list[dict]) -> str:

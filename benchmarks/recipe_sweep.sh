@@ -6,7 +6,8 @@
 # whose flags change the data (--regen-*, --max-length, --data-topic, --num-conversations): they
 # regenerate and prepare their own, at the same time. All variants
 # train at once on the one GPU (so each one's wall time is an upper bound of its time alone), then
-# each is evaluated on HumanEval, MT-Bench and held-out ShareGPT (T=0, 40 prompts, 128 tokens).
+# each is evaluated on HumanEval, MT-Bench and held-out ShareGPT (T=0, 128 tokens; 40 prompts, MT-Bench all
+# 80: its file is sorted by category, so its first 40 hold 4 of the 8).
 # OUT_DIR/summary.json and the table printed at the end come from benchmarks/recipe_summary.py.
 # EVAL_FLAGS=--no-baseline measures tau only (half the eval time; speedups measured while other
 # variants share the GPU say little anyway); SOLO_EVAL=1 then evaluates the variant with the best
@@ -18,7 +19,7 @@ out=${1:?usage: recipe_sweep.sh OUT_DIR 'NAME|flags' ...}
 shift
 [ $# -ge 1 ] || { echo "recipe_sweep.sh: give at least one 'NAME|flags' variant" >&2; exit 2; }
 config=${CONFIG:-configs/smollm2-h200.toml}
-limit=${EVAL_LIMIT:-40} tokens=${EVAL_TOKENS:-128}  # smaller for a quick check of the script
+limit=${EVAL_LIMIT:-40} mt_limit=${MTBENCH_LIMIT:-80} tokens=${EVAL_TOKENS:-128}  # smaller for a quick check of the script
 eval_flags=${EVAL_FLAGS:-}
 mkdir -p "$out"
 dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
@@ -32,8 +33,9 @@ variant() {  # name, data flag (empty for the first), flags...
   dft train --config "$config" --run-dir "$dir" --quiet $data "$@" > "$dir/train.log" 2>&1
   echo "$? $(( $(date +%s) - start ))" > "$dir/train.status"
   for d in humaneval mtbench sharegpt; do
+    n=$limit; [ $d = mtbench ] && n=$mt_limit
     # shellcheck disable=SC2086
-    dft eval --target smollm2-135m --drafter "$dir/drafter" --dataset $d --limit "$limit" --max-new-tokens "$tokens" \
+    dft eval --target smollm2-135m --drafter "$dir/drafter" --dataset $d --limit "$n" --max-new-tokens "$tokens" \
       --quiet --json "$dir/eval-$d.json" $eval_flags > "$dir/eval-$d.log" 2>&1
   done
 }

@@ -51,6 +51,24 @@ def test_init_drafter_then_eval_writes_report(tiny_drafter_dir, tmp_path, capsys
     assert code == 0 and tau_only["tau"] == rep["tau"] and tau_only["speedup"] is None and tau_only["lossless"] is None
 
 
+def test_eval_reports_tau_per_prompt_and_per_category(tiny_drafter_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "word " * (3 + 5 * i), "category": "ab"[i % 2]}) + "\n"
+                               for i in range(4)))
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", "random:tiny", "--drafter", str(tiny_drafter_dir), "--dataset", str(prompts),
+                 "--max-new-tokens", "16", "--json", str(out), "--quiet", "--no-baseline"]) == 0
+    rep = json.loads(out.read_text())
+    tau, steps = rep["per_prompt_tau"], rep["per_prompt_steps"]
+    assert len(tau) == len(steps) == 4 and sum(steps) == rep["steps"]
+    weighted = lambda idx: sum(tau[i] * steps[i] for i in idx) / sum(steps[i] for i in idx)  # noqa: E731
+    assert weighted(range(4)) == pytest.approx(rep["tau"])
+    assert list(rep["tau_by_category"]) == ["a", "b"]
+    assert rep["tau_by_category"]["a"] == pytest.approx(weighted([0, 2]))
+    assert rep["tau_by_category"]["b"] == pytest.approx(weighted([1, 3]))
+    assert "tau by category:            a " in capsys.readouterr().out
+
+
 def test_a_real_divergence_is_a_mismatch_and_fails_require_lossless(tiny_drafter_dir, tmp_path, monkeypatch, capsys):
     """A DFlash loop that commits a wrong token: listed with its gap, `eval --require-lossless` exits 1."""
     import torch

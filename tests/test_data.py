@@ -7,7 +7,7 @@ import pytest
 from dflash_train.data import sharegpt
 from dflash_train.data.conversations import BadRecord, first_prompt, normalize
 from dflash_train.errors import UsageError
-from dflash_train.eval.prompts import load_prompts
+from dflash_train.eval.prompts import load_eval_set, load_prompts
 
 
 def test_normalize_common_shapes():
@@ -76,3 +76,20 @@ def test_packaged_datasets_load():
     assert len(mt) == 3 and all(m[-1]["role"] == "user" for m in mt)
     sg = load_prompts("sharegpt", 2)
     assert len(sg) == 2 and sg[0][-1]["role"] == "user"
+
+
+def test_mtbench_prompts_come_with_their_categories():
+    """The file is sorted by category, so a first-N slice covers only the first N/10 categories."""
+    mt = load_eval_set("mtbench", None)
+    assert len(mt.prompts) == len(mt.categories) == 80
+    assert sorted(set(mt.categories[:40])) == ["math", "reasoning", "roleplay", "writing"]
+    assert len(set(mt.categories)) == 8 and all(mt.categories.count(c) == 10 for c in set(mt.categories))
+    assert load_eval_set("humaneval", 2).categories is None
+
+
+def test_a_prompts_files_categories_count_only_when_every_record_has_one(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "category": "x"}\n\n{"prompt": "b", "category": "y"}\n{"prompt": "c", "category": "x"}\n')
+    assert load_eval_set(str(path), 2).categories == ["x", "y"]
+    path.write_text('{"prompt": "a", "category": "x"}\n{"prompt": "b"}\n')
+    assert load_eval_set(str(path), None).categories is None

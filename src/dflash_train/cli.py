@@ -33,7 +33,7 @@ from dflash_train.data.sources import SourceReport, default_split, iter_conversa
 from dflash_train.devices import resolve_device
 from dflash_train.errors import UsageError
 from dflash_train.eval.evaluate import EvalConfig, evaluate
-from dflash_train.eval.prompts import load_prompts
+from dflash_train.eval.prompts import load_eval_set
 from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device
 from dflash_train.models.targets import load_target
@@ -135,13 +135,15 @@ def cmd_eval(args) -> int:
     _check_seed(args.seed)
     if args.json:
         _check_output_file(args.json, "--json")
-    prompts = load_prompts(args.dataset, args.limit)  # fail on bad data before loading models
+    evalset = load_eval_set(args.dataset, args.limit)  # fail on bad data before loading models
     target = _load_target(args)
     drafter = load_drafter(args.drafter)
     check_compatible(drafter, target)
     drafter = to_device(drafter, target)
-    ids = [target.render_chat(m) for m in prompts]
+    ids = [target.render_chat(m) for m in evalset.prompts]
     report = evaluate(target, drafter, ids, cfg, progress=not args.quiet)
+    if evalset.categories:
+        report.tau_by_category = report.by_category(evalset.categories)
     print(report.summary())
     if args.json:
         report.to_json(args.json)

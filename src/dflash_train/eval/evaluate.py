@@ -97,6 +97,11 @@ class EvalReport:
     divergences: list[Divergence] = field(default_factory=list)
     tie_gap: float | None = None
     """The TIE_GAP that classified the divergences (the target's dtype)."""
+    per_prompt_tau: list[float] = field(default_factory=list)
+    per_prompt_steps: list[int] = field(default_factory=list)
+    """Each prompt's tau and verify steps: tau over any subset is sum(tau * steps) / sum(steps)."""
+    tau_by_category: dict[str, float] | None = None
+    """tau over each category's prompts (by_category), where the eval set names them."""
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -111,9 +116,22 @@ class EvalReport:
             f"decode tokens/s:            dflash {self.dflash_tokens_per_s:.1f}"
             + (f"   target-only {self.target_tokens_per_s:.1f}   speedup {self.speedup:.2f}x" if self.speedup else ""),
         ]
+        if self.tau_by_category:
+            lines.append("tau by category:            " + "  ".join(f"{c} {t:.2f}" for c, t in self.tau_by_category.items()))
         if self.lossless is not None:
             lines.append("lossless:                   " + self._lossless_text())
         return "\n".join(lines)
+
+    def by_category(self, categories: list[str]) -> dict[str, float]:
+        """tau over each category's prompts (steps-weighted, as `tau` is over all), in first-seen order."""
+        if len(categories) != len(self.per_prompt_tau):
+            raise ValueError(f"{len(categories)} categories for {len(self.per_prompt_tau)} prompts")
+        committed: dict[str, float] = {}
+        steps: dict[str, int] = {}
+        for c, t, n in zip(categories, self.per_prompt_tau, self.per_prompt_steps, strict=True):
+            committed[c] = committed.get(c, 0.0) + t * n
+            steps[c] = steps.get(c, 0) + n
+        return {c: committed[c] / steps[c] if steps[c] else 1.0 for c in committed}
 
     def _lossless_text(self) -> str:
         if self.lossless == "exact":
@@ -225,4 +243,6 @@ def _report(spec: list[DecodeResult], base: list[DecodeResult], B: int, cfg: Eva
         steps=steps, generated_tokens=sum(len(r.tokens) for r in spec), dflash_tokens_per_s=spec_tps,
         target_tokens_per_s=target_tps, block_size=B, temperature=cfg.temperature, num_prompts=len(spec),
         mismatched_prompts=mismatched,
+        per_prompt_tau=[sum(r.committed) / len(r.committed) if r.committed else 1.0 for r in spec],
+        per_prompt_steps=[len(r.committed) for r in spec],
     )
