@@ -425,6 +425,23 @@ def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, mak
     assert all("forward" not in vars(layer) for layer in obj.drafter.layers)
 
 
+def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_drafter):
+    """--compile-drafter on packs of new shapes (token counts, tile counts, anchors): one graph per layer kind
+    (full, sliding), not a static one first. Forward only: FlexAttention has no CPU backward."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    obj = _objective(tiny_target, make_drafter, "flex", num_sliding_layers=1, sliding_window=64)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), obj.drafter.compiled_layers(backend="eager"):
+        for seed, lens in enumerate([(300, 150), (90, 400, 220), (520, 60)]):  # 1-3 tiles of 128 queries
+            b = _packed(lens, seed)
+            obj(b, sample_packed_anchors(b, 20 + 15 * seed, torch.Generator().manual_seed(seed)),
+                torch.randn(b.num_tokens, 3 * 64))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA")
 def test_compiled_draft_layers_equal_the_eager_ones_on_cuda():
     """Inductor with FlexAttention traced into each layer: the loss and gradients of the eager layers."""

@@ -87,7 +87,7 @@ def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, *
 
 @contextlib.contextmanager
 def compiled_forwards(modules: Iterable[nn.Module], backend: str = "inductor",
-                      dynamic: Mapping[int, int] | None = None) -> Iterator[None]:
+                      dynamic: Mapping[int, int] | bool | None = None) -> Iterator[None]:
     """Inside: each module's `forward` under torch.compile; the class's eager forward again on exit.
 
     Only `forward` is compiled, so the modules' hooks (feature capture, profiling spans) stay

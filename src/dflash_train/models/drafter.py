@@ -239,16 +239,17 @@ class DFlashDrafter(nn.Module):
         B=8 drafter's step was half host time (docs/quality.md, session 16). Compiled, a layer is one
         call whose graph holds the norms, projections, RoPE and FlexAttention (traced in, with its
         block mask as an input), and one compiled backward. All layers share the graph (the sliding
-        window layers' mask predicate gets its own). The layer inputs' token counts are dynamic from
-        the first call; the block mask's tensors are not marked yet, so each layer kind still compiles
-        a few versions before it settles (docs/pipeline.md). On exit the layers are eager again, so
-        decoding never compiles its cache shapes.
+        window layers' mask predicate gets its own). Every size is dynamic from the first call: token
+        counts change every pack, and so do the block mask's tile counts and lengths and the tensors
+        its predicate closes over. Marking only the layer inputs compiled each layer kind twice
+        (static, then dynamic: the mask's lengths pinned the inputs' sizes); all dynamic, once
+        (counted on the CPU, test_compiled_draft_layers_compile_once_per_layer_kind). On exit the
+        layers are eager again, so decoding never compiles its cache shapes.
         """
         if not enabled:
             yield
             return
-        # x, ctx, cos, sin: [1, tokens, ...]; block and context token counts change every pack
-        with compiled_forwards(self.layers, backend=backend, dynamic={0: 1, 1: 1, 2: 1, 3: 1}):
+        with compiled_forwards(self.layers, backend=backend, dynamic=True):
             yield
 
     def _inference_masks(self, q_len: int, position_ids: torch.Tensor, cache: ContextCache | None) -> dict[str, AttnMask]:
