@@ -90,6 +90,31 @@ def test_a_feature_cache_that_cannot_fit_the_gpu_is_refused_with_its_figures():
         check_cache_room(7_709_379, 5 * 576, torch.bfloat16, free_bytes=24 * 10**9)
 
 
+def test_each_gpu_worker_checks_the_share_of_the_cache_it_will_hold(monkeypatch, tmp_path):
+    """A worker caches the packs it serves or trains on: with 4 of them a 44 GB cache is ~11 GB each."""
+    from types import SimpleNamespace
+
+    from dflash_train.app.local import check_cache_fits
+    from dflash_train.errors import UsageError
+    from dflash_train.training.config import TrainConfig
+
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), hidden_size=576, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24 * 10**9, 80 * 10**9))
+    cfg = TrainConfig(run_dir=str(tmp_path), cache_features=True)
+    check_cache_fits(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27], share=4)  # 11.1 GB of 24 GB free
+    with pytest.raises(UsageError, match=r"44\.4 GB"):
+        check_cache_fits(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27])
+    check_cache_fits(TrainConfig(run_dir=str(tmp_path), cache_features=False), gpu, 7_709_379, [1, 8, 14, 20, 27])
+
+
+def test_a_pack_stream_counts_the_tokens_of_an_epoch(prepared):
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.stream import PackStream
+
+    data = PreparedDataset.open(prepared)
+    assert PackStream(data, 4096, 4, 0, 1).tokens() == int(data.lengths().sum())
+
+
 def test_a_pipeline_per_device_reproduces_the_single_device_losses(prepared, tmp_path, monkeypatch):
     """The same list to both flags: each process holds a target and a drafter; only gradients cross."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)

@@ -51,6 +51,14 @@ def check_cache_room(tokens: int, width: int, dtype: torch.dtype, free_bytes: in
                          "give --no-cache-features, or fewer tokens (--num-conversations, --max-length)")
 
 
+def check_cache_fits(cfg: TrainConfig, target: Target, tokens: int, layer_ids: list[int], share: int = 1) -> None:
+    """check_cache_room for a process that caches 1/share of the prepared tokens' features on its GPU
+    (a worker keeps the packs it serves or trains on: about an equal share of them)."""
+    if target.device.type == "cuda" and cache_features(cfg, target.device):
+        check_cache_room(-(-tokens // share), len(layer_ids) * target.hidden_size, target.dtype,
+                         torch.cuda.mem_get_info(target.device)[0])
+
+
 def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], stats=NULL_PROFILE, trace=NO_TRACE,
                   overlap: bool | None = None) -> FeatureSource:
     """Features from this process's own target, as --overlap and --cache-features say (or their defaults)."""
@@ -89,9 +97,7 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     """Train on one device: the target's features inline, or from a target thread with overlap."""
     steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
     layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
-    if target.device.type == "cuda" and cache_features(cfg, target.device):
-        check_cache_room(int(dataset.lengths().sum()), len(layer_ids) * target.hidden_size, target.dtype,
-                         torch.cuda.mem_get_info(target.device)[0])
+    check_cache_fits(cfg, target, int(dataset.lengths().sum()), layer_ids)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
                   flops=flop_counter(cfg, target, drafter, layer_ids))
     loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head, run_dir,

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import torch
 
 from dflash_train.app.drafter import drafter_config, make_drafter
-from dflash_train.app.local import cache_features, features_here, flop_counter, total_steps
+from dflash_train.app.local import cache_features, check_cache_fits, features_here, flop_counter, total_steps
 from dflash_train.app.run_dir import export_drafter, run_dir_lock
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.errors import UsageError
@@ -167,6 +167,7 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
     layer_ids = feature_layer_ids(drafter_cfg, cfg.kd_weight > 0)
     stream = _stream(work, spec, work.stream)
+    check_cache_fits(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))
     with target.compiled_layers(cfg.compile_target):
         serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.queue_depth,
                        cache=cache_features(cfg, device),  # each worker caches the packs it serves
@@ -204,8 +205,10 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
                             resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
                             progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
                             checkpoints=work.checkpoints)
-    packs = drafter_packs(spec, _stream(work, spec, loop.stream_state), work.total_steps)
+    stream = _stream(work, spec, loop.stream_state)
+    packs = drafter_packs(spec, stream, work.total_steps)
     if spec.role == "both":
+        check_cache_fits(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))
         source = features_here(cfg, target, packs, layer_ids, session.stats, session.trace)
     else:
         source = receive_features(spec, packs, len(layer_ids) * target.hidden_size, cfg.token_budget, target.dtype,

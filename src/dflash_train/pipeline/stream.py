@@ -58,6 +58,10 @@ class PackStream:
     def state(self) -> StreamState:
         return StreamState(self.loader.state.epoch, self.loader.state.index, self.next_pack)
 
+    def tokens(self) -> int:
+        """Tokens in one epoch of the data (every pack of it, all ranks' together)."""
+        return int(self.loader.lengths.sum())
+
     def steps_per_epoch(self) -> float:
         return self.loader.steps_in_epoch(0) / self.packs_per_step
 
