@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dflash_train.app.validation import Validation
+from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
@@ -95,11 +97,13 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
                 trace=NO_TRACE, overlap: bool | None = None, checkpoints: bool = True,
                 on_loop=lambda loop: None, heartbeat=lambda step: None) -> TrainResult:
     """Train on one device: the target's features inline, or from a target thread with overlap."""
+    dataset, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)  # training reads the rest
     steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
     layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
     check_cache_fits(cfg, target, int(dataset.lengths().sum()), layer_ids)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
-                  flops=flop_counter(cfg, target, drafter, layer_ids))
+                  flops=flop_counter(cfg, target, drafter, layer_ids),
+                  validate=Validation(cfg, target, held_out, layer_ids) if held_out is not None else None)
     loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head, run_dir,
                             steps, resume_state=resume_state, progress=progress, hooks=hooks, checkpoints=checkpoints)
     on_loop(loop)

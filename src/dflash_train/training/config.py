@@ -127,16 +127,20 @@ class TrainConfig:
         "one, random or from the target's layers, accepts nothing (tau 1.000 on the H200 and CPU defaults), and its "
         "eval cost the CPU default 129 s")
     eval_max_new_tokens: int = knob_field(EVAL_MAX_NEW_TOKENS)
+    val_conversations: int = opt(0, "conversations held out of training; every --val-every steps the records get "
+                                 "val_loss, val_acc and val_expected_tau on them (teacher-forced, as the train "
+                                 "estimate, but on data never trained on); 0 = none")
+    val_every: int = opt(250, "steps between validations (--val-conversations)")
 
     def __post_init__(self) -> None:
         validate(self)  # the shared knobs (config.py), Literal choices, finite floats
         for name in ("token_budget", "max_length", "log_every", "keep_checkpoints", "regen_batch_size",
                      "regen_max_turns", "regen_samples", "regen_max_prompt_tokens", "regen_concurrency", "grad_accum",
-                     "queue_depth"):
+                     "queue_depth", "val_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("num_conversations", "max_steps", "checkpoint_every", "eval_limit", "weight_decay", "grad_clip",
-                     "regen_temperature", "memory_history"):
+                     "regen_temperature", "memory_history", "val_conversations"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.compile_drafter and (self.device == "cpu" or self.attention == "dense"):
@@ -164,6 +168,9 @@ class TrainConfig:
             raise UsageError(f"--dist-port must be a TCP port (0 = any free one), got {self.dist_port}")
         if (self.target_devices is None) != (self.drafter_devices is None):
             raise UsageError("--target-devices and --drafter-devices go together (or leave both out and use --device)")
+        if self.val_conversations and self.target_devices is not None:
+            raise UsageError("--val-conversations: validation runs in one-process training only for now "
+                             "(not with --target-devices / --drafter-devices)")
         if self.torch_profile is not None:
             self.torch_profile_steps()
         if not self.lr > 0:

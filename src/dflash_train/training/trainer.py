@@ -89,6 +89,9 @@ class Hooks:
     stop_requested: Callable[[int], bool] = lambda step: False  # a coordinated stop (the launcher's)
     heartbeat: Callable[[int], None] = lambda step: None  # after every step (the launcher's liveness watch)
     flops: PackFlops | None = None  # a PackFlops (profiling/flops.py): model FLOPs per pack, each record's mfu; None: no mfu
+    # held-out packs (app/validation.py): .due(step, last_step), and called with the objective, the val_* values
+    # that join the next metrics record
+    validate: Any = None
 
 
 def _timed_allreduce(state, bucket):
@@ -242,7 +245,7 @@ class Trainer:
     def _steps(self, source, metrics: MetricsLogger | None) -> dict[str, Any] | None:
         """The optimizer steps up to total_steps; the last metrics record."""
         cfg = self.cfg
-        window, last = _Window(self.objective.metric_width, self.device), None
+        window, last, validated = _Window(self.objective.metric_width, self.device), None, {}
         while self.step < self.total_steps:
             if self.hooks.stop_requested(self.step):
                 raise GracefulStop()
@@ -251,9 +254,13 @@ class Trainer:
             self.hooks.heartbeat(self.step)
             if metrics is not None:
                 metrics.advance()
+            if self.hooks.validate is not None and self.hooks.validate.due(self.step, self.total_steps):
+                with self.prof.span("validate", sync="the held-out sums' read-back"):
+                    validated = self.hooks.validate(self.objective)
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                 with self.prof.span("metrics", sync="the logging step's read-back (sums.cpu())"):
-                    last = self._record(window)
+                    last = {**self._record(window), **validated}
+                validated = {}
                 if metrics is not None:
                     metrics.log(last)  # a non-finite record too: the diagnostic of the stop below
                 self._check_record(last, window.steps)  # every training rank: the sums are all-reduced

@@ -1,0 +1,52 @@
+"""The validation estimate of tau (--val-conversations): the training objective, teacher-forced, on
+conversations held out of training (data/validation_split.py).
+
+The train record's `expected_tau` is measured on the packs being trained on, which after the first
+epoch are packs seen before; on the H200 the 12-layer drafter's estimate ended at 3.86 while its
+held-out HumanEval tau was 2.65 (docs/quality.md). The validation packs are never trained on, so
+`val_expected_tau` against steps shows where training stops generalising. Their target features
+are computed once, before training (a few packs), and kept on the target's device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_train.errors import UsageError
+from dflash_train.models.targets import Target
+from dflash_train.pipeline.features import packed_features
+from dflash_train.pipeline.stream import PackStream
+from dflash_train.training.config import TrainConfig
+
+KEYS = ("loss", "acc", "expected_tau")  # of the objective's record values
+
+
+class Validation:
+    def __init__(self, cfg: TrainConfig, target: Target, held_out, layer_ids: list[int]) -> None:
+        self.every = cfg.val_every
+        stream = PackStream(held_out, cfg.token_budget, cfg.num_anchors, cfg.seed, 1)
+        loader, self.packs = stream.loader, []
+        with torch.no_grad():
+            while loader.state.epoch == 0 and loader.state.index < len(loader.lengths):  # one pass
+                pack = stream.next_step()[0]
+                if loader.state.epoch > 0:
+                    break  # packs without anchors were skipped into the next pass
+                feats = packed_features(target, pack.batch, layer_ids)
+                self.packs.append((pack.batch.to(target.device), pack.anchors, feats))
+        if not self.packs:
+            raise UsageError("--val-conversations: the held-out conversations have no two consecutive loss-masked "
+                             "tokens to validate on; hold out more of them")
+        self.tokens = sum(b.num_tokens for b, _, _ in self.packs)
+
+    def due(self, step: int, last: int) -> bool:
+        return step % self.every == 0 or step == last
+
+    @torch.no_grad()
+    def __call__(self, objective) -> dict[str, object]:
+        """val_loss, val_acc and val_expected_tau over every held-out pack (one host sync, at the end)."""
+        device = self.packs[0][0].input_ids.device
+        sums = torch.zeros(objective.metric_width, device=device)
+        for batch, anchors, feats in self.packs:
+            objective.add_metrics(sums, objective(batch, anchors.to(device), feats), anchors)
+        values, _ = objective.metrics(sums.cpu())  # host sync: once per validation
+        return {f"val_{k}": values[k] for k in KEYS}

@@ -1,0 +1,80 @@
+"""--val-conversations: conversations held out of training, and the validation estimate on them."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_train.cli import main
+from dflash_train.data.dataset import PreparedDataset
+from dflash_train.data.validation_split import conversation_of, split_validation
+from dflash_train.errors import UsageError
+
+BASE = ["train", "--target", "random:tiny", "--max-length", "96", "--token-budget", "192", "--num-anchors", "16",
+        "--block-size", "4", "--eval-limit", "0", "--log-every", "2", "--quiet", "--seed", "3", "--device", "cpu"]
+
+
+class _Ids:
+    """What the split reads of a dataset: its sequence ids (several samples of one conversation: ID#k)."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def lengths(self):
+        return np.arange(1, len(self.ids) + 1)
+
+    def __getitem__(self, i):
+        return self.ids[i]
+
+
+def test_the_split_holds_out_whole_conversations_the_same_every_time():
+    data = _Ids([f"c{i}#{k}" for i in range(30) for k in range(2)])
+    train, val = split_validation(data, 5, seed=0)
+    held = {conversation_of(val[i]) for i in range(len(val))}
+    assert len(held) == 5 and len(val) == 10  # both samples of each held-out conversation
+    assert not held & {conversation_of(train[i]) for i in range(len(train))}
+    assert len(train) + len(val) == 60
+    assert np.array_equal(train.lengths(), data.lengths()[train.indices])
+    again, _ = split_validation(data, 5, seed=0)
+    assert np.array_equal(again.indices, train.indices)
+    assert not np.array_equal(split_validation(data, 5, seed=1)[0].indices, train.indices)
+    assert split_validation(data, 0, seed=0) == (data, None)
+    with pytest.raises(UsageError, match="--val-conversations 30: the data has 30 conversations"):
+        split_validation(data, 30, seed=0)
+
+
+def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tmp_path, monkeypatch):
+    from dflash_train.pipeline import stream as stream_mod
+
+    data = PreparedDataset.open(prepared)
+    _, val = split_validation(data, 4, seed=3)
+    held = {tuple(val[i][0].tolist()) for i in range(len(val))}
+    seen: dict[int, set] = {}  # per pack stream (training's and the validation's): the sequences it packed
+    real_next = stream_mod.PackStream.next_step
+
+    def spy(self):
+        packs = real_next(self)
+        seen.setdefault(id(self), set()).update(tuple(self.loader.dataset[i][0].tolist())
+                                                for p in packs for i in p.sequence_ids)
+        return packs
+
+    monkeypatch.setattr(stream_mod.PackStream, "next_step", spy)
+    run = tmp_path / "run"
+    assert main([*BASE, "--data", prepared, "--run-dir", str(run), "--max-steps", "6", "--val-conversations", "4",
+                 "--val-every", "3"]) == 0
+    validation, training = sorted(seen.values(), key=lambda s: len(s & held), reverse=True)
+    assert validation == held  # all of the held-out sequences, in one pass
+    assert training and not training & held
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_expected_tau" in r] == [4, 6]  # validated at 3 and 6, logged every 2
+    last = records[-1]
+    assert 1.0 <= last["val_expected_tau"] <= 4 and len(last["val_acc"]) == 3 and last["val_loss"] > 0
+
+
+def test_validation_is_refused_where_it_does_not_run_yet(tmp_path):
+    from dflash_train.training.config import TrainConfig
+
+    with pytest.raises(UsageError, match="--val-conversations: validation runs in one-process training only"):
+        TrainConfig(run_dir=str(tmp_path), val_conversations=4, target_devices="cpu", drafter_devices="cpu,cpu")
+    with pytest.raises(UsageError, match="--val-every must be >= 1"):
+        TrainConfig(run_dir=str(tmp_path), val_every=0)
