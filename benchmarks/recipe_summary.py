@@ -94,6 +94,8 @@ def variant_summary(d: Path) -> dict:
         "train_acc": records[-1]["acc"] if records else None,
         "curve": [(x, r["expected_tau"]) for x, r in zip(seen, records, strict=True)] if seen else
                  [(r["step"] * per_step if per_step else r["step"], r["expected_tau"]) for r in records],
+        # the held-out estimate (--val-conversations), at the records that carry one
+        "val_curve": [(x, r["val_expected_tau"]) for x, r in zip(seen, records, strict=True) if "val_expected_tau" in r],
     }
     for name in DATASETS:
         f = d / f"eval-{name}.json"
@@ -138,12 +140,16 @@ def plot(rows: list[dict], path: Path) -> None:
             continue
         x, y = zip(*r["curve"], strict=True)
         line, = ax.plot([v / 1e6 for v in x], y, label=label(r))
+        if r.get("val_curve"):
+            vx, vy = zip(*r["val_curve"], strict=True)
+            ax.plot([v / 1e6 for v in vx], vy, "--", color=line.get_color())
         for name, marker in (("humaneval", "o"), ("mtbench", "s"), ("sharegpt", "x")):
             if f"tau_{name}" in r:
                 ax.plot([x[-1] / 1e6], [r[f"tau_{name}"]], marker, color=line.get_color())
     ax.set_xlabel("target tokens trained on (millions)")
     ax.set_ylabel("tau")
-    ax.set_title("lines: train estimate (seen data); o HumanEval, s MT-Bench, x held-out ShareGPT", fontsize=8)
+    ax.set_title("lines: train estimate (seen data); dashed: held-out conversations (--val-conversations);\n"
+                 "o HumanEval, s MT-Bench, x held-out ShareGPT", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     fig.tight_layout()

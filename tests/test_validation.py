@@ -69,6 +69,13 @@ def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tm
     assert [r["step"] for r in records if "val_expected_tau" in r] == [4, 6]  # validated at 3 and 6, logged every 2
     last = records[-1]
     assert 1.0 <= last["val_expected_tau"] <= 4 and len(last["val_acc"]) == 3 and last["val_loss"] > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()
+    tags = tb.Tags()["scalars"]
+    assert {"train/expected_tau", "val/expected_tau", "val/acc/0"} <= set(tags)
+    assert [e.step for e in tb.Scalars("val/expected_tau")] == [4, 6]
 
 
 def test_validation_is_refused_where_it_does_not_run_yet(tmp_path):

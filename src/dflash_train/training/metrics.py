@@ -32,11 +32,12 @@ class MetricsLogger:
         for key, value in record.items():
             if key == "step":
                 continue
+            tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"  # held-out values apart
             if isinstance(value, (int, float)):
-                self.tb.add_scalar(f"train/{key}", value, step)
+                self.tb.add_scalar(tag, value, step)
             elif isinstance(value, list):
                 for i, v in enumerate(value):
-                    self.tb.add_scalar(f"train/{key}/{i}", v, step)
+                    self.tb.add_scalar(f"{tag}/{i}", v, step)
         mfu = {"mfu": f"{record['mfu']:.3f}"} if record.get("mfu") is not None else {}  # CUDA only
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['expected_tau']:.2f}",
                              tok_s=f"{record['target_tokens_per_s']:.0f}", **mfu, refresh=False)
