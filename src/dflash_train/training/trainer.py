@@ -255,8 +255,10 @@ class Trainer:
             if metrics is not None:
                 metrics.advance()
             if self.hooks.validate is not None and self.hooks.validate.due(self.step, self.total_steps):
+                t0 = time.perf_counter()
                 with self.prof.span("validate", sync="the held-out sums' read-back"):
                     validated = self.hooks.validate(self.objective)
+                window.t0 += time.perf_counter() - t0  # the record's rates are training's (less the step's queued tail)
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                 with self.prof.span("metrics", sync="the logging step's read-back (sums.cpu())"):
                     last = {**self._record(window), **validated}
