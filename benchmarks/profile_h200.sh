@@ -75,7 +75,7 @@ train() {  # run dir, extra flags...
   # shellcheck disable=SC2086
   DFLASH_FUSED_DRAFTER=0 python3 benchmarks/planted.py train --config "$CONFIG" --run-dir "$dir" --target "$TARGET" \
     --device "$DEVICE" --no-regenerate --num-conversations "$CONVS" --no-compile-target --max-steps "$MAX_STEPS" \
-    --eval-limit 0 --checkpoint-every 0 --log-every 50 --profile-interval "$INTERVAL" --profile-cuda-events \
+    --eval-limit 0 --checkpoint-every 0 --log-every 50 --profile-interval "$INTERVAL" --profile-cuda-events --val-conversations 0 \
     --quiet --overwrite $TRAIN_FLAGS "$@"
   rc=$?
   rm -rf "$dir/checkpoints"  # the stop's checkpoint (~0.3 GB on the GPU): OUT_DIR keeps only what comes back small

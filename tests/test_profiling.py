@@ -137,6 +137,23 @@ def test_the_no_op_path_records_nothing():
     assert not w.durations and not w.counters and not w.gauges
 
 
+def test_a_muted_view_records_only_the_span_around_it():
+    """Validation is timed whole; the objective's and the layers' spans inside it stay out of training's stages."""
+    clock = Clock()
+    stats = ProfileStats("p", clock=clock)
+    prof = stats.loop("drafter")
+    _timed(prof, clock, "drafter.masks", 0.02)
+    with prof.span("validate"), prof.muted():
+        _timed(prof, clock, "drafter.masks", 0.5)
+        prof.count("tokens", 99)
+    clock.t += 1
+    stages = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]
+    assert stages["drafter.masks"]["count"] == 1 and stages["validate"]["count"] == 1
+    assert stages["validate"]["mean_ms"] == pytest.approx(500.0)
+    with NULL_PROFILE.loop("x").muted():
+        pass
+
+
 def test_format_limits_lines():
     clock = Clock()
     stats = ProfileStats("p", clock=clock)

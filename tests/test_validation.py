@@ -66,7 +66,8 @@ def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tm
     assert validation == held  # all of the held-out sequences, in one pass
     assert training and not training & held
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "val_expected_tau" in r] == [4, 6]  # validated at 3 and 6, logged every 2
+    assert [r["step"] for r in records] == [2, 3, 4, 6]  # a validation step writes its own record
+    assert [r["step"] for r in records if "val_expected_tau" in r] == [3, 6]
     last = records[-1]
     assert 1.0 <= last["val_expected_tau"] <= 4 and len(last["val_acc"]) == 3 and last["val_loss"] > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -75,13 +76,42 @@ def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tm
     tb.Reload()
     tags = tb.Tags()["scalars"]
     assert {"train/expected_tau", "val/expected_tau", "val/acc/0"} <= set(tags)
-    assert [e.step for e in tb.Scalars("val/expected_tau")] == [4, 6]
+    assert [e.step for e in tb.Scalars("val/expected_tau")] == [3, 6]
 
 
 def test_validation_is_refused_where_it_does_not_run_yet(tmp_path):
     from dflash_train.training.config import TrainConfig
 
-    with pytest.raises(UsageError, match="--val-conversations: validation runs in one-process training only"):
+    with pytest.raises(UsageError, match="--val-conversations 4: validation runs in one-process training only.*--val-conversations 0"):
         TrainConfig(run_dir=str(tmp_path), val_conversations=4, target_devices="cpu", drafter_devices="cpu,cpu")
     with pytest.raises(UsageError, match="--val-every must be >= 1"):
         TrainConfig(run_dir=str(tmp_path), val_every=0)
+
+
+def test_a_resume_keeps_the_runs_held_out_conversations_and_order(prepared, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main([*BASE, "--data", prepared, "--run-dir", str(run), "--max-steps", "4", "--checkpoint-every", "2",
+                 "--val-conversations", "4"]) == 0
+    for flags, named in ((["--val-conversations", "0"], "--val-conversations 0 (the run's: 4)"),
+                         (["--val-conversations", "4", "--seed", "5"], "--seed 5 (the run's: 3)")):
+        capsys.readouterr()
+        assert main([*BASE, "--data", prepared, "--run-dir", str(run), "--max-steps", "6", "--resume", *flags]) == 2
+        assert named in capsys.readouterr().err
+    assert main([*BASE, "--data", prepared, "--run-dir", str(run), "--max-steps", "6", "--resume",
+                 "--val-conversations", "4"]) == 0
+
+
+def test_held_out_conversations_without_anchors_are_named_as_such(tiny_target, tmp_path):
+    from dflash_train.app.validation import Validation
+    from dflash_train.training.config import TrainConfig
+
+    class NoLabels:  # sequences with no loss-masked token: nothing to draft
+        def lengths(self):
+            return np.full(3, 20)
+
+        def __getitem__(self, i):
+            return np.arange(20, dtype=np.int64) + 5, np.zeros(20, dtype=np.uint8)
+
+    cfg = TrainConfig(run_dir=str(tmp_path), max_length=96, token_budget=192, block_size=4)
+    with pytest.raises(UsageError, match="--val-conversations: the held-out conversations have no two consecutive"):
+        Validation(cfg, tiny_target, NoLabels(), [1, 2, 3])

@@ -18,7 +18,7 @@ from dflash_train.models.checkpoint import check_replaceable, load_config, parse
 from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, sweep_temporaries
-from dflash_train.training.config import TrainConfig
+from dflash_train.training.config import TrainConfig, read_toml
 
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json",
                 "profile.jsonl", "traces", "init_drafter")
@@ -63,6 +63,8 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Pa
         raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
     if ckpt is not None and not cfg.init_drafter:  # with --init-drafter that drafter set the shape, not these flags
         check_resume_shape(cfg, load_config(ckpt / "drafter", "--resume"))  # before config.toml is rewritten
+    if ckpt is not None:
+        check_resume_split(cfg, run_dir / "config.toml")
     for name in ("drafter", "init_drafter"):  # refused now rather than after the training
         check_replaceable(run_dir / name, "--run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,18 @@ def check_resume_shape(cfg: TrainConfig, saved) -> None:
     if bad:
         raise UsageError(f"--resume: {', '.join(bad)}; a resumed run trains the checkpoint's drafter: drop these "
                          "flags, or start a new --run-dir")
+
+
+def check_resume_split(cfg: TrainConfig, saved_config: Path) -> None:
+    """--resume continues the run's data order over the run's training conversations: another --seed or
+    --val-conversations would reshuffle them, or train on what the run held out."""
+    saved = read_toml(saved_config) if saved_config.is_file() else {}
+    theirs = {"val_conversations": saved.get("val_conversations", 0), "seed": saved.get("seed", cfg.seed)}
+    bad = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (the run's: {v})" for k, v in theirs.items()
+           if getattr(cfg, k) != v]
+    if bad:
+        raise UsageError(f"--resume: {', '.join(bad)}; a resumed run keeps the run's data order and held-out "
+                         "conversations: drop these flags, or start a new --run-dir")
 
 
 def export_drafter(drafter: DFlashDrafter, run_dir: Path, cfg: TrainConfig) -> Path:

@@ -24,6 +24,7 @@ from dflash_train.app.local import total_steps, train_local
 from dflash_train.app.phases import Phases
 from dflash_train.app.ranks import launch_workers, run_torchrun_rank, under_torchrun, worker_roles
 from dflash_train.app.run_dir import export_drafter, prepare_run_dir, run_dir_lock
+from dflash_train.data.validation_split import split_validation
 from dflash_train.devices import resolve_device
 from dflash_train.errors import say
 from dflash_train.eval import greedy_loop
@@ -89,6 +90,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
                if cfg.eval_limit else [])
     dataset = build_dataset(cfg, target, run_dir, progress, phases)
+    split_validation(dataset, cfg.val_conversations, cfg.seed)  # a count the data cannot spare fails now, not after
     drafter = make_drafter(cfg, target, ckpt)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)
     n_params = sum(p.numel() for p in drafter.parameters())

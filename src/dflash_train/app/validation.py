@@ -28,7 +28,10 @@ class Validation:
         loader, self.packs = stream.loader, []
         with torch.no_grad():
             while loader.state.epoch == 0 and loader.state.index < len(loader.lengths):  # one pass
-                pack = stream.next_step()[0]
+                try:
+                    pack = stream.next_step()[0]
+                except UsageError:  # a whole pass without anchors: say so in the validation's terms
+                    break
                 if loader.state.epoch > 0:
                     break  # packs without anchors were skipped into the next pass
                 feats = packed_features(target, pack.batch, layer_ids)

@@ -118,6 +118,17 @@ class LoopProfile:
 
     def __init__(self, stats: ProfileStats, loop: str) -> None:
         self._stats, self.name = stats, loop
+        self._muted = 0
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[None]:
+        """Inside: this view records nothing. For work an enclosing span times whole (validation), whose
+        inner spans (the objective's, the layers' hooks) would otherwise count in the training stages too."""
+        self._muted += 1
+        try:
+            yield
+        finally:
+            self._muted -= 1
 
     # Both spans read wall then CPU on entry and CPU then wall on exit, so the CPU interval nests
     # inside the wall one: the per-span cost is one perf_counter and one thread_time per edge.
@@ -150,15 +161,19 @@ class LoopProfile:
     def span(self, key: str, device: bool = False, sync: str | None = None):
         """Time the block under `key`; device=True marks GPU work (CUDA events in event mode);
         sync names a host sync the block is known to hold (`.item()`, `.cpu()`), for the verdict."""
+        if self._muted:
+            return _NULL_CONTEXT
         if device and self._stats.device_timer.cuda:
             return self._event_span(key, sync)
         return self._wall_span(key, sync)
 
     def add(self, key: str, seconds: float) -> None:
-        self._stats._add(self.name, key, seconds)
+        if not self._muted:
+            self._stats._add(self.name, key, seconds)
 
     def count(self, key: str, amount: float) -> None:
-        self._stats._count(self.name, key, amount)
+        if not self._muted:
+            self._stats._count(self.name, key, amount)
 
     def gauge(self, key: str, value: float) -> None:
         self._stats._gauge(self.name, key, value)
@@ -272,6 +287,9 @@ class _NullLoop:
     name = "off"
 
     def span(self, key: str, device: bool = False, sync: str | None = None):
+        return _NULL_CONTEXT
+
+    def muted(self):
         return _NULL_CONTEXT
 
     def add(self, key: str, seconds: float) -> None:

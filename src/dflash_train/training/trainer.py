@@ -245,7 +245,7 @@ class Trainer:
     def _steps(self, source, metrics: MetricsLogger | None) -> dict[str, Any] | None:
         """The optimizer steps up to total_steps; the last metrics record."""
         cfg = self.cfg
-        window, last, validated = _Window(self.objective.metric_width, self.device), None, {}
+        window, last = _Window(self.objective.metric_width, self.device), None
         while self.step < self.total_steps:
             if self.hooks.stop_requested(self.step):
                 raise GracefulStop()
@@ -254,15 +254,10 @@ class Trainer:
             self.hooks.heartbeat(self.step)
             if metrics is not None:
                 metrics.advance()
-            if self.hooks.validate is not None and self.hooks.validate.due(self.step, self.total_steps):
-                t0 = time.perf_counter()
-                with self.prof.span("validate", sync="the held-out sums' read-back"):
-                    validated = self.hooks.validate(self.objective)
-                window.t0 += time.perf_counter() - t0  # the record's rates are training's (less the step's queued tail)
-            if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+            validated = self._validate(window)
+            if validated or self.step % cfg.log_every == 0 or self.step == self.total_steps:
                 with self.prof.span("metrics", sync="the logging step's read-back (sums.cpu())"):
-                    last = {**self._record(window), **validated}
-                validated = {}
+                    last = {**self._record(window), **validated}  # a validation step writes a record of its own
                 if metrics is not None:
                     metrics.log(last)  # a non-finite record too: the diagnostic of the stop below
                 self._check_record(last, window.steps)  # every training rank: the sums are all-reduced
@@ -270,6 +265,17 @@ class Trainer:
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < self.total_steps:
                 self.checkpoint()
         return last
+
+    def _validate(self, window: _Window) -> dict[str, Any]:
+        """The held-out values when a validation is due at this step, else {}."""
+        if self.hooks.validate is None or not self.hooks.validate.due(self.step, self.total_steps):
+            return {}
+        t0 = time.perf_counter()
+        # timed whole; the objective's and the layers' own spans inside would count as training's
+        with self.prof.span("validate", sync="the held-out sums' read-back"), self.prof.muted():
+            values = self.hooks.validate(self.objective)
+        window.t0 += time.perf_counter() - t0  # the record's rates are training's (less the step's queued tail)
+        return values
 
     def _step(self, source, window: _Window) -> None:
         """One optimizer step over `grad_accum` packs."""
