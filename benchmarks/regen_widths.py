@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from datetime import date
+from pathlib import Path
 
 from dflash_train.data.regen_common import reply_segments
 from dflash_train.data.selection import select_conversations
@@ -87,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         out[name] = {"kv_slots_read": read, "useful_share": round(useful / read, 3)}
         print(f"{name:16s} KV slots read {read / 1e9:.2f}G, {useful / read:.0%} of them a row's own")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -39,7 +39,6 @@ class Validation:
         if not self.packs:
             raise UsageError("--val-conversations: the held-out conversations have no two consecutive loss-masked "
                              "tokens to validate on; hold out more of them")
-        self.tokens = sum(b.num_tokens for b, _, _ in self.packs)
 
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last
