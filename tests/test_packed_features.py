@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dflash_train.data.packing import pack
-from dflash_train.models.targets import document_block_mask, document_dense_mask, document_starts, load_target
-from dflash_train.pipeline.features import FLEX_TILE, feature_mode, packed_features, sequence_lengths
+from dflash_train.models.targets import (FLEX_TILE, document_block_mask, document_dense_mask, document_starts,
+                                        load_target)
+from dflash_train.pipeline.features import feature_mode, packed_features, sequence_lengths
 
 LAYERS = [0, 2, 5]  # random:tiny has 6 layers; 5 is the last (its output gets the final norm)
 

@@ -37,6 +37,20 @@ def test_relabel_writes_each_sequences_own_greedy_tokens(tiny_target, data_dir):
     assert sorted(p.name for p in data_dir.iterdir() if p.name.startswith(".")) == []  # no temporary left
 
 
+@pytest.mark.parametrize("batch_tokens", [200, 16384])
+def test_packed_rows_give_the_padded_batches_labels(tiny_target, data_dir, tmp_path, batch_tokens):
+    """The CUDA path (sequences packed into rows, each attending only within itself), here with the
+    dense document mask: the same labels as padded batches, several rows or one."""
+    other = tmp_path / "other"
+    shutil.copytree(data_dir, other)
+    relabel(tiny_target, data_dir, batch_tokens=200, progress=False, mode="padded")
+    rep = relabel(tiny_target, other, batch_tokens=batch_tokens, progress=False, mode="packed")
+    assert rep.tokens == int(PreparedDataset.open(other).lengths().sum())
+    np.testing.assert_array_equal(np.load(other / LABELS), np.load(data_dir / LABELS))
+    with pytest.raises(ValueError, match="mode"):
+        relabel(tiny_target, other, mode="flex")
+
+
 def test_packs_carry_target_labels_only_when_asked(tiny_target, data_dir):
     with pytest.raises(UsageError, match=LABELS):
         PreparedDataset.open(data_dir, labels=True)

@@ -28,7 +28,7 @@ from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
 from dflash_train.data.regen_common import RegenConfig
 from dflash_train.data.regenerate import regenerate
-from dflash_train.data.relabel import relabel
+from dflash_train.data.relabel import BATCH_TOKENS, relabel
 from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 from dflash_train.devices import resolve_device
 from dflash_train.errors import UsageError
@@ -351,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(labels.npy, for train --labels target)")
     _add_target_args(p)
     p.add_argument("--data", required=True, help="a prepared dataset directory (dflash-train prepare --out)")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per target forward")
+    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS,
+                   help="tokens per target forward: a packed row on CUDA, a padded batch elsewhere")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_relabel)
     return parser

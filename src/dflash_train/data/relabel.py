@@ -10,6 +10,11 @@ greedy continuation, as a regenerated reply would give, at a fraction of the cos
 The labels are written beside the dataset's arrays as labels.npy (atomically; a rerun reuses
 them). Positions outside the loss mask keep their own token: they are never labels, and
 agreement across them holds.
+
+On CUDA the sequences go through the target as packed rows, each causal within itself (the
+training forward's document mask, models/targets.py): a row of --batch-tokens real tokens, no
+padding, one host sync per row. Elsewhere (and for targets a document mask cannot stand in for)
+as right-padded batches of similar lengths.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ from tqdm import tqdm
 from dflash_train.data.dataset import LABELS, PreparedDataset
 from dflash_train.errors import UsageError
 from dflash_train.files import write_atomic
-from dflash_train.models.targets import Target
+from dflash_train.models.targets import Target, document_row
+
+BATCH_TOKENS = 16384  # tokens per target forward: a training pack's size
+MODES = ("auto", "packed", "padded")
+_HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole row's
 
 
 @dataclass
@@ -47,9 +56,17 @@ class RelabelReport:
                 f"{self.labelled} labels, {share:.0%} already the target's greedy token")
 
 
-def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 4096,
-            progress: bool = True) -> RelabelReport:
-    """Write labels.npy into the prepared dataset at `data_dir` (see module docstring)."""
+def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = BATCH_TOKENS,
+            progress: bool = True, mode: str = "auto") -> RelabelReport:
+    """Write labels.npy into the prepared dataset at `data_dir` (see module docstring).
+
+    mode: 'auto' (packed rows on CUDA for a full-attention target, else padded), 'packed' (flex on
+    CUDA, a dense document mask elsewhere) or 'padded'.
+    """
+    if mode not in MODES:
+        raise ValueError(f"relabel: mode {mode!r} not in {MODES}")
+    if mode == "auto":
+        mode = "packed" if target.device.type == "cuda" and target.full_attention_only else "padded"
     ds = PreparedDataset.open(data_dir)
     if (Path(data_dir) / LABELS).is_file():
         return RelabelReport(len(ds), 0, 0, 0, 0.0, cached=True)
@@ -59,8 +76,10 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 
     order = np.argsort(lengths, kind="stable")  # similar lengths together: little padding
     labelled = agree = 0
     with tqdm(total=int(lengths.sum()), desc="relabel", unit="tok", disable=not progress) as bar:
-        for group in _groups(order, lengths, batch_tokens):
-            for i, greedy in zip(group, _greedy_tokens(target, [ds[int(i)] for i in group])):
+        for group in _groups(order, lengths, batch_tokens, padded=mode == "padded"):
+            items = [ds[int(i)] for i in group]
+            greedy_rows = _greedy_tokens(target, items) if mode == "padded" else _packed_greedy_tokens(target, items)
+            for i, greedy in zip(group, greedy_rows):
                 span = slice(int(ds.offsets[i]), int(ds.offsets[i]) + len(greedy))
                 mask = np.asarray(ds.loss_mask[span], dtype=bool)
                 mask[0] = False  # the first token has no prefix to predict it from
@@ -75,14 +94,19 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 
     return RelabelReport(len(ds), int(lengths.sum()), labelled, agree, time.perf_counter() - t0)
 
 
-def _groups(order: np.ndarray, lengths: np.ndarray, batch_tokens: int):
-    """Runs of sequences (in `order`) whose padded size stays within batch_tokens (at least one each)."""
+def _groups(order: np.ndarray, lengths: np.ndarray, batch_tokens: int, padded: bool):
+    """Runs of sequences (in `order`, ascending length) whose size stays within batch_tokens (at least
+    one each): padded, every row as long as the run's last; packed, the sum of their lengths."""
     group: list[int] = []
+    total = 0
     for i in order:
-        if group and (len(group) + 1) * int(lengths[i]) > batch_tokens:
+        n = int(lengths[i])
+        size = (len(group) + 1) * n if padded else total + n
+        if group and size > batch_tokens:
             yield np.array(group)
-            group = []
+            group, total = [], 0
         group.append(int(i))
+        total += n
     if group:
         yield np.array(group)
 
@@ -103,4 +127,24 @@ def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[
         # the LM head on the rows that predict something (positions 0..len-2), not the padding
         pred = target.lm_head(hidden[r, :len(x) - 1]).argmax(-1).cpu().numpy()
         out.append(np.concatenate([np.asarray(x[:1]), pred]).astype(np.int32))
+    return out
+
+
+@torch.inference_mode()
+def _packed_greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+    """As _greedy_tokens, through one packed row: each sequence attends only within itself."""
+    xs = [np.asarray(x) for x, *_ in items]
+    lengths = torch.tensor([len(x) for x in xs])
+    ids = torch.as_tensor(np.concatenate(xs), dtype=torch.long)
+    doc = torch.repeat_interleave(torch.arange(len(xs)), lengths)
+    pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
+    row, pos, mask = document_row(ids, doc, pos, target.device, flex=target.device.type == "cuda")
+    last = target.num_layers - 1  # its feature is the final-normed state the LM head reads
+    hidden = target.features(row, [last], position_ids=pos, attention_mask=mask)[0, :ids.numel()]
+    pred = torch.cat([target.lm_head(h).argmax(-1) for h in hidden.split(_HEAD_ROWS)])
+    pred = pred.cpu().numpy()  # the one host sync of the row
+    out, start = [], 0
+    for x in xs:  # position p predicts p + 1: each sequence's last prediction is past its end
+        out.append(np.concatenate([x[:1], pred[start:start + len(x) - 1]]).astype(np.int32))
+        start += len(x)
     return out

@@ -350,6 +350,35 @@ def document_block_mask(doc: torch.Tensor, device: torch.device, tile: int = 128
                                     seq_lengths=(L, L), compute_q_blocks=False)
 
 
+# FlexAttention's tile. document_row pads a packed row to a multiple of it with one extra document
+# of pad tokens (< 128 tokens, < 1% of a 16K pack; it attends only to itself and is dropped), so
+# the BlockMask's tiles line up and the row's length takes few distinct values; the compiled
+# kernel goes dynamic in the length after the first change instead of recompiling per length
+# (padding to the full token budget would avoid that one recompile but run the MLPs on up to
+# a whole sequence of pads per pack).
+FLEX_TILE = 128
+
+
+def document_row(ids: torch.Tensor, doc: torch.Tensor, pos: torch.Tensor, device: torch.device, *,
+                 flex: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """A packed row's forward inputs on `device`: ids [1, L], positions [1, L] and its document mask.
+
+    ids, doc, pos: [S] host tensors (token ids, non-decreasing document ids, positions within each
+    document). flex: a FlexAttention BlockMask over the row padded to a multiple of FLEX_TILE (the
+    pads a document of their own; the caller keeps the first S outputs); else a dense [1, 1, S, S]
+    mask for sdpa (CPU). Built from host tensors: no host sync.
+    """
+    if flex:
+        pad = -ids.numel() % FLEX_TILE
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        doc = torch.cat([doc, doc.new_full((pad,), int(doc[-1]) + 1)])
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
+        mask = document_block_mask(doc, device, FLEX_TILE)
+    else:
+        mask = document_dense_mask(doc).to(device, non_blocking=True)
+    return ids[None].to(device, non_blocking=True), pos[None].to(device, non_blocking=True), mask
+
+
 def _document_flex(query, key, value, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.data.packing import PackedBatch
-from dflash_train.models.targets import Target, document_block_mask, document_dense_mask
+from dflash_train.models.targets import Target, document_row
 from dflash_train.profiling.stats import NULL_LOOP
 
 
@@ -35,13 +35,6 @@ def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return padded, rows.long(), torch.nonzero(rows.flatten()).flatten()
 
 
-# FlexAttention's tile. A packed row is padded to a multiple of it with one extra document of
-# pad tokens (< 128 tokens, < 1% of a 16K pack; it attends only to itself and is dropped), so
-# the BlockMask's tiles line up and the row's length takes few distinct values; the compiled
-# kernel goes dynamic in the length after the first change instead of recompiling per length
-# (padding to the full token budget would avoid that one recompile but run the MLPs on up to
-# a whole sequence of pads per pack).
-FLEX_TILE = 128
 # On CPU the document mask is a dense [L, L] boolean; beyond this many tokens use the padded batch.
 DENSE_MASK_MAX_TOKENS = 4096
 MODES = ("auto", "packed", "padded", "flex", "dense")
@@ -101,18 +94,9 @@ def document_features(target: Target, batch: PackedBatch, layer_ids: list[int], 
     CPU FlexAttention runs eagerly, a reference); else a dense [1, 1, S, S] mask for sdpa.
     Everything is built from the loader's host copy of the batch: no host sync.
     """
-    ids, doc, pos = batch.input_ids.cpu(), batch.seq_ids.cpu(), batch.positions.cpu()
-    S = ids.numel()
-    if flex:
-        pad = -S % FLEX_TILE
-        ids = torch.cat([ids, ids.new_zeros(pad)])
-        doc = torch.cat([doc, doc.new_full((pad,), int(doc[-1]) + 1)])  # the pads: a document of their own
-        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
-        mask = document_block_mask(doc, target.device, FLEX_TILE)
-    else:
-        mask = document_dense_mask(doc).to(target.device, non_blocking=True)
-    ids = ids[None].to(target.device, non_blocking=True)  # [1, L]
-    pos = pos[None].to(target.device, non_blocking=True)
+    ids, pos, mask = document_row(batch.input_ids.cpu(), batch.seq_ids.cpu(), batch.positions.cpu(),
+                                  target.device, flex=flex)
+    S = batch.num_tokens
     with prof.span("target_forward", device=True):
         feats = target.features(ids, layer_ids, position_ids=pos, attention_mask=mask)  # [1, L, n*H], inference mode
     with prof.span("pack_hidden", device=True):
