@@ -55,8 +55,11 @@ def label(r: dict) -> str:
     length = f"{rec['max_steps']} steps" if rec.get("max_steps") else f"{rec.get('epochs')} epochs"
     turns = f", {rec['regen_max_turns']} turns" if rec.get("regen_max_turns", 1) != 1 else ""
     mlp = f", MLP {rec['intermediate_size']}" if rec.get("intermediate_size") else ""
+    samples = (f", {rec['regen_samples']} replies at T={rec.get('regen_temperature')}"
+               if rec.get("regen_samples", 1) > 1 else "")
+    labels = ", target labels" if rec.get("labels") == "target" else ""
     return (f"{r['name']}: {rec.get('num_layers')} layers{mlp}, B={rec.get('block_size', 16)}, {rec.get('num_anchors')} anchors, "
-            f"{length}, lr {rec.get('lr')}{turns}")
+            f"{length}, lr {rec.get('lr')}{turns}{samples}{labels}")
 
 
 def run_config(path: Path) -> dict:
@@ -87,7 +90,7 @@ def variant_summary(d: Path) -> dict:
         "name": d.name, "exit_code": int(code), "wall_s": int(wall),
         "recipe": {k: cfg.get(k) for k in ("num_layers", "block_size", "num_anchors", "token_budget", "lr",
                                            "epochs", "max_steps", "gamma", "labels", "sliding_layers", "regen_max_turns",
-                                           "intermediate_size") if k in cfg},
+                                           "intermediate_size", "regen_samples", "regen_temperature") if k in cfg},
         "steps": steps, "train_s": int(m.group(2)) if m else None,
         "train_tokens": round(seen[-1]) if seen else round(tokens * cfg.get("epochs", 0)) if tokens else None,
         "train_tau_estimate": records[-1]["expected_tau"] if records else None,

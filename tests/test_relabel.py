@@ -37,18 +37,19 @@ def test_relabel_writes_each_sequences_own_greedy_tokens(tiny_target, data_dir):
     assert sorted(p.name for p in data_dir.iterdir() if p.name.startswith(".")) == []  # no temporary left
 
 
-@pytest.mark.parametrize("batch_tokens", [200, 16384])
-def test_packed_rows_give_the_padded_batches_labels(tiny_target, data_dir, tmp_path, batch_tokens):
-    """The CUDA path (sequences packed into rows, each attending only within itself), here with the
-    dense document mask: the same labels as padded batches, several rows or one."""
+@pytest.mark.parametrize("mode,batch_tokens", [("dense", 200), ("dense", 16384), ("flex", 200)])
+def test_packed_rows_give_the_padded_batches_labels(tiny_target, data_dir, tmp_path, mode, batch_tokens):
+    """Sequences packed into rows, each attending only within itself (on CUDA: FlexAttention, here
+    run eagerly, the rows padded to its tile; or the dense document mask): in float32 the same
+    labels as padded batches, several rows or one."""
     other = tmp_path / "other"
     shutil.copytree(data_dir, other)
     relabel(tiny_target, data_dir, batch_tokens=200, progress=False, mode="padded")
-    rep = relabel(tiny_target, other, batch_tokens=batch_tokens, progress=False, mode="packed")
+    rep = relabel(tiny_target, other, batch_tokens=batch_tokens, progress=False, mode=mode)
     assert rep.tokens == int(PreparedDataset.open(other).lengths().sum())
     np.testing.assert_array_equal(np.load(other / LABELS), np.load(data_dir / LABELS))
     with pytest.raises(ValueError, match="mode"):
-        relabel(tiny_target, other, mode="flex")
+        relabel(tiny_target, other, mode="rows")
 
 
 def test_packs_carry_target_labels_only_when_asked(tiny_target, data_dir):

@@ -34,7 +34,7 @@ from dflash_train.files import write_atomic
 from dflash_train.models.targets import Target, document_row
 
 BATCH_TOKENS = 16384  # tokens per target forward: a training pack's size
-MODES = ("auto", "packed", "padded")
+MODES = ("auto", "packed", "padded", "flex", "dense")  # as pipeline/features.py
 _HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole row's
 
 
@@ -60,13 +60,16 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 
             progress: bool = True, mode: str = "auto") -> RelabelReport:
     """Write labels.npy into the prepared dataset at `data_dir` (see module docstring).
 
-    mode: 'auto' (packed rows on CUDA for a full-attention target, else padded), 'packed' (flex on
-    CUDA, a dense document mask elsewhere) or 'padded'.
+    mode: 'auto' (packed rows on CUDA for a full-attention target, else padded), 'padded', 'packed'
+    (flex on CUDA, a dense document mask elsewhere), or 'flex' / 'dense' to force one document-mask
+    backend (tests, benchmarks).
     """
     if mode not in MODES:
         raise ValueError(f"relabel: mode {mode!r} not in {MODES}")
     if mode == "auto":
         mode = "packed" if target.device.type == "cuda" and target.full_attention_only else "padded"
+    if mode == "packed":
+        mode = "flex" if target.device.type == "cuda" else "dense"
     ds = PreparedDataset.open(data_dir)
     if (Path(data_dir) / LABELS).is_file():
         return RelabelReport(len(ds), 0, 0, 0, 0.0, cached=True)
@@ -78,7 +81,8 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 
     with tqdm(total=int(lengths.sum()), desc="relabel", unit="tok", disable=not progress) as bar:
         for group in _groups(order, lengths, batch_tokens, padded=mode == "padded"):
             items = [ds[int(i)] for i in group]
-            greedy_rows = _greedy_tokens(target, items) if mode == "padded" else _packed_greedy_tokens(target, items)
+            greedy_rows = (_greedy_tokens(target, items) if mode == "padded"
+                           else _packed_greedy_tokens(target, items, flex=mode == "flex"))
             for i, greedy in zip(group, greedy_rows):
                 span = slice(int(ds.offsets[i]), int(ds.offsets[i]) + len(greedy))
                 mask = np.asarray(ds.loss_mask[span], dtype=bool)
@@ -131,14 +135,14 @@ def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[
 
 
 @torch.inference_mode()
-def _packed_greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+def _packed_greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]], flex: bool) -> list[np.ndarray]:
     """As _greedy_tokens, through one packed row: each sequence attends only within itself."""
     xs = [np.asarray(x) for x, *_ in items]
     lengths = torch.tensor([len(x) for x in xs])
     ids = torch.as_tensor(np.concatenate(xs), dtype=torch.long)
     doc = torch.repeat_interleave(torch.arange(len(xs)), lengths)
     pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
-    row, pos, mask = document_row(ids, doc, pos, target.device, flex=target.device.type == "cuda")
+    row, pos, mask = document_row(ids, doc, pos, target.device, flex=flex)
     last = target.num_layers - 1  # its feature is the final-normed state the LM head reads
     hidden = target.features(row, [last], position_ids=pos, attention_mask=mask)[0, :ids.numel()]
     pred = torch.cat([target.lm_head(h).argmax(-1) for h in hidden.split(_HEAD_ROWS)])
