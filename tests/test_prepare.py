@@ -1,5 +1,6 @@
 """Chat rendering + loss mask (data/tokenize.py) and the prepared dataset on disk (data/dataset.py)."""
 
+import concurrent.futures
 import json
 
 import numpy as np
@@ -170,6 +171,28 @@ def test_truncation_is_reported(tok, tmp_path):
     report = prepare_dataset(tok, [_conv(0)], tmp_path / "ds", max_length=first_loss + 2)
     assert report.truncated == 1 and report.tokens == first_loss + 2 and report.loss_tokens == 2
     assert "1 truncated" in report.summary()
+
+
+def test_worker_processes_prepare_the_same_dataset(tok, tmp_path, monkeypatch):
+    """Batches spread over spawned workers (data/parallel.py; the H200 machine's 16 cores get 15)
+    give the dataset one process gives, in order, bad records in their place."""
+    import dflash_train.data.dataset as dataset
+    import dflash_train.data.parallel as parallel
+
+    fits = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]
+    convs = [_conv(i) if i % 7 else Conversation(f"short{i}", fits) for i in range(30)]
+    convs[11] = Conversation("bad", [{"role": "user", "content": "only a question"}])
+    monkeypatch.setattr(dataset, "PREPARE_BATCH", 4)  # 8 batches
+    one = prepare_dataset(tok, convs, tmp_path / "one", max_length=4096, on_bad="skip")
+    ran = []
+    monkeypatch.setattr(parallel, "ProcessPoolExecutor",
+                        lambda *a, **k: ran.append(a) or concurrent.futures.ProcessPoolExecutor(*a, **k))
+    two = prepare_dataset(tok, convs, tmp_path / "two", max_length=4096, on_bad="skip", workers=2)
+    assert ran and one == two and one.skipped == {"no assistant tokens within --max-length": 1}
+    a, b = PreparedDataset.open(tmp_path / "one"), PreparedDataset.open(tmp_path / "two")
+    assert a.ids == b.ids and len(a) == 29
+    for name in ("input_ids", "loss_mask", "offsets"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
 
 def test_refuses_to_overwrite_unless_asked(tok, tmp_path):

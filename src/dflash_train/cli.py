@@ -25,6 +25,7 @@ from dflash_train.bench.run import run_bench
 from dflash_train.config import (BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, INTERMEDIATE_SIZE, NUM_LAYERS, REGEN_MAX_NEW_TOKENS,
                                  RELEASED, SEED, TRACEBACK_ENV, add_arguments, check)
 from dflash_train.data.dataset import prepare_dataset
+from dflash_train.data.parallel import default_workers
 from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
 from dflash_train.data.regen_common import RegenConfig
 from dflash_train.data.regenerate import regenerate
@@ -171,7 +172,8 @@ def cmd_prepare(args) -> int:
     convs = iter_conversations(args.data, split=args.split or default_split(args.data), on_bad=args.on_bad,
                                limit=args.limit, report=report)
     prep = prepare_dataset(target.tokenizer, convs, args.out, max_length=args.max_length, on_bad=args.on_bad,
-                           target_spec=target.spec, source_summary=report.summary, overwrite=args.overwrite)
+                           target_spec=target.spec, source_summary=report.summary, overwrite=args.overwrite,
+                           workers=default_workers())
     print(f"source: {report.summary()}")
     print(f"prepared: {prep.summary()} -> {args.out}")
     return 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dflash_train.app.phases import Phases
 from dflash_train.data.dataset import PreparedDataset, prepare_dataset
+from dflash_train.data.parallel import default_workers
 from dflash_train.data.regen_client import regenerate_via_server
 from dflash_train.data.regen_common import RegenConfig, RegenReport, read_regenerated, sample_ids
 from dflash_train.data.regenerate import regenerate
@@ -78,7 +79,8 @@ def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool, p
         convs = read_regenerated(regen_path, sample_ids([c.id for c in convs], cfg.regen_samples))
     with phases.time("prepare"):
         prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.max_length, on_bad=cfg.on_bad,
-                               target_spec=target.spec, source_summary=report.summary, overwrite=True)
+                               target_spec=target.spec, source_summary=report.summary, overwrite=True,
+                               workers=default_workers())
     say(f"prepare: {prep.summary()}")
     return PreparedDataset.open(data_dir)
 

@@ -24,12 +24,12 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
 from dflash_train.data.conversations import BadRecord
+from dflash_train.data.parallel import map_tokenized
 from dflash_train.data.sources import ON_BAD, Conversation
 from dflash_train.data.tokenize import encode_chats, end_of_turn_ids, template_ids, truncate
 from dflash_train.errors import UsageError
@@ -69,8 +69,11 @@ class PrepareReport:
 
 def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: str | os.PathLike, *,
                     max_length: int, on_bad: str = "error", target_spec: str = "",
-                    source_summary: Callable[[], str] | None = None, overwrite: bool = False) -> PrepareReport:
+                    source_summary: Callable[[], str] | None = None, overwrite: bool = False,
+                    workers: int = 1) -> PrepareReport:
     """Tokenize `conversations` and write the prepared dataset to `out_dir` (see module docstring).
+
+    workers: processes to tokenize in (data/parallel.py; the commands pass default_workers()).
 
     source_summary is called after the conversations are consumed, so it can report on a lazy
     source (e.g. `SourceReport.summary`) that only knows its counts once iteration is done.
@@ -87,13 +90,13 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
     seq_ids: list[np.ndarray] = []
     seq_masks: list[np.ndarray] = []
     conv_ids: list[str] = []
-    for conv, encoded in _encoded(tokenizer, conversations, stops):
+    for conv, encoded in _encoded(tokenizer, conversations, stops, workers):
         try:
             if isinstance(encoded, BadRecord):
                 raise encoded
             ids, mask = encoded
             if not conv_ids:  # once: our render + tokenize must be what the target sees
-                _check_matches_template(tokenizer, conv, ids, target_spec)
+                _check_matches_template(tokenizer, conv, ids.tolist(), target_spec)
             cut = len(ids) > max_length
             ids, mask = truncate(ids, mask, max_length)
         except BadRecord as e:
@@ -128,11 +131,22 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
     return report
 
 
-def _encoded(tokenizer, conversations: Iterable[Conversation], stops: set[int]):
-    """(conversation, encode_chat's result or its BadRecord), encoded PREPARE_BATCH at a time."""
-    it = iter(conversations)
-    while batch := list(islice(it, PREPARE_BATCH)):
-        yield from zip(batch, encode_chats(tokenizer, [c.messages for c in batch], stop_ids=stops), strict=True)
+def _encoded(tokenizer, conversations: Iterable[Conversation], stops: set[int], workers: int):
+    """(conversation, encode_chat's result as arrays or its BadRecord), encoded PREPARE_BATCH at a time,
+    the batches spread over worker processes (data/parallel.py)."""
+    convs = list(conversations)
+    batches = [convs[i:i + PREPARE_BATCH] for i in range(0, len(convs), PREPARE_BATCH)]
+    jobs = [([c.messages for c in batch], sorted(stops)) for batch in batches]
+    for batch, encoded in zip(batches, map_tokenized(_encode_batch, tokenizer, jobs, workers=workers), strict=True):
+        yield from zip(batch, encoded, strict=True)
+
+
+def _encode_batch(tokenizer, job: tuple[list, list[int]]) -> list:
+    """encode_chats of one batch, each result as (int32 ids, uint8 mask) arrays: a worker sends
+    arrays back far faster than lists of Python ints."""
+    messages, stops = job
+    return [r if isinstance(r, BadRecord) else (np.asarray(r[0], dtype=np.int32), np.asarray(r[1], dtype=np.uint8))
+            for r in encode_chats(tokenizer, messages, stop_ids=stops)]
 
 
 def write_sequences(out: Path, ids: list[np.ndarray], masks: list[np.ndarray], conv_ids: list[str], meta: dict,

@@ -107,10 +107,10 @@ def _loss_mask(ids: list[int], offsets: list[tuple[int, int]], text: str, spans:
     return ids, mask
 
 
-def truncate(ids: Sequence[int], mask: Sequence[int], max_length: int) -> tuple[list[int], list[int]]:
-    """Keep the first max_length tokens; BadRecord when no loss token is left."""
-    ids, mask = list(ids[:max_length]), list(mask[:max_length])
-    if not any(mask):
+def truncate(ids: Sequence[int], mask: Sequence[int], max_length: int) -> tuple[Sequence[int], Sequence[int]]:
+    """Keep the first max_length tokens (lists stay lists, arrays arrays); BadRecord when no loss token is left."""
+    ids, mask = ids[:max_length], mask[:max_length]
+    if 1 not in mask:  # a list scan or one vectorised compare
         raise BadRecord("no assistant tokens within --max-length")
     return ids, mask
 

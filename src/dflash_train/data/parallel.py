@@ -1,0 +1,62 @@
+"""Tokenizing batches of conversations in worker processes, results in order.
+
+Preparing a dataset is mostly Python: rendering each chat template (twice: once with placeholders
+to find the turns), turning offsets into loss masks, converting the tokenizer's output to lists.
+Only the BPE itself runs on every core. Profiled on 2 cores, half of preparing 3,000 ShareGPT
+conversations was such Python (7.4 of 15.8 s); on the H200 machine (16 cores) preparing S2T's
+24,760 sequences took 46 s. Worker processes share the Python out.
+
+Workers start with the spawn method (a fresh interpreter, the tokenizer pickled once per worker):
+the train job has CUDA, threads and the tokenizer's own thread pool running by then, none of
+which survives a fork safely. Each worker's tokenizer runs single-threaded, so the workers do
+not oversubscribe the cores. A spawned worker imports the caller's main module, so a script
+that calls this without an `if __name__ == "__main__":` guard would start the job again in every
+worker: library functions default to one process, and the commands (whose entry points are
+guarded) ask for default_workers().
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+MAX_WORKERS = 16  # each costs seconds to start (a fresh interpreter imports transformers) and its own tokenizer
+MIN_BATCHES = 4  # fewer batches than this are encoded in this process: starting workers would cost more
+
+_tokenizer: Any = None  # the worker's copy, set once by _init
+
+
+def default_workers() -> int:
+    """One worker per core this process may use but one (the parent's), at most MAX_WORKERS; 1 (no
+    workers) on 2 cores, as in CI and the CPU main job: measured there, two workers took 21.4 s to
+    prepare 3,000 conversations against 13.3 s in one process (startup and a single-threaded BPE)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_WORKERS, cores - 1))
+
+
+def map_tokenized(fn: Callable[[Any, list], list], tokenizer, batches: Iterable[list], *,
+                  workers: int) -> Iterator[list]:
+    """fn(tokenizer, batch) for each batch, in order; in worker processes when workers > 1 and there
+    are at least MIN_BATCHES batches. fn must be a module-level function (it is pickled)."""
+    batches = list(batches)
+    if workers <= 1 or len(batches) < MIN_BATCHES:
+        for batch in batches:
+            yield fn(tokenizer, batch)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(workers, len(batches)), mp_context=ctx, initializer=_init,
+                             initargs=(tokenizer,)) as pool:
+        yield from pool.map(_call, [fn] * len(batches), batches)
+
+
+def _init(tokenizer) -> None:
+    global _tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
+    _tokenizer = tokenizer
+
+
+def _call(fn: Callable[[Any, list], list], batch: list) -> list:
+    return fn(_tokenizer, batch)
