@@ -1,6 +1,7 @@
 """Chat rendering + loss mask (data/tokenize.py) and the prepared dataset on disk (data/dataset.py)."""
 
 import concurrent.futures
+import copy
 import json
 
 import numpy as np
@@ -175,22 +176,28 @@ def test_truncation_is_reported(tok, tmp_path):
 
 def test_worker_processes_prepare_the_same_dataset(tok, tmp_path, monkeypatch):
     """Batches spread over spawned workers (data/parallel.py; the H200 machine's 16 cores get 15)
-    give the dataset one process gives, in order, bad records in their place."""
+    give the dataset one process gives, in order, bad records in their place: one rejected by the
+    chat template in a worker, one without a reply within --max-length in this process."""
     import dflash_train.data.dataset as dataset
     import dflash_train.data.parallel as parallel
 
-    fits = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]
-    convs = [_conv(i) if i % 7 else Conversation(f"short{i}", fits) for i in range(30)]
-    convs[11] = Conversation("bad", [{"role": "user", "content": "only a question"}])
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": f"question {i}"},
+                                    {"role": "assistant", "content": f"answer {i} " * (1 + i % 5)}])
+             for i in range(30)]
+    convs[11] = Conversation("no-reply", [{"role": "user", "content": "only a question"}])
+    convs[17] = Conversation("rejected", [{"role": "user", "content": "REJECT"}, {"role": "assistant", "content": "b"}])
+    tok = copy.deepcopy(tok)  # its template refuses "REJECT", in the workers too (the tokenizer is pickled)
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] == 'REJECT' %}{{ raise_exception('no') }}"
+                         "{% endif %}{% endfor %}" + tok.chat_template)
     monkeypatch.setattr(dataset, "PREPARE_BATCH", 4)  # 8 batches
     one = prepare_dataset(tok, convs, tmp_path / "one", max_length=4096, on_bad="skip")
     ran = []
     monkeypatch.setattr(parallel, "ProcessPoolExecutor",
                         lambda *a, **k: ran.append(a) or concurrent.futures.ProcessPoolExecutor(*a, **k))
-    two = prepare_dataset(tok, convs, tmp_path / "two", max_length=4096, on_bad="skip", workers=2)
-    assert ran and one == two and one.skipped == {"no assistant tokens within --max-length": 1}
+    two = prepare_dataset(tok, (c for c in convs), tmp_path / "two", max_length=4096, on_bad="skip", workers=2)
+    assert ran and one == two and sum(one.skipped.values()) == 2, one.skipped
     a, b = PreparedDataset.open(tmp_path / "one"), PreparedDataset.open(tmp_path / "two")
-    assert a.ids == b.ids and len(a) == 29
+    assert a.ids == b.ids == [c.id for c in convs if c.id not in ("no-reply", "rejected")]
     for name in ("input_ids", "loss_mask", "offsets"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
@@ -247,3 +254,14 @@ def test_open_missing_or_corrupt(tok, tmp_path):
     (out / "offsets.npy").unlink()
     with pytest.raises(UsageError, match="missing offsets.npy"):
         PreparedDataset.open(out)
+
+
+def test_the_worker_count_can_be_set_and_a_bad_one_names_the_variable(monkeypatch):
+    from dflash_train.data.parallel import default_workers
+
+    monkeypatch.setenv("DFLASH_TRAIN_TOKENIZE_WORKERS", "3")
+    assert default_workers() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("DFLASH_TRAIN_TOKENIZE_WORKERS", bad)
+        with pytest.raises(UsageError, match="DFLASH_TRAIN_TOKENIZE_WORKERS must be a whole number >= 1"):
+            default_workers()

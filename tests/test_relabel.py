@@ -37,19 +37,33 @@ def test_relabel_writes_each_sequences_own_greedy_tokens(tiny_target, data_dir):
     assert sorted(p.name for p in data_dir.iterdir() if p.name.startswith(".")) == []  # no temporary left
 
 
-@pytest.mark.parametrize("mode,batch_tokens", [("dense", 200), ("dense", 16384), ("flex", 200)])
+@pytest.mark.parametrize("mode,batch_tokens", [("dense", 200), ("dense", 50), ("dense", None), ("flex", 200)])
 def test_packed_rows_give_the_padded_batches_labels(tiny_target, data_dir, tmp_path, mode, batch_tokens):
     """Sequences packed into rows, each attending only within itself (on CUDA: FlexAttention, here
     run eagerly, the rows padded to its tile; or the dense document mask): in float32 the same
-    labels as padded batches, several rows or one."""
+    labels as padded batches, several rows, one, or rows of one sequence longer than batch_tokens."""
     other = tmp_path / "other"
     shutil.copytree(data_dir, other)
     relabel(tiny_target, data_dir, batch_tokens=200, progress=False, mode="padded")
     rep = relabel(tiny_target, other, batch_tokens=batch_tokens, progress=False, mode=mode)
     assert rep.tokens == int(PreparedDataset.open(other).lengths().sum())
     np.testing.assert_array_equal(np.load(other / LABELS), np.load(data_dir / LABELS))
+
+
+def test_packed_rows_restart_positions_per_sequence(tiny_target, data_dir, monkeypatch):
+    """Each packed sequence starts at position 0 (RoPE alone would not show a shifted start: it is relative)."""
+    import dflash_train.data.relabel as rl
+
+    seen = []
+    features = type(tiny_target).features
+    monkeypatch.setattr(type(tiny_target), "features",
+                        lambda self, ids, layers, **kw: seen.append(kw["position_ids"]) or features(self, ids, layers, **kw))
+    relabel(tiny_target, data_dir, batch_tokens=200, progress=False, mode="dense")
+    lengths = PreparedDataset.open(data_dir).lengths()
+    starts = sum(int((pos[0] == 0).sum()) for pos in seen)
+    assert len(seen) > 1 and starts == len(lengths)  # one start per sequence, none in between
     with pytest.raises(ValueError, match="mode"):
-        relabel(tiny_target, other, mode="rows")
+        rl.relabel(tiny_target, data_dir, mode="rows")
 
 
 def test_packs_carry_target_labels_only_when_asked(tiny_target, data_dir):

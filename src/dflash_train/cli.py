@@ -29,7 +29,7 @@ from dflash_train.data.parallel import default_workers
 from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
 from dflash_train.data.regen_common import RegenConfig
 from dflash_train.data.regenerate import regenerate
-from dflash_train.data.relabel import BATCH_TOKENS, relabel
+from dflash_train.data.relabel import PACKED_TOKENS, PADDED_TOKENS, relabel
 from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 from dflash_train.devices import resolve_device
 from dflash_train.errors import UsageError
@@ -180,7 +180,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_relabel(args) -> int:
-    if args.batch_tokens < 1:
+    if args.batch_tokens is not None and args.batch_tokens < 1:
         raise UsageError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
     target = _load_target(args)
     rep = relabel(target, args.data, batch_tokens=args.batch_tokens, progress=not args.quiet)
@@ -353,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(labels.npy, for train --labels target)")
     _add_target_args(p)
     p.add_argument("--data", required=True, help="a prepared dataset directory (dflash-train prepare --out)")
-    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS,
-                   help="tokens per target forward: a packed row on CUDA, a padded batch elsewhere")
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help=f"tokens per target forward: a packed row on CUDA for a full-attention target "
+                        f"(default {PACKED_TOKENS}), else a padded batch (default {PADDED_TOKENS})")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_relabel)
     return parser

@@ -184,6 +184,15 @@ class EnvKnob:
             raise UsageError(f"{self.name} must be >= 0 seconds, got {raw!r}")
         return value
 
+    def count(self) -> int | None:
+        """A whole number >= 1; unset or empty = None; errors name the variable."""
+        raw = self.raw()
+        if not raw:
+            return None
+        if not raw.isdigit() or int(raw) < 1:
+            raise UsageError(f"{self.name} must be a whole number >= 1, got {raw!r}")
+        return int(raw)
+
     def flag(self, default: bool) -> bool:
         """Off for 0/false/no/off, on for anything else; unset = `default`."""
         raw = self.raw().lower()
@@ -196,4 +205,7 @@ TRACEBACK_ENV = EnvKnob("DFLASH_TRAIN_TRACEBACK", "1 = show the traceback of an 
 DEBUG_STACKS_ENV = EnvKnob("DFLASH_TRAIN_DEBUG_STACKS", "seconds after which each worker dumps its stacks")
 FAULT_ENV = EnvKnob("DFLASH_TRAIN_FAULT", "ROLE:PACK: raise in that worker loop at that pack (tests)")
 CACHE_ENV = EnvKnob("DFLASH_TRAIN_CACHE", "download cache (default $XDG_CACHE_HOME/dflash-train)")
-ENVIRONMENT = (PROFILE_INTERVAL_ENV, FUSED_DRAFTER_ENV, TRACEBACK_ENV, DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV)
+TOKENIZE_WORKERS_ENV = EnvKnob("DFLASH_TRAIN_TOKENIZE_WORKERS",
+                               "processes preparing data tokenize in (default: cores - 1, at most 16; 1 = this one)")
+ENVIRONMENT = (PROFILE_INTERVAL_ENV, FUSED_DRAFTER_ENV, TRACEBACK_ENV, DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV,
+               TOKENIZE_WORKERS_ENV)

@@ -24,6 +24,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -105,8 +106,8 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
             report.skip(conv.id, str(e))
             continue
         report.truncated += cut
-        seq_ids.append(np.asarray(ids, dtype=np.int32))
-        seq_masks.append(np.asarray(mask, dtype=np.uint8))
+        seq_ids.append(np.array(ids, dtype=np.int32))  # a copy: a truncated view would keep its whole array
+        seq_masks.append(np.array(mask, dtype=np.uint8))
         conv_ids.append(conv.id)
 
     if not conv_ids:
@@ -133,20 +134,19 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
 
 def _encoded(tokenizer, conversations: Iterable[Conversation], stops: set[int], workers: int):
     """(conversation, encode_chat's result as arrays or its BadRecord), encoded PREPARE_BATCH at a time,
-    the batches spread over worker processes (data/parallel.py)."""
-    convs = list(conversations)
-    batches = [convs[i:i + PREPARE_BATCH] for i in range(0, len(convs), PREPARE_BATCH)]
-    jobs = [([c.messages for c in batch], sorted(stops)) for batch in batches]
-    for batch, encoded in zip(batches, map_tokenized(_encode_batch, tokenizer, jobs, workers=workers), strict=True):
+    the batches spread over worker processes (data/parallel.py); the source is read as it goes."""
+    it, stop_ids = iter(conversations), sorted(stops)
+    jobs = iter(lambda: (list(islice(it, PREPARE_BATCH)), stop_ids), ([], stop_ids))  # until a batch is empty
+    for (batch, _), encoded in map_tokenized(_encode_batch, tokenizer, jobs, workers=workers):
         yield from zip(batch, encoded, strict=True)
 
 
-def _encode_batch(tokenizer, job: tuple[list, list[int]]) -> list:
+def _encode_batch(tokenizer, job: tuple[list[Conversation], list[int]]) -> list:
     """encode_chats of one batch, each result as (int32 ids, uint8 mask) arrays: a worker sends
     arrays back far faster than lists of Python ints."""
-    messages, stops = job
+    batch, stops = job
     return [r if isinstance(r, BadRecord) else (np.asarray(r[0], dtype=np.int32), np.asarray(r[1], dtype=np.uint8))
-            for r in encode_chats(tokenizer, messages, stop_ids=stops)]
+            for r in encode_chats(tokenizer, [c.messages for c in batch], stop_ids=stops)]
 
 
 def write_sequences(out: Path, ids: list[np.ndarray], masks: list[np.ndarray], conv_ids: list[str], meta: dict,

@@ -19,37 +19,59 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from itertools import chain, islice
 from typing import Any
+
+from dflash_train.config import TOKENIZE_WORKERS_ENV
 
 MAX_WORKERS = 16  # each costs seconds to start (a fresh interpreter imports transformers) and its own tokenizer
 MIN_BATCHES = 4  # fewer batches than this are encoded in this process: starting workers would cost more
+IN_FLIGHT = 2  # batches per worker submitted ahead: the workers stay busy, a lazy source stays lazy
 
 _tokenizer: Any = None  # the worker's copy, set once by _init
 
 
 def default_workers() -> int:
-    """One worker per core this process may use but one (the parent's), at most MAX_WORKERS; 1 (no
-    workers) on 2 cores, as in CI and the CPU main job: measured there, two workers took 21.4 s to
-    prepare 3,000 conversations against 13.3 s in one process (startup and a single-threaded BPE)."""
+    """DFLASH_TRAIN_TOKENIZE_WORKERS, else one worker per core this process may use but one (the
+    parent's), at most MAX_WORKERS; 1 (no workers) on 2 cores, as in CI and the CPU main job:
+    measured there, two workers took 21.4 s to prepare 3,000 conversations against 13.3 s in one
+    process (their start-up, and a single-threaded BPE each). Cores are the affinity mask's, not a
+    container's CPU quota: set the variable where the two differ."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_WORKERS, cores - 1))
+    return TOKENIZE_WORKERS_ENV.count() or max(1, min(MAX_WORKERS, cores - 1))
 
 
-def map_tokenized(fn: Callable[[Any, list], list], tokenizer, batches: Iterable[list], *,
-                  workers: int) -> Iterator[list]:
-    """fn(tokenizer, batch) for each batch, in order; in worker processes when workers > 1 and there
-    are at least MIN_BATCHES batches. fn must be a module-level function (it is pickled)."""
-    batches = list(batches)
-    if workers <= 1 or len(batches) < MIN_BATCHES:
-        for batch in batches:
-            yield fn(tokenizer, batch)
+def map_tokenized(fn: Callable[[Any, Any], Any], tokenizer, jobs: Iterable, *, workers: int) -> Iterator[tuple[Any, Any]]:
+    """(job, fn(tokenizer, job)) for each job, in order; in worker processes when workers > 1 and there
+    are at least MIN_BATCHES jobs, with IN_FLIGHT jobs per worker submitted ahead (a lazy source is
+    read as the results are taken). fn must be a module-level function (it is pickled)."""
+    jobs = iter(jobs)
+    first = list(islice(jobs, MIN_BATCHES))
+    if workers <= 1 or len(first) < MIN_BATCHES:
+        for job in chain(first, jobs):
+            yield job, fn(tokenizer, job)
         return
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(workers, len(batches)), mp_context=ctx, initializer=_init,
-                             initargs=(tokenizer,)) as pool:
-        yield from pool.map(_call, [fn] * len(batches), batches)
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(tokenizer,)) as pool:
+        window: deque = deque()
+        for job in chain(first, jobs):
+            window.append((job, pool.submit(_call, fn, job)))
+            if len(window) >= IN_FLIGHT * workers:
+                yield _result(*window.popleft())
+        while window:
+            yield _result(*window.popleft())
+
+
+def _result(job, future) -> tuple[Any, Any]:
+    try:
+        return job, future.result()
+    except BrokenProcessPool as e:
+        raise RuntimeError(f"a tokenizer worker process died ({e}); {TOKENIZE_WORKERS_ENV.name}=1 tokenizes in "
+                           "this process instead") from e
 
 
 def _init(tokenizer) -> None:

@@ -11,10 +11,11 @@ The labels are written beside the dataset's arrays as labels.npy (atomically; a 
 them). Positions outside the loss mask keep their own token: they are never labels, and
 agreement across them holds.
 
-On CUDA the sequences go through the target as packed rows, each causal within itself (the
-training forward's document mask, models/targets.py): a row of --batch-tokens real tokens, no
-padding, one host sync per row. Elsewhere (and for targets a document mask cannot stand in for)
-as right-padded batches of similar lengths.
+On CUDA, for a target whose every layer is plain causal attention, the sequences go through it
+as packed rows, each causal within itself (the training forward's document mask,
+models/targets.py): up to PACKED_TOKENS real tokens a row (a longer sequence is a row of its
+own; FlexAttention pads a row by < 128 tokens), one host sync per row. Elsewhere as right-padded
+batches of similar lengths, up to PADDED_TOKENS padded tokens each.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from dflash_train.errors import UsageError
 from dflash_train.files import write_atomic
 from dflash_train.models.targets import Target, document_row
 
-BATCH_TOKENS = 16384  # tokens per target forward: a training pack's size
+PACKED_TOKENS = 16384  # real tokens per packed row (the H200 recipe's training packs)
+PADDED_TOKENS = 4096  # padded tokens per batch: attention memory grows with the batch's longest row squared
+DENSE_TOKENS = 4096  # a dense document mask is [S, S]: past this a row costs more than padded batches
 MODES = ("auto", "packed", "padded", "flex", "dense")  # as pipeline/features.py
 _HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole row's
 
@@ -56,13 +59,14 @@ class RelabelReport:
                 f"{self.labelled} labels, {share:.0%} already the target's greedy token")
 
 
-def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = BATCH_TOKENS,
+def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int | None = None,
             progress: bool = True, mode: str = "auto") -> RelabelReport:
     """Write labels.npy into the prepared dataset at `data_dir` (see module docstring).
 
     mode: 'auto' (packed rows on CUDA for a full-attention target, else padded), 'padded', 'packed'
     (flex on CUDA, a dense document mask elsewhere), or 'flex' / 'dense' to force one document-mask
-    backend (tests, benchmarks).
+    backend (tests, benchmarks). batch_tokens: per forward, default PACKED_TOKENS packed and
+    PADDED_TOKENS padded; a dense row holds at most DENSE_TOKENS.
     """
     if mode not in MODES:
         raise ValueError(f"relabel: mode {mode!r} not in {MODES}")
@@ -70,6 +74,10 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int = 
         mode = "packed" if target.device.type == "cuda" and target.full_attention_only else "padded"
     if mode == "packed":
         mode = "flex" if target.device.type == "cuda" else "dense"
+    if batch_tokens is None:
+        batch_tokens = PADDED_TOKENS if mode == "padded" else PACKED_TOKENS
+    if mode == "dense":
+        batch_tokens = min(batch_tokens, DENSE_TOKENS)
     ds = PreparedDataset.open(data_dir)
     if (Path(data_dir) / LABELS).is_file():
         return RelabelReport(len(ds), 0, 0, 0, 0.0, cached=True)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from dflash_train.data.conversations import BadRecord
 
 # End-of-turn / end-of-sequence tokens of the common chat formats (ChatML, Llama 3, GPT-2 style,
@@ -110,7 +112,7 @@ def _loss_mask(ids: list[int], offsets: list[tuple[int, int]], text: str, spans:
 def truncate(ids: Sequence[int], mask: Sequence[int], max_length: int) -> tuple[Sequence[int], Sequence[int]]:
     """Keep the first max_length tokens (lists stay lists, arrays arrays); BadRecord when no loss token is left."""
     ids, mask = ids[:max_length], mask[:max_length]
-    if 1 not in mask:  # a list scan or one vectorised compare
+    if not np.any(mask):
         raise BadRecord("no assistant tokens within --max-length")
     return ids, mask
 
