@@ -103,7 +103,7 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     check_cache_fits(cfg, target, int(dataset.lengths().sum()), layer_ids)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
                   flops=flop_counter(cfg, target, drafter, layer_ids),
-                  validate=Validation(cfg, target, held_out, layer_ids) if held_out is not None else None)
+                  validate=Validation.build(cfg, target, held_out, layer_ids) if held_out is not None else None)
     loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head, run_dir,
                             steps, resume_state=resume_state, progress=progress, hooks=hooks, checkpoints=checkpoints)
     on_loop(loop)

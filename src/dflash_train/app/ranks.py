@@ -24,7 +24,9 @@ import torch
 from dflash_train.app.drafter import drafter_config, make_drafter
 from dflash_train.app.local import cache_features, check_cache_fits, features_here, flop_counter, total_steps
 from dflash_train.app.run_dir import export_drafter, run_dir_lock
+from dflash_train.app.validation import Validation
 from dflash_train.data.dataset import PreparedDataset
+from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.drafter import DFlashDrafter
@@ -53,6 +55,7 @@ class TrainWork:
     total_steps: int
     progress: bool
     checkpoints: bool = True  # False: no checkpoint files at all (the benchmark's runs)
+    validation_path: str | None = None  # the held-out packs (app/validation.py): every drafter rank validates
 
 
 def worker_roles(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -81,12 +84,13 @@ def stream_state(state: dict[str, Any] | None) -> StreamState:
 
 
 def launch_workers(cfg: TrainConfig, roles, run_dir: Path, data_dir, drafter_dir: str | None, ckpt: Path | None,
-                   state, steps: int, progress: bool, checkpoints: bool = True) -> int:
+                   state, steps: int, progress: bool, checkpoints: bool = True, validation: Path | None = None) -> int:
     """One process per (role, device) on this host, started and watched by the Launcher; its exit code."""
     port = cfg.dist_port or free_port()
     work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(data_dir), drafter_dir=drafter_dir,
                      resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state), total_steps=steps,
-                     progress=progress, checkpoints=checkpoints)
+                     progress=progress, checkpoints=checkpoints,
+                     validation_path=str(validation) if validation is not None else None)
     specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, init_method=f"tcp://127.0.0.1:{port}",
                         peer_timeout=cfg.peer_timeout) for r, (role, dev) in enumerate(roles)]
     return Launcher(specs, functools.partial(run_rank, work)).run(cfg.peer_timeout)
@@ -111,6 +115,9 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
     if not (Path(cfg.data) / "meta.json").is_file():
         raise UsageError(f"--data {cfg.data}: under torchrun give a prepared dataset directory "
                          "(dflash-train prepare / regenerate first)")
+    if cfg.val_conversations:  # no process here holds the whole target before the ranks start
+        raise UsageError(f"--val-conversations {cfg.val_conversations}: not under torchrun yet (the launcher's "
+                         "--target-devices / --drafter-devices runs validate); give --val-conversations 0")
     dataset = PreparedDataset.open(cfg.data, labels=cfg.labels == "target")
     run_dir = Path(cfg.run_dir)
     devices = roles * (world // local_world)
@@ -156,6 +163,7 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
 def _stream(work: TrainWork, spec: WorkerSpec, state: StreamState) -> PackStream:
     cfg = work.cfg
     dataset = PreparedDataset.open(work.data_dir, labels=cfg.labels == "target")
+    dataset, _ = split_validation(dataset, cfg.val_conversations, cfg.seed)  # the held-out ones are never trained on
     return PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, len(spec.drafter_ranks) * cfg.grad_accum,
                       state)
 
@@ -198,7 +206,8 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     devices = len({d for _, d in spec.devices})  # the GPUs of the whole run: the records' mfu is over them all
     hooks = Hooks(prof=session.stats.loop("drafter"), trace=session.trace, stop_requested=peers.stop_requested,
                   heartbeat=lambda step: peers.stepped(spec.rank, step),
-                  flops=flop_counter(cfg, target, drafter, layer_ids, devices))
+                  flops=flop_counter(cfg, target, drafter, layer_ids, devices),
+                  validate=Validation.load(Path(work.validation_path), device) if work.validation_path else None)
     loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head,
                             Path(work.run_dir),
                             work.total_steps, dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),

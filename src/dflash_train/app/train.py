@@ -24,6 +24,7 @@ from dflash_train.app.local import total_steps, train_local
 from dflash_train.app.phases import Phases
 from dflash_train.app.ranks import launch_workers, run_torchrun_rank, under_torchrun, worker_roles
 from dflash_train.app.run_dir import export_drafter, prepare_run_dir, run_dir_lock
+from dflash_train.app.validation import VALIDATION_FILE, Validation
 from dflash_train.data.validation_split import split_validation
 from dflash_train.devices import resolve_device
 from dflash_train.errors import say
@@ -34,7 +35,7 @@ from dflash_train.models import static_lm
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target, load_target
-from dflash_train.objective.objective import check_backend_device
+from dflash_train.objective.objective import check_backend_device, feature_layer_ids
 from dflash_train.profiling.session import profile_session
 from dflash_train.profiling.stall import StallWatch
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
@@ -109,11 +110,17 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     with phases.time("train"):
         if roles:
             init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
+            validation = save_validation(cfg, target, drafter, dataset, run_dir)  # the workers' held-out packs
             static_lm.release(target.model)
             del target, drafter  # the workers load their own; free this process's device memory
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress)
+            try:
+                code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress,
+                                                        validation)
+            finally:
+                if validation is not None:
+                    validation.unlink(missing_ok=True)  # ~0.7 GB for 200 conversations of SmolLM2: not kept
             if code:
                 return code
             target = load_target(cfg.target, device=device)  # released while the workers ran
@@ -158,13 +165,27 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     return result.steps, result.seconds
 
 
+def save_validation(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path) -> Path | None:
+    """The held-out packs and their target features, saved for the workers (app/validation.py); None without."""
+    _, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)
+    if held_out is None:
+        return None
+    path = run_dir / VALIDATION_FILE
+    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    Validation.build(cfg, target, held_out, layer_ids).save(path)
+    return path
+
+
 def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: Path, ckpt: Path | None, state,
-                     progress: bool) -> tuple[int, int, float]:
+                     progress: bool, validation: Path | None) -> tuple[int, int, float]:
     n_drafters = sum(1 for role, _ in roles if role != "target")
+    data_dir = dataset.path
+    dataset, _ = split_validation(dataset, cfg.val_conversations, cfg.seed)  # the workers train on the rest
     steps = total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state)
     start = state["step"] if state else 0
     say(f"training {steps - start} steps through {len(roles)} processes: "
         + ", ".join(f"{role} {dev}" for role, dev in roles))
     t0 = time.perf_counter()
-    code = launch_workers(cfg, roles, run_dir, dataset.path, str(init_dir), ckpt, state, steps, progress)
+    code = launch_workers(cfg, roles, run_dir, data_dir, str(init_dir), ckpt, state, steps, progress,
+                          validation=validation)
     return code, steps, time.perf_counter() - t0

@@ -5,13 +5,20 @@ The train record's `expected_tau` is measured on the packs being trained on, whi
 epoch are packs seen before; on the H200 the 12-layer drafter's estimate ended at 3.86 while its
 held-out HumanEval tau was 2.65 (docs/quality.md). The validation packs are never trained on, so
 `val_expected_tau` against steps shows where training stops generalising. Their target features
-are computed once, before training (a few packs), and kept on the target's device.
+are computed once, before training (a few packs), and kept on the target's device. In a
+multi-process run the job computes them before it starts the workers and saves them
+(VALIDATION_FILE in the run directory, removed when training ends); every drafter worker loads
+them and validates, so the workers reach each validation step together (its record all-reduces
+the training sums), and the first writes the values.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.models.targets import Target
 from dflash_train.pipeline.features import packed_features
@@ -19,13 +26,18 @@ from dflash_train.pipeline.stream import PackStream
 from dflash_train.training.config import TrainConfig
 
 KEYS = ("loss", "acc", "expected_tau")  # of the objective's record values
+VALIDATION_FILE = "validation.pt"
 
 
 class Validation:
-    def __init__(self, cfg: TrainConfig, target: Target, held_out, layer_ids: list[int]) -> None:
-        self.every = cfg.val_every
+    def __init__(self, every: int, packs: list[tuple[PackedBatch, torch.Tensor, torch.Tensor]]) -> None:
+        self.every, self.packs = every, packs  # (batch, anchors, target features) on one device
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, target: Target, held_out, layer_ids: list[int]) -> Validation:
+        """The held-out packs, one pass, with their target features, on the target's device."""
         stream = PackStream(held_out, cfg.token_budget, cfg.num_anchors, cfg.seed, 1)
-        loader, self.packs = stream.loader, []
+        loader, packs = stream.loader, []
         with torch.no_grad():
             while loader.state.epoch == 0 and loader.state.index < len(loader.lengths):  # one pass
                 try:
@@ -35,10 +47,23 @@ class Validation:
                 if loader.state.epoch > 0:
                     break  # packs without anchors were skipped into the next pass
                 feats = packed_features(target, pack.batch, layer_ids)
-                self.packs.append((pack.batch.to(target.device), pack.anchors, feats))
-        if not self.packs:
+                packs.append((pack.batch.to(target.device), pack.anchors, feats))
+        if not packs:
             raise UsageError("--val-conversations: the held-out conversations have no two consecutive loss-masked "
                              "tokens to validate on; hold out more of them")
+        return cls(cfg.val_every, packs)
+
+    def save(self, path: Path) -> None:
+        """The packs as host tensors (a worker process loads them with weights_only)."""
+        packs = [([t.cpu() if t is not None else None for t in (b.input_ids, b.loss_mask, b.seq_ids, b.positions,
+                                                                 b.labels)], anchors.cpu(), feats.cpu())
+                 for b, anchors, feats in self.packs]
+        torch.save({"every": self.every, "packs": packs}, path)
+
+    @classmethod
+    def load(cls, path: Path, device: torch.device) -> Validation:
+        saved = torch.load(path, map_location=device, weights_only=True)
+        return cls(saved["every"], [(PackedBatch(*batch), anchors.cpu(), feats) for batch, anchors, feats in saved["packs"]])
 
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last

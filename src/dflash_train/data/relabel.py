@@ -91,7 +91,7 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int | 
             items = [ds[int(i)] for i in group]
             greedy_rows = (_greedy_tokens(target, items) if mode == "padded"
                            else _packed_greedy_tokens(target, items, flex=mode == "flex"))
-            for i, greedy in zip(group, greedy_rows):
+            for i, greedy in zip(group, greedy_rows, strict=True):
                 span = slice(int(ds.offsets[i]), int(ds.offsets[i]) + len(greedy))
                 mask = np.asarray(ds.loss_mask[span], dtype=bool)
                 mask[0] = False  # the first token has no prefix to predict it from

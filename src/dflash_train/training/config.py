@@ -168,9 +168,6 @@ class TrainConfig:
             raise UsageError(f"--dist-port must be a TCP port (0 = any free one), got {self.dist_port}")
         if (self.target_devices is None) != (self.drafter_devices is None):
             raise UsageError("--target-devices and --drafter-devices go together (or leave both out and use --device)")
-        if self.val_conversations and self.target_devices is not None:
-            raise UsageError(f"--val-conversations {self.val_conversations}: validation runs in one-process training "
-                             "only for now (not with --target-devices / --drafter-devices); give --val-conversations 0")
         if self.torch_profile is not None:
             self.torch_profile_steps()
         if not self.lr > 0:
