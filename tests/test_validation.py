@@ -104,6 +104,7 @@ def test_worker_processes_validate_as_one_process_does(prepared, tmp_path, monke
                  "--drafter-devices", "cpu,cpu", *val]) == 0
     a, b = ([json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, three))
     assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 3, 4, 6]
+    assert [r["step"] for r in b if "val_loss" in r] == [3, 6]
     for key in ("loss", "val_loss", "val_expected_tau"):
         got, want = [r[key] for r in b if key in r], [r[key] for r in a if key in r]
         assert len(got) == len(want) > 0

@@ -12,6 +12,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflash_train.app.validation import VALIDATION_FILE
 from dflash_train.errors import UsageError, say
 from dflash_train.files import DirectoryLock
 from dflash_train.models.checkpoint import check_replaceable, load_config, parse_dtype, save_drafter
@@ -55,6 +56,7 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Pa
             path = run_dir / name
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     removed = sweep_temporaries(run_dir)  # we hold the run directory's lock: nobody else is writing them
+    (run_dir / VALIDATION_FILE).unlink(missing_ok=True)  # a killed multi-process run's held-out packs
     if removed:
         say(f"removed {len(removed)} leftover(s) of interrupted writes: {', '.join(removed[:3])}"
             + (" ..." if len(removed) > 3 else ""))

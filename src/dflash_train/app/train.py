@@ -110,17 +110,16 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     with phases.time("train"):
         if roles:
             init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
-            validation = save_validation(cfg, target, drafter, dataset, run_dir)  # the workers' held-out packs
-            static_lm.release(target.model)
-            del target, drafter  # the workers load their own; free this process's device memory
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
             try:
+                validation = save_validation(cfg, target, drafter, dataset, run_dir)  # the workers' held-out packs
+                static_lm.release(target.model)
+                del target, drafter  # the workers load their own; free this process's device memory
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress,
                                                         validation)
-            finally:
-                if validation is not None:
-                    validation.unlink(missing_ok=True)  # ~0.7 GB for 200 conversations of SmolLM2: not kept
+            finally:  # ~0.7 GB for 200 conversations of SmolLM2: not kept (after a hard kill, the next run removes it)
+                (run_dir / VALIDATION_FILE).unlink(missing_ok=True)
             if code:
                 return code
             target = load_target(cfg.target, device=device)  # released while the workers ran

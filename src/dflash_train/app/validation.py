@@ -20,6 +20,7 @@ import torch
 
 from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
+from dflash_train.files import write_atomic
 from dflash_train.models.targets import Target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.stream import PackStream
@@ -31,7 +32,7 @@ VALIDATION_FILE = "validation.pt"
 
 class Validation:
     def __init__(self, every: int, packs: list[tuple[PackedBatch, torch.Tensor, torch.Tensor]]) -> None:
-        self.every, self.packs = every, packs  # (batch, anchors, target features) on one device
+        self.every, self.packs = every, packs  # (batch, target features) on one device; anchors on the host
 
     @classmethod
     def build(cls, cfg: TrainConfig, target: Target, held_out, layer_ids: list[int]) -> Validation:
@@ -58,12 +59,14 @@ class Validation:
         packs = [([t.cpu() if t is not None else None for t in (b.input_ids, b.loss_mask, b.seq_ids, b.positions,
                                                                  b.labels)], anchors.cpu(), feats.cpu())
                  for b, anchors, feats in self.packs]
-        torch.save({"every": self.every, "packs": packs}, path)
+        write_atomic(path, lambda f: torch.save({"every": self.every, "packs": packs}, f))
 
     @classmethod
     def load(cls, path: Path, device: torch.device) -> Validation:
-        saved = torch.load(path, map_location=device, weights_only=True)
-        return cls(saved["every"], [(PackedBatch(*batch), anchors.cpu(), feats) for batch, anchors, feats in saved["packs"]])
+        """Memory-mapped, so the drafter workers reading it at once do not each hold it in host memory."""
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return cls(saved["every"], [(PackedBatch(*batch).to(device), anchors, feats.to(device))
+                                    for batch, anchors, feats in saved["packs"]])
 
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last
