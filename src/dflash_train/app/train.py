@@ -91,7 +91,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
                if cfg.eval_limit else [])
     dataset = build_dataset(cfg, target, run_dir, progress, phases)
-    split_validation(dataset, cfg.val_conversations, cfg.seed)  # a count the data cannot spare fails now, not after
+    training_part, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)  # fails now, not after
     drafter = make_drafter(cfg, target, ckpt)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -111,13 +111,13 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         if roles:
             init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
             try:
-                validation = save_validation(cfg, target, drafter, dataset, run_dir)  # the workers' held-out packs
+                validation = save_validation(cfg, target, drafter, held_out, run_dir)  # the workers' held-out packs
                 static_lm.release(target.model)
                 del target, drafter  # the workers load their own; free this process's device memory
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset, run_dir, ckpt, state, progress,
-                                                        validation)
+                code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset.path, training_part, run_dir,
+                                                        ckpt, state, progress, validation)
             finally:  # ~0.7 GB for 200 conversations of SmolLM2: not kept (after a hard kill, the next run removes it)
                 (run_dir / VALIDATION_FILE).unlink(missing_ok=True)
             if code:
@@ -164,9 +164,8 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     return result.steps, result.seconds
 
 
-def save_validation(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path) -> Path | None:
+def save_validation(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, held_out, run_dir: Path) -> Path | None:
     """The held-out packs and their target features, saved for the workers (app/validation.py); None without."""
-    _, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)
     if held_out is None:
         return None
     path = run_dir / VALIDATION_FILE
@@ -175,12 +174,11 @@ def save_validation(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, da
     return path
 
 
-def _train_processes(cfg: TrainConfig, roles, init_dir: Path, dataset, run_dir: Path, ckpt: Path | None, state,
-                     progress: bool, validation: Path | None) -> tuple[int, int, float]:
+def _train_processes(cfg: TrainConfig, roles, init_dir: Path, data_dir: Path, training_part, run_dir: Path,
+                     ckpt: Path | None, state, progress: bool, validation: Path | None) -> tuple[int, int, float]:
+    """training_part: the data less the held-out conversations, which the workers split off the same way."""
     n_drafters = sum(1 for role, _ in roles if role != "target")
-    data_dir = dataset.path
-    dataset, _ = split_validation(dataset, cfg.val_conversations, cfg.seed)  # the workers train on the rest
-    steps = total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state)
+    steps = total_steps(cfg, training_part, n_drafters * cfg.grad_accum, state)
     start = state["step"] if state else 0
     say(f"training {steps - start} steps through {len(roles)} processes: "
         + ", ".join(f"{role} {dev}" for role, dev in roles))

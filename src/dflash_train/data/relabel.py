@@ -30,13 +30,13 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.data.dataset import LABELS, PreparedDataset
+from dflash_train.data.packing import pack
 from dflash_train.errors import UsageError
 from dflash_train.files import write_atomic
-from dflash_train.models.targets import Target, document_row
+from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, Target, document_row
 
 PACKED_TOKENS = 16384  # real tokens per packed row (the H200 recipe's training packs)
 PADDED_TOKENS = 4096  # padded tokens per batch: attention memory grows with the batch's longest row squared
-DENSE_TOKENS = 4096  # a dense document mask is [S, S]: past this a row costs more than padded batches
 MODES = ("auto", "packed", "padded", "flex", "dense")  # as pipeline/features.py
 _HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole row's
 
@@ -66,7 +66,7 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int | 
     mode: 'auto' (packed rows on CUDA for a full-attention target, else padded), 'padded', 'packed'
     (flex on CUDA, a dense document mask elsewhere), or 'flex' / 'dense' to force one document-mask
     backend (tests, benchmarks). batch_tokens: per forward, default PACKED_TOKENS packed and
-    PADDED_TOKENS padded; a dense row holds at most DENSE_TOKENS.
+    PADDED_TOKENS padded; a dense row holds at most DENSE_MASK_MAX_TOKENS.
     """
     if mode not in MODES:
         raise ValueError(f"relabel: mode {mode!r} not in {MODES}")
@@ -77,7 +77,7 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int | 
     if batch_tokens is None:
         batch_tokens = PADDED_TOKENS if mode == "padded" else PACKED_TOKENS
     if mode == "dense":
-        batch_tokens = min(batch_tokens, DENSE_TOKENS)
+        batch_tokens = min(batch_tokens, DENSE_MASK_MAX_TOKENS)
     ds = PreparedDataset.open(data_dir)
     if (Path(data_dir) / LABELS).is_file():
         return RelabelReport(len(ds), 0, 0, 0, 0.0, cached=True)
@@ -146,13 +146,10 @@ def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[
 def _packed_greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]], flex: bool) -> list[np.ndarray]:
     """As _greedy_tokens, through one packed row: each sequence attends only within itself."""
     xs = [np.asarray(x) for x, *_ in items]
-    lengths = torch.tensor([len(x) for x in xs])
-    ids = torch.as_tensor(np.concatenate(xs), dtype=torch.long)
-    doc = torch.repeat_interleave(torch.arange(len(xs)), lengths)
-    pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
-    row, pos, mask = document_row(ids, doc, pos, target.device, flex=flex)
+    batch = pack(items, max(len(x) for x in xs))  # the row: sequence ids and positions, nothing truncated
+    row, pos, mask = document_row(batch.input_ids, batch.seq_ids, batch.positions, target.device, flex=flex)
     last = target.num_layers - 1  # its feature is the final-normed state the LM head reads
-    hidden = target.features(row, [last], position_ids=pos, attention_mask=mask)[0, :ids.numel()]
+    hidden = target.features(row, [last], position_ids=pos, attention_mask=mask)[0, :batch.num_tokens]
     pred = torch.cat([target.lm_head(h).argmax(-1) for h in hidden.split(_HEAD_ROWS)])
     pred = pred.cpu().numpy()  # the one host sync of the row
     out, start = [], 0

@@ -357,6 +357,8 @@ def document_block_mask(doc: torch.Tensor, device: torch.device, tile: int = 128
 # (padding to the full token budget would avoid that one recompile but run the MLPs on up to
 # a whole sequence of pads per pack).
 FLEX_TILE = 128
+# On CPU the document mask is a dense [L, L] boolean; beyond this many tokens padded batches cost less.
+DENSE_MASK_MAX_TOKENS = 4096
 
 
 def document_row(ids: torch.Tensor, doc: torch.Tensor, pos: torch.Tensor, device: torch.device, *,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.data.packing import PackedBatch
-from dflash_train.models.targets import Target, document_row
+from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, Target, document_row
 from dflash_train.profiling.stats import NULL_LOOP
 
 
@@ -35,8 +35,6 @@ def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return padded, rows.long(), torch.nonzero(rows.flatten()).flatten()
 
 
-# On CPU the document mask is a dense [L, L] boolean; beyond this many tokens use the padded batch.
-DENSE_MASK_MAX_TOKENS = 4096
 MODES = ("auto", "packed", "padded", "flex", "dense")
 
 
