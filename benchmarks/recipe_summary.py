@@ -111,6 +111,11 @@ def variant_summary(d: Path) -> dict:
                 out[f"tau_{name}_by_category"] = r["tau_by_category"]
             if name == "mtbench" and len(r.get("per_prompt_tau", [])) > 40:
                 out["tau_mtbench_first40"] = first_tau(r, 40)  # what sweeps before 2026-12-02 measured
+    quality = d / "quality.json"  # quality_smollm2_h200.sh's record: its taus stand in for eval files not fetched
+    if quality.is_file():
+        q = json.loads(quality.read_text())
+        out.update({k: q[k] for k in ("tau_humaneval", "tau_mtbench", "tau_sharegpt", "tau_mtbench_first40",
+                                      "tau_mtbench_by_category") if k in q and k not in out})
     return out
 
 
@@ -138,11 +143,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in rows:
+    colors = plt.get_cmap("tab20").colors  # the default cycle repeats after 10 lines
+    for i, r in enumerate(rows):
         if not r["curve"]:
             continue
         x, y = zip(*r["curve"], strict=True)
-        line, = ax.plot([v / 1e6 for v in x], y, label=label(r))
+        line, = ax.plot([v / 1e6 for v in x], y, label=label(r), color=colors[(2 * i) % 20 + (2 * i) // 20])
         if r.get("val_curve"):
             vx, vy = zip(*r["val_curve"], strict=True)
             ax.plot([v / 1e6 for v in vx], vy, "--", color=line.get_color())
@@ -154,7 +160,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title("lines: train estimate (seen data); dashed: held-out conversations (--val-conversations);\n"
                  "o HumanEval, s MT-Bench, x held-out ShareGPT", fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=5.5, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
