@@ -28,7 +28,7 @@ from datetime import date
 import torch
 
 from dflash_train.data import regenerate as regen
-from dflash_train.data.regenerate import RegenConfig
+from dflash_train.data.regenerate import RegenConfig, RegenReport
 from dflash_train.eval import greedy_loop
 from dflash_train.eval import speculative as spec
 from dflash_train.models import static_lm
@@ -52,13 +52,18 @@ def regen_rate(target, prompts, new_tokens, hf: bool) -> dict:
     fn = regen._hf_generate if hf else regen._generate
     fn(target, prompts[:8], RegenConfig(max_new_tokens=4), [])  # warm-up: kernels, cuBLAS handles
     _sync(target.device)
+    split = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
     t0 = time.perf_counter()
-    replies = fn(target, prompts, cfg, [])
+    replies = fn(target, prompts, cfg, []) if hf else fn(target, prompts, cfg, [], split)
     _sync(target.device)
     secs = time.perf_counter() - t0
     tokens = sum(len(r.ids) for r in replies)
-    return {"rows": len(prompts), "new_tokens": new_tokens, "generated": tokens, "seconds": round(secs, 3),
-            "tokens_per_s": round(tokens / secs, 1)}
+    out = {"rows": len(prompts), "new_tokens": new_tokens, "generated": tokens, "seconds": round(secs, 3),
+           "tokens_per_s": round(tokens / secs, 1)}
+    if split.prefill_s:  # StaticLM: prompts prefilled, then decode steps
+        out.update(prompt_tokens=split.prompt_tokens, prefill_s=round(split.prefill_s, 3),
+                   decode_s=round(split.decode_s, 3), decode_tokens_per_s=round(tokens / split.decode_s, 1))
+    return out
 
 
 def batch1_rate(target, prompts, new_tokens, hf: bool) -> dict:

@@ -188,6 +188,11 @@ def test_multi_turn_conditions_on_regenerated_history(tiny_target, tmp_path):
     assert [m["content"] for m in c0["messages"] if m["role"] == "user"] == ["first", "second"]
     msgs = c0["messages"]
     assert msgs[2]["content"] == reference_reply(tiny_target, msgs[:2])[1]
+    # the report splits the time: prefill of every turn's whole history, then decoding
+    prompts = [msgs[:2], msgs[:4], c1["messages"][:1]]
+    assert report.prompt_tokens == sum(len(tiny_target.render_chat(h)) for h in prompts)
+    assert report.prefill_s > 0 and report.decode_s > 0
+    assert f"prefill {report.prefill_s:.1f} s ({report.prompt_tokens} prompt tokens)" in report.summary()
     # Turn 2 is the target's reply to a history holding its OWN first reply, not the original.
     assert msgs[2]["content"] != "orig 1"
     assert msgs[4]["content"] == reference_reply(tiny_target, msgs[:4])[1]

@@ -53,8 +53,10 @@ def test_supports_full_attention_llama_family_only(tiny_target):
 
 
 @torch.no_grad()
-def test_prefill_and_steps_equal_hf_forward(target):
-    """Padded batched prefill, then decode steps, then a 4-token block: logits and features as HF's."""
+@pytest.mark.parametrize("prefill", [False, True], ids=["masked", "causal"])
+def test_prefill_and_steps_equal_hf_forward(target, prefill):
+    """Padded batched prefill (through the general mask, or SDPA's causal kernel as `prefill=True`
+    runs it), then decode steps, then a 4-token block: logits and features as HF's."""
     lm = StaticLM(target.model)
     model = target.model
     prompts = _prompts(3)
@@ -66,7 +68,7 @@ def test_prefill_and_steps_equal_hf_forward(target):
         ids[i, :len(p)] = torch.tensor(p)
     last = torch.tensor([len(p) - 1 for p in prompts])
     out = lm.forward(ids, torch.arange(width).expand(3, width), cache, static_lm.bucket(width), layers=layers,
-                     logits="last", last=last)
+                     logits="last", last=last, prefill=prefill)
     for i, p in enumerate(prompts):
         ref = model(torch.tensor([p]), output_hidden_states=True)
         torch.testing.assert_close(out.logits[i, 0], ref.logits[0, -1], rtol=0, atol=1e-5)

@@ -103,12 +103,21 @@ class RegenReport:
     """Server path: requests sent again after a timeout, a dropped connection, a 429 or a 5xx."""
     failed: int = 0
     """Server path: conversations not written because a request failed for good (a rerun retries them)."""
+    prompt_tokens: int = 0
+    """In-process StaticLM path: prompt tokens prefilled (each turn's whole history, padding excluded)."""
+    prefill_s: float = 0.0
+    """In-process StaticLM path: seconds spent prefilling prompts (the rest of `seconds` is mostly decoding)."""
+    decode_s: float = 0.0
+    """In-process StaticLM path: seconds spent in decode steps."""
 
     def summary(self) -> str:
         rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
         text = (f"regenerated {self.written} conversations ({self.turns} turns, {self.generated_tokens} tokens, "
                 f"{rate:.1f} tokens/s, {self.seconds:.1f} s); {self.already_done} already done; "
                 f"{self.hit_length_limit} turns hit --max-new-tokens")
+        if self.prefill_s:
+            text += (f"; prefill {self.prefill_s:.1f} s ({self.prompt_tokens} prompt tokens), "
+                     f"decode {self.decode_s:.1f} s")
         if self.requests:
             text += f"; {self.requests} requests ({self.requests / max(self.seconds, 1e-9):.1f}/s)"
         if self.retries:

@@ -150,7 +150,7 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
             prompts.append(prompt)
         if not active:
             break
-        replies = _generate(target, prompts, cfg, stops)
+        replies = _generate(target, prompts, cfg, stops, report)
         for job, reply in zip(active, replies, strict=True):
             job.history.append({"role": "assistant", "content": reply.text})
             report.turns += 1
@@ -159,23 +159,30 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
             report.empty_replies += not reply.text.strip()
 
 
-def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
-    """One reply per prompt, decoded in batches of cfg.batch_size prompts sorted by length."""
+def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
+              report: RegenReport | None = None) -> list[_Reply]:
+    """One reply per prompt, decoded in batches of cfg.batch_size prompts sorted by length; their
+    prefill and decode seconds are added to `report`."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     replies: dict[int, _Reply] = {}
     for start in range(0, len(order), cfg.batch_size):
         rows = order[start:start + cfg.batch_size]
-        replies.update(zip(rows, _decode(target, [prompts[i] for i in rows], cfg, stops), strict=True))
+        replies.update(zip(rows, _decode(target, [prompts[i] for i in rows], cfg, stops, report), strict=True))
     return [replies[i] for i in range(len(prompts))]
 
 
-def _decode(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
+def _decode(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
+            report: RegenReport | None = None) -> list[_Reply]:
     """One reply per prompt of one batch: on a StaticLM (static KV cache, CUDA graphs) when the
     target's architecture allows, else through HF's forward."""
     lm = static_lm.for_model(target.model)
     if lm is None:
         return _hf_generate(target, prompts, cfg, stops)
     out = generate(lm, prompts, cfg.max_new_tokens, stops, lambda logits: pick(logits, cfg.temperature))
+    if report is not None:
+        report.prompt_tokens += sum(map(len, prompts))
+        report.prefill_s += out.prefill_s
+        report.decode_s += out.decode_s
     return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in out.rows]
 
 

@@ -69,7 +69,8 @@ class GreedyLoop:
         target_cache, _ = self.caches
         ids = torch.tensor([prompt], device=dev)
         pos = torch.arange(len(prompt), device=dev)[None]
-        out = self.lm.forward(ids, pos, target_cache, bucket(len(prompt)), layers=self.layers, logits="last")
+        out = self.lm.forward(ids, pos, target_cache, bucket(len(prompt)), layers=self.layers, logits="last",
+                              prefill=True)
         first = out.logits[0, -1].argmax()
         s = self.state
         s.last.copy_(first[None])

@@ -149,7 +149,8 @@ class _StaticVerifier:
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(ids.shape[1], device=ids.device)[None]
-        out = self.lm.forward(ids, pos, self.cache, static_lm.bucket(ids.shape[1]), layers=self.layers, logits="last")
+        out = self.lm.forward(ids, pos, self.cache, static_lm.bucket(ids.shape[1]), layers=self.layers, logits="last",
+                              prefill=True)
         return out.logits[0, -1], out.features
 
     def verify(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from dflash_train.models.host_reads import LaggedReads
 from dflash_train.models.sampling import greedy
@@ -69,7 +70,8 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
     width = max(lens)
     cache = lm.cache_for(len(prompts), width + max_new_tokens)
     t0 = now(dev)
-    nxt = pick(prefill(lm, prompts, cache))
+    with record_function("generate: prefill"):  # a row of its own in a profiler's tables
+        nxt = pick(prefill(lm, prompts, cache))
     t1 = now(dev)
     pos = torch.tensor(lens, device=dev)  # position of the token in `nxt`
     stops = torch.tensor(stop_ids or [-1], device=dev)
@@ -102,6 +104,6 @@ def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
         last = torch.tensor([len(p) - 1 for p in part], device=dev)
         pos = torch.arange(width, device=dev).expand(len(part), width)
         rows = type(cache)(keys=[k[r:r + chunk] for k in cache.keys], values=[v[r:r + chunk] for v in cache.values])
-        out = lm.forward(ids.to(dev), pos, rows, bucket(width), logits="last", last=last)
+        out = lm.forward(ids.to(dev), pos, rows, bucket(width), logits="last", last=last, prefill=True)
         logits.append(out.logits[:, 0])
     return torch.cat(logits)

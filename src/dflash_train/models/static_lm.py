@@ -24,10 +24,11 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.models import graphs
-from dflash_train.models.attention import attend
+from dflash_train.models.attention import attend, no_cudnn_sdpa
 from dflash_train.models.compiled import CompiledSteps
 from dflash_train.models.graphs import GraphStore
 
@@ -155,16 +156,20 @@ class StaticLM(CompiledSteps):
 
     @torch.no_grad()  # not inference_mode: torch.compile rejects its tensors
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: StaticCache, kv_len: int, *,
-                layers: tuple[int, ...] = (), logits: str = "all", last: torch.Tensor | None = None) -> StepOut:
+                layers: tuple[int, ...] = (), logits: str = "all", last: torch.Tensor | None = None,
+                prefill: bool = False) -> StepOut:
         """ids, pos [b, q]: write their K/V at slots pos, attend to slots < kv_len (masked to <= pos).
 
         logits: "all" (every query), "last" (the query at index `last` [b] of each row, or the
         final one), or "none". layers: feature layer ids (id L = output of layer L; L = N-1 is
-        final-normed, as HF's hidden_states[N]).
+        final-normed, as HF's hidden_states[N]). prefill: the caller's promise that every row's
+        queries are positions 0..q-1, so the mask is plain causal over slots < q and attention
+        runs as SDPA's causal kernel (flash on CUDA: no mask, no K/V copies per query head).
         """
         x = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(x, pos)
-        visible = torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]  # [b, q, kv_len]
+        # [b, q, kv_len]; None for a prefill, whose mask is implied
+        visible = None if prefill else torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
         feats = {}
         for i, layer in enumerate(self.base.layers):
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, pos, visible,
@@ -183,7 +188,7 @@ class StaticLM(CompiledSteps):
         return StepOut(self.model.lm_head(x), features)
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                   visible: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+                   visible: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
         b, q, _ = h.shape
         d = self.head_dim
         qs = attn.q_proj(h).view(b, q, -1, d)
@@ -196,7 +201,10 @@ class StaticLM(CompiledSteps):
         slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
         k_cache.scatter_(2, slots, ks)  # the new K/V first: a query at pos p sees slot p
         v_cache.scatter_(2, slots, vs)
-        out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
+        if visible is None:  # a prefill from position 0: causal over the q slots just written
+            out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
+        else:
+            out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
 
     # --- graphs ----------------------------------------------------------------------------
@@ -221,6 +229,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [b, H, n, d], k/v [b, Hkv, n, d] -> [b, H, n, d], query i seeing keys 0..i.
+
+    A prefill's mask needs no tensor: the boolean one sent SDPA to its memory-efficient kernel,
+    which computes every masked score too (2x the causal work) and, without grouped heads, needed
+    K/V copied per query head first. Flash takes grouped heads as they are (enable_gqa). Right
+    padding is harmless: a real query never sees a later slot.
+    """
+    with no_cudnn_sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
