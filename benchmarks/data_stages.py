@@ -9,7 +9,8 @@ Before regeneration the job measures every ShareGPT first prompt against
 (`data/dataset.py`). Each is timed here the way the job runs it (one tokenizer call per batch:
 Target.render_chats, tokenize.encode_chats) and one conversation at a time (the loops before
 2026-12-02: one unbatched apply_chat_template call per prompt; encode_chat, a batch of one, for
-preparation, which is the old call's work), with a check that both give the same tokens. The
+preparation, which is the old call's work), with a check that both give the same tokens;
+preparation once more in default_workers() processes where that is more than one (data/parallel.py). The
 batched selection also skips tokenizing prompts too long by their characters alone; the one at
 a time column tokenizes every one, as the old loop did. CPU only, no GPU needed: the tokenizer
 spreads a batch over every core, so the ratio grows with the core count (`cores` in the output).
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from dflash_train.data.conversations import first_prompt
 from dflash_train.data.dataset import prepare_dataset
+from dflash_train.data.parallel import default_workers
 from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import Conversation, SourceReport, default_split, iter_conversations
 from dflash_train.data.tokenize import encode_chat, encode_chats, end_of_turn_ids, template_ids
@@ -90,6 +92,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rep, out["prepare_dataset_s"] = _timed(lambda: prepare_dataset(target.tokenizer, chats, Path(tmp) / "d",
                                                                        max_length=1024, on_bad="skip"))
+        out["prepare_workers"] = workers = default_workers()  # what `prepare` and the train job use here
+        if workers > 1:
+            _, out["prepare_dataset_workers_s"] = _timed(lambda: prepare_dataset(
+                target.tokenizer, chats, Path(tmp) / "w", max_length=1024, on_bad="skip", workers=workers))
     out["prepare"] = rep.summary()
 
     print(json.dumps(out, indent=1))
