@@ -23,12 +23,13 @@ from datetime import date
 from pathlib import Path
 
 from dflash_train.data.regen_common import reply_segments
+from dflash_train.data.regenerate import POOL_BATCHES
 from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import SourceReport, iter_conversations
 from dflash_train.models.targets import load_target
 
 TEMPLATE_TOKENS = 5  # a chat message's role header and end-of-turn tokens in SmolLM2's template
-POOL_BATCHES = 4  # as data/regenerate.py
+
 
 
 def turn_lengths(tokenizer, convs, turns: int, max_new: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -43,7 +44,8 @@ def turn_lengths(tokenizer, convs, turns: int, max_new: int) -> tuple[list[list[
     return prompts, replies
 
 
-def kv_slots(prompts, replies, batch: int, turns: int, max_context: int, sort: bool) -> tuple[int, int]:
+def kv_slots(prompts, replies, batch: int, turns: int, max_context: int, sort: bool,
+             pool_batches: int = POOL_BATCHES) -> tuple[int, int]:
     """(slots read, slots a row's own tokens need) over every decode step of every turn."""
     read = useful = 0
     history = [0] * len(prompts)
@@ -52,8 +54,9 @@ def kv_slots(prompts, replies, batch: int, turns: int, max_context: int, sort: b
         for i, (p, r) in enumerate(zip(prompts, replies, strict=True)):
             if k < min(len(p), len(r)) and not (k and history[i] + p[k] >= max_context):
                 pool.append((history[i] + p[k], r[k], i))
-        for start in range(0, len(pool), batch * POOL_BATCHES):
-            chunk = sorted(pool[start:start + batch * POOL_BATCHES]) if sort else pool[start:start + batch * POOL_BATCHES]
+        for start in range(0, len(pool), batch * pool_batches):
+            chunk = pool[start:start + batch * pool_batches]
+            chunk = sorted(chunk) if sort else chunk
             for b in range(0, len(chunk), batch):
                 rows = chunk[b:b + batch]
                 width, steps = max(p for p, _, _ in rows), max(r for _, r, _ in rows)
@@ -71,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=1, help="reply chains per conversation (--regen-samples)")
+    ap.add_argument("--pool-batches", type=int, nargs="+", default=[POOL_BATCHES],
+                    help="batches sorted together per turn (data/regenerate.py's POOL_BATCHES): one count each")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     target = load_target("smollm2-135m", device="cpu")
@@ -78,15 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     convs = select_conversations(iter_conversations("sharegpt", split="train", on_bad="skip", report=report), report,
                                  topic="any", limit=0, target=target, max_prompt_tokens=args.max_prompt_tokens)
     prompts, replies = turn_lengths(target.tokenizer, convs, args.max_turns, args.max_new_tokens)
-    out = {"conversations": len(convs), "batch_size": args.batch_size, "max_turns": args.max_turns,
+    # sampled chains of one conversation share its prompts; their lengths stand in as equal
+    prompts, replies = ([x for x in xs for _ in range(args.samples)] for xs in (prompts, replies))
+    out = {"conversations": len(convs), "samples": args.samples, "batch_size": args.batch_size, "max_turns": args.max_turns,
            "max_new_tokens": args.max_new_tokens, "date": date.today().isoformat(),
            "note": "counted on the CPU, not timed: KV slots the decode steps' attention reads (reply lengths from "
                    "the original replies, capped), batches in selection order against sorted per turn",
            "command": "python3 benchmarks/regen_widths.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    for name, sort in (("selection_order", False), ("sorted_per_turn", True)):
-        read, useful = kv_slots(prompts, replies, args.batch_size, args.max_turns, args.max_context, sort)
-        out[name] = {"kv_slots_read": read, "useful_share": round(useful / read, 3)}
-        print(f"{name:16s} KV slots read {read / 1e9:.2f}G, {useful / read:.0%} of them a row's own")
+    runs = [("selection_order", False, POOL_BATCHES)] + [
+        ("sorted_per_turn" + (f"_pool_{n}" if len(args.pool_batches) > 1 else ""), True, n) for n in args.pool_batches]
+    for name, sort, pool in runs:
+        read, useful = kv_slots(prompts, replies, args.batch_size, args.max_turns, args.max_context, sort, pool)
+        out[name] = {"kv_slots_read": read, "useful_share": round(useful / read, 3), "pool_batches": pool}
+        print(f"{name:24s} KV slots read {read / 1e9:.2f}G, {useful / read:.0%} of them a row's own")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

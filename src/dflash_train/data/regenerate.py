@@ -70,8 +70,11 @@ __all__ = ["RegenConfig", "RegenReport", "regenerate", "sample_ids"]
 
 # Conversations per write, in batches: each turn's prompts are sorted by length across the pool, so a
 # batch's width is near its own prompts' (turn 1 is sorted already by selection; later turns carry
-# histories of replies and user turns of any length). A killed run redoes at most one pool.
-POOL_BATCHES = 4
+# histories of replies and user turns of any length). A killed run redoes at most one pool. Counted on
+# the shipped config's data (`benchmarks/regen_widths.py --samples 2 --pool-batches 4 8 16`): the decode
+# steps read 7.45G / 6.76G / 6.38G KV slots at 4 / 8 / 16 batches a pool. At 2,048 rows 16 batches are
+# 32K reply chains, ~4 minutes of an H200.
+POOL_BATCHES = 16
 
 
 @dataclass
@@ -104,13 +107,14 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
+        rate = lambda: bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")  # noqa: E731
         while pool := list(islice(todo, cfg.batch_size * POOL_BATCHES)):
             jobs = [_Job(c.id, reply_segments(c, cfg.max_turns)) for c in pool]
-            _run_batch(target, jobs, cfg, stops, report)
+            _run_batch(target, jobs, cfg, stops, report, on_turn=rate)  # a pool can take minutes: show it working
             append(out, [_record(job, header) for job in jobs])
             report.written += len(jobs)
             bar.update(len(jobs))
-            bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")
+            rate()
     report.seconds = time.perf_counter() - t0
     _free_decode_memory(target)
     return report
@@ -134,8 +138,9 @@ def _record(job: _Job, header: dict) -> dict:
 # --- generation --------------------------------------------------------------------------------
 
 @torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
-def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport) -> None:
-    """Fill every job's history, one batched decode per turn index."""
+def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport,
+               on_turn=lambda: None) -> None:
+    """Fill every job's history, one batched decode per turn index (on_turn() after each)."""
     for k in range(max(len(j.segments) for j in jobs)):
         active, prompts = [], []
         turn = [job for job in jobs if k < len(job.segments)]
@@ -157,6 +162,7 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
             report.generated_tokens += len(reply.ids)
             report.hit_length_limit += reply.hit_limit
             report.empty_replies += not reply.text.strip()
+        on_turn()
 
 
 def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
