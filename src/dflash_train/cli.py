@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{REGEN_MAX_NEW_TOKENS.help} (default {REGEN_MAX_NEW_TOKENS.default})")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=16,
-                   help="prompts per batched decode, sorted by length across 4 batches of conversations (in-process)")
+                   help="prompts per batched decode, sorted by length across 16 batches of conversations (in-process)")
     p.add_argument("--max-turns", type=int, default=None, help="assistant turns regenerated per conversation")
     p.add_argument("--max-context", type=int, default=None,
                    help="end a conversation before a later turn whose prompt has this many tokens or more "

@@ -45,7 +45,7 @@ class TrainConfig:
     regen_max_new_tokens: int = knob_field(REGEN_MAX_NEW_TOKENS)
     regen_temperature: float = opt(0.0, "sampling temperature of regeneration (0 = greedy)")
     regen_batch_size: int = opt(32, "prompts per regeneration batch (each turn's prompts sorted by length across "
-                                    "4 batches)")
+                                    "16 batches)")
     regen_max_turns: int = opt(1, "assistant turns regenerated per conversation (a later turn is skipped once its "
                                   "prompt reaches --max-length)")
     regen_samples: int = opt(1, "replies sampled per conversation (> 1 needs --regen-temperature > 0)")
