@@ -113,6 +113,40 @@ def test_generate_reads_the_stop_check_lag_steps_late(target):
     assert spec._cut(late, {stop}) == at_once == free[:first]
 
 
+def test_dropping_finished_rows_keeps_every_rows_tokens(target, monkeypatch):
+    """A batch that compacts whenever a row has stopped gives each row the tokens of a batch that never
+    does (cut at the first stop), including rows that stop after a compaction."""
+    from dflash_train.models import generate as gen
+
+    lm = static_lm.for_model(target.model)
+    prompts = _prompts(6, seed=5)
+    free = generate(lm, prompts, 16, []).rows
+    stops = _staggered_stops(free)
+    static = generate(lm, prompts, 16, stops)
+    monkeypatch.setattr(gen, "COMPACT_MIN_ROWS", 1)
+    monkeypatch.setattr(gen, "COMPACT_MIN_SHARE", 0.0)
+    compacted = generate(lm, prompts, 16, stops)
+    assert static.compactions == 0 and compacted.compactions >= 2
+    cut = lambda rows: [spec._cut(r, set(stops)) for r in rows]  # noqa: E731
+    assert cut(compacted.rows) == cut(static.rows)
+    assert any(len(r) < 16 for r in cut(static.rows)) and any(len(r) == 16 for r in cut(static.rows))
+
+
+def _staggered_stops(rows: list[list[int]]) -> list[int]:
+    """Two stop tokens under which the rows stop at two or more different steps and one row never does
+    (greedy random models repeat a token for long stretches, so search for them)."""
+    def ends(stops):
+        return [next((i for i, t in enumerate(r) if t in stops), None) for r in rows]
+
+    tokens = sorted({t for r in rows for t in r})
+    for a in tokens:
+        for b in tokens:
+            e = ends({a, b})
+            if None in e and len({i for i in e if i is not None}) >= 2:
+                return [a, b]
+    raise AssertionError(f"no staggered stops in {rows}")
+
+
 def test_target_generate_equals_hf(target):
     for p in _prompts(2, seed=3):
         ours = spec.target_generate(target, p, 20, stop_ids=[9])

@@ -109,6 +109,8 @@ class RegenReport:
     """In-process StaticLM path: seconds spent prefilling prompts (the rest of `seconds` is mostly decoding)."""
     decode_s: float = 0.0
     """In-process StaticLM path: seconds spent in decode steps."""
+    compactions: int = 0
+    """In-process StaticLM path: times a batch dropped its finished rows (models/generate.py)."""
 
     def summary(self) -> str:
         rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -117,7 +119,7 @@ class RegenReport:
                 f"{self.hit_length_limit} turns hit --max-new-tokens")
         if self.prefill_s:
             text += (f"; prefill {self.prefill_s:.1f} s ({self.prompt_tokens} prompt tokens), "
-                     f"decode {self.decode_s:.1f} s")
+                     f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions)")
         if self.requests:
             text += f"; {self.requests} requests ({self.requests / max(self.seconds, 1e-9):.1f}/s)"
         if self.retries:

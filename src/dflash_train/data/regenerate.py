@@ -189,6 +189,7 @@ def _decode(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: l
         report.prompt_tokens += sum(map(len, prompts))
         report.prefill_s += out.prefill_s
         report.decode_s += out.decode_s
+        report.compactions += out.compactions
     return [_reply(target, row, set(stops), cfg.max_new_tokens) for row in out.rows]
 
 

@@ -1,9 +1,12 @@
 """Batched autoregressive generation on a StaticLM: regeneration's turns and the target-only baseline.
 
 Prompts are prefilled in row chunks (eagerly: compute-bound), then decoded one token per step
-(graph replays on CUDA). Rows that have stopped keep decoding until every row has (their extra
-tokens are cut by the caller at the first stop token): a static batch costs some wasted rows
-but no per-row bookkeeping. The stop check is the loop's only host sync: every step, one step
+(graph replays on CUDA). Rows that have stopped keep decoding (their extra tokens are cut by the
+caller at the first stop token) until enough of them have stopped to pay for a compaction: the
+running rows' K/V move to the front of the cache and the batch goes on with those rows only. A
+step reads every row's K/V, so a finished row costs as much as a running one: on the shipped
+config's data 21% of the row-steps of a static batch belonged to finished rows
+(`benchmarks/regen_widths.py`). The stop check is the loop's only per-step host sync, one step
 late on CUDA (`host_reads`: the GPU runs the next step while the host reads), at once on CPU.
 """
 
@@ -18,18 +21,24 @@ from torch.profiler import record_function
 
 from dflash_train.models.host_reads import LaggedReads
 from dflash_train.models.sampling import greedy
-from dflash_train.models.static_lm import StaticLM, bucket
+from dflash_train.models.static_lm import StaticCache, StaticLM, bucket
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [b, V] -> tokens [b]
 PREFILL_TOKENS = 32768  # padded tokens per prefill chunk: bounds the activations of a long batch
 KV_MEMORY_FRACTION = 0.5  # of the free device memory a batch's KV cache may take
+# Compact once this many rows, and this share of the batch, have stopped: a compaction gathers the
+# running rows' K/V (a fraction of one step's reads) and captures new graphs for the smaller batch
+# (one per key-length bucket it goes on to use), so small or frequent ones would not pay.
+COMPACT_MIN_ROWS = 256
+COMPACT_MIN_SHARE = 0.2
 
 
 @dataclass
 class Generated:
-    rows: list[list[int]]  # per prompt: the generated tokens (continuing past a stop; cut by the caller)
+    rows: list[list[int]]  # per prompt: the generated tokens (past a stop: anything; cut by the caller)
     prefill_s: float
     decode_s: float
+    compactions: int = 0  # times the batch dropped its finished rows
 
 
 def now(device: torch.device) -> float:
@@ -54,13 +63,13 @@ def generate(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int, stop_i
     `lag` steps past the step where every row had stopped (host_reads.LAG on CUDA, 0 on CPU)."""
     cap = max(len(p) for p in prompts) + max_new_tokens
     step = max_rows(lm, cap)
-    rows: list[list[int]] = []
-    prefill_s = decode_s = 0.0
+    total = Generated([], 0.0, 0.0)
     for i in range(0, len(prompts), step):
         part = _generate_batch(lm, prompts[i:i + step], max_new_tokens, stop_ids, pick, lag)
-        rows += part.rows
-        prefill_s, decode_s = prefill_s + part.prefill_s, decode_s + part.decode_s
-    return Generated(rows, prefill_s, decode_s)
+        total.rows += part.rows
+        total.prefill_s, total.decode_s = total.prefill_s + part.prefill_s, total.decode_s + part.decode_s
+        total.compactions += part.compactions
+    return total
 
 
 def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
@@ -76,19 +85,43 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
     pos = torch.tensor(lens, device=dev)  # position of the token in `nxt`
     stops = torch.tensor(stop_ids or [-1], device=dev)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
-    ended = LaggedReads(dev, lag)  # whether every row has stopped, as of `lag` steps ago
-    tokens = []
+    index = torch.arange(len(prompts), device=dev)  # each batch row's prompt (rows move when compacted)
+    out = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long, device=dev)
+    running = LaggedReads(dev, lag)  # rows still running, as of `lag` steps ago
+    compactions = 0
     for n in range(1, max_new_tokens + 1):
-        tokens.append(nxt)
+        out[index, n - 1] = nxt
         done |= torch.isin(nxt, stops)
-        ended.post(done.all())
-        if n == max_new_tokens or (ended.due() and bool(ended.read())):  # host sync: the stop check
+        running.post((~done).sum())  # dropping finished rows leaves this count as it is
+        if n == max_new_tokens:
             break
-        out = lm.step(nxt[:, None], pos[:, None], cache, bucket(width + n), logits="all")
-        nxt = pick(out.logits[:, -1])
+        if running.due():
+            left = int(running.read())  # host sync: the stop check
+            if left == 0:
+                break
+            if len(index) - left >= max(COMPACT_MIN_ROWS, COMPACT_MIN_SHARE * len(index)):
+                cache, index, nxt, pos, done, width = _compact(cache, done, index, nxt, pos, lens, bucket(width + n))
+                compactions += 1
+        step = lm.step(nxt[:, None], pos[:, None], cache, bucket(width + n), logits="all")
+        nxt = pick(step.logits[:, -1])
         pos = pos + 1
-    rows = torch.stack(tokens, dim=1).tolist()  # host sync: the batch's tokens, once
-    return Generated(rows, t1 - t0, now(dev) - t1)
+    rows = out[:, :n].tolist()  # host sync: the batch's tokens, once
+    return Generated(rows, t1 - t0, now(dev) - t1, compactions)
+
+
+def _compact(cache: StaticCache, done: torch.Tensor, index: torch.Tensor, nxt: torch.Tensor, pos: torch.Tensor,
+             lens: list[int], slots: int):
+    """The batch without its finished rows: the running rows' K/V (their first `slots` slots, all that
+    is written) moved to the front of the cache, and a cache of views over those rows, which the
+    next steps capture their own graphs for. Returns (cache, index, nxt, pos, done, width)."""
+    keep = (~done).nonzero().squeeze(1)  # host sync: the new row count (a compaction is rare)
+    m = len(keep)
+    for buf in (*cache.keys, *cache.values):
+        buf[:m, :, :slots] = buf[keep, :, :slots]  # the gather copies first: moving rows down in place is safe
+    index = index[keep]
+    width = max(lens[i] for i in index.tolist())  # the K/V span the remaining rows need: maybe narrower
+    rows = StaticCache(keys=[k[:m] for k in cache.keys], values=[v[:m] for v in cache.values])
+    return rows, index, nxt[keep], pos[keep], done[keep], width
 
 
 def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
