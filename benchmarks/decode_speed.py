@@ -62,7 +62,7 @@ def regen_rate(target, prompts, new_tokens, hf: bool) -> dict:
            "tokens_per_s": round(tokens / secs, 1)}
     if split.prefill_s:  # StaticLM: prompts prefilled, then decode steps
         out.update(prompt_tokens=split.prompt_tokens, prefill_s=round(split.prefill_s, 3),
-                   decode_s=round(split.decode_s, 3), decode_tokens_per_s=round(tokens / split.decode_s, 1))
+                   decode_s=round(split.decode_s, 3), decode_tokens_per_s=round((tokens - len(prompts)) / split.decode_s, 1))  # the first comes from the prefill
     return out
 
 

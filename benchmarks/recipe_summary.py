@@ -148,7 +148,7 @@ def plot(rows: list[dict], path: Path) -> None:
         if not r["curve"]:
             continue
         x, y = zip(*r["curve"], strict=True)
-        line, = ax.plot([v / 1e6 for v in x], y, label=label(r), color=colors[(2 * i) % 20 + (2 * i) // 20])
+        line, = ax.plot([v / 1e6 for v in x], y, label=label(r), color=colors[(2 * i) % 20 + (i // 10) % 2])
         if r.get("val_curve"):
             vx, vy = zip(*r["val_curve"], strict=True)
             ax.plot([v / 1e6 for v in vx], vy, "--", color=line.get_color())

@@ -31,7 +31,6 @@ from dflash_train.models.targets import load_target
 TEMPLATE_TOKENS = 5  # a chat message's role header and end-of-turn tokens in SmolLM2's template
 
 
-
 def turn_lengths(tokenizer, convs, turns: int, max_new: int) -> tuple[list[list[int]], list[list[int]]]:
     """Per conversation: tokens of each reply's new prompt segment, and of each reply (capped)."""
     segs = [reply_segments(c, turns) for c in convs]

@@ -312,6 +312,15 @@ def _assert_complete(path, reference: bytes) -> None:
     assert path.read_bytes() == reference  # T=0: identical to the run that was never interrupted
 
 
+def test_pools_of_one_batch_write_the_same_file(tiny_target, tmp_path, monkeypatch, uninterrupted):
+    """Pools end where writes (and a killed run's redo) end: at T=0 their size changes nothing written."""
+    monkeypatch.setattr(regen, "POOL_BATCHES", 1)
+    out = tmp_path / "pools.jsonl"
+    report = regenerate(tiny_target, _resume_convs(), out, _resume_cfg(), progress=False)
+    assert report.written == N
+    _assert_complete(out, uninterrupted)
+
+
 def test_resume_after_kill_mid_line(tiny_target, tmp_path, uninterrupted):
     lines = uninterrupted.splitlines(keepends=True)
     out = tmp_path / "run.jsonl"

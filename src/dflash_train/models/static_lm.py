@@ -236,11 +236,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     A prefill's mask needs no tensor: the boolean one sent SDPA to its memory-efficient kernel,
     which computes every masked score too (2x the causal work) and, without grouped heads, needed
-    K/V copied per query head first. Flash takes grouped heads as they are (enable_gqa). Right
-    padding is harmless: a real query never sees a later slot.
+    K/V copied per query head first. Flash takes grouped heads as they are (enable_gqa), but only
+    in half precision on CUDA: elsewhere (float32, CPU) a kernel that may not take them could fall
+    back to the math one and its full score matrix, so K/V are copied per head there as before.
+    Right padding is harmless: a real query never sees a later slot.
     """
+    grouped = q.shape[1] != k.shape[1]
+    if grouped and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        rep = q.shape[1] // k.shape[1]
+        k, v, grouped = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
     with no_cudnn_sdpa():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
