@@ -49,7 +49,7 @@ The file format, resume logic, reply points and report are shared with the serve
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -107,14 +107,18 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
-        rate = lambda: bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")  # noqa: E731
+        made = [0]  # tokens so far, counted per decoded batch: a pool is written (and counted) at its end
+
+        def rate(tokens: int) -> None:  # a pool can take minutes: show it working
+            made[0] += tokens
+            bar.set_postfix(tok_s=f"{made[0] / (time.perf_counter() - t0):.0f}")
+
         while pool := list(islice(todo, cfg.batch_size * POOL_BATCHES)):
             jobs = [_Job(c.id, reply_segments(c, cfg.max_turns)) for c in pool]
-            _run_batch(target, jobs, cfg, stops, report, on_turn=rate)  # a pool can take minutes: show it working
+            _run_batch(target, jobs, cfg, stops, report, on_batch=rate)
             append(out, [_record(job, header) for job in jobs])
             report.written += len(jobs)
             bar.update(len(jobs))
-            rate()
     report.seconds = time.perf_counter() - t0
     _free_decode_memory(target)
     return report
@@ -139,8 +143,8 @@ def _record(job: _Job, header: dict) -> dict:
 
 @torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
 def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport,
-               on_turn=lambda: None) -> None:
-    """Fill every job's history, one batched decode per turn index (on_turn() after each)."""
+               on_batch: Callable[[int], None] = lambda tokens: None) -> None:
+    """Fill every job's history, one batched decode per turn index (on_batch(tokens) after each batch)."""
     for k in range(max(len(j.segments) for j in jobs)):
         active, prompts = [], []
         turn = [job for job in jobs if k < len(job.segments)]
@@ -155,25 +159,26 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
             prompts.append(prompt)
         if not active:
             break
-        replies = _generate(target, prompts, cfg, stops, report)
+        replies = _generate(target, prompts, cfg, stops, report, on_batch)
         for job, reply in zip(active, replies, strict=True):
             job.history.append({"role": "assistant", "content": reply.text})
             report.turns += 1
             report.generated_tokens += len(reply.ids)
             report.hit_length_limit += reply.hit_limit
             report.empty_replies += not reply.text.strip()
-        on_turn()
 
 
 def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
-              report: RegenReport | None = None) -> list[_Reply]:
+              report: RegenReport | None = None, on_batch: Callable[[int], None] = lambda tokens: None) -> list[_Reply]:
     """One reply per prompt, decoded in batches of cfg.batch_size prompts sorted by length; their
-    prefill and decode seconds are added to `report`."""
+    prefill and decode seconds are added to `report`, on_batch(tokens) is told each batch's tokens."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     replies: dict[int, _Reply] = {}
     for start in range(0, len(order), cfg.batch_size):
         rows = order[start:start + cfg.batch_size]
-        replies.update(zip(rows, _decode(target, [prompts[i] for i in rows], cfg, stops, report), strict=True))
+        batch = _decode(target, [prompts[i] for i in rows], cfg, stops, report)
+        replies.update(zip(rows, batch, strict=True))
+        on_batch(sum(len(r.ids) for r in batch))
     return [replies[i] for i in range(len(prompts))]
 
 
