@@ -113,36 +113,57 @@ def test_generate_reads_the_stop_check_lag_steps_late(target):
     assert spec._cut(late, {stop}) == at_once == free[:first]
 
 
-def test_dropping_finished_rows_keeps_every_rows_tokens(target, monkeypatch):
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_dropping_finished_rows_keeps_every_rows_tokens(target, monkeypatch, lag):
     """A batch that compacts whenever a row has stopped gives each row the tokens of a batch that never
-    does (cut at the first stop), including rows that stop after a compaction."""
+    does (cut at the first stop): rows that stop after a compaction, and the longest prompt's row
+    stopping early (the width shrinks), with the stop count read at once or late."""
     from dflash_train.models import generate as gen
 
     lm = static_lm.for_model(target.model)
     prompts = _prompts(6, seed=5)
     free = generate(lm, prompts, 16, []).rows
-    stops = _staggered_stops(free)
-    static = generate(lm, prompts, 16, stops)
+    stops = _staggered_stops(free, longest=max(range(6), key=lambda i: len(prompts[i])))
+    monkeypatch.setattr(gen, "bucket", lambda n: n)  # no rounding up of key lengths to hide a short span
     monkeypatch.setattr(gen, "COMPACT_MIN_ROWS", 1)
     monkeypatch.setattr(gen, "COMPACT_MIN_SHARE", 0.0)
-    compacted = generate(lm, prompts, 16, stops)
-    assert static.compactions == 0 and compacted.compactions >= 2
-    cut = lambda rows: [spec._cut(r, set(stops)) for r in rows]  # noqa: E731
-    assert cut(compacted.rows) == cut(static.rows)
-    assert any(len(r) < 16 for r in cut(static.rows)) and any(len(r) == 16 for r in cut(static.rows))
+    compacted = generate(lm, prompts, 16, stops, lag=lag)
+    assert compacted.compactions >= 1
+    assert [spec._cut(r, set(stops)) for r in compacted.rows] == [spec._cut(r, set(stops)) for r in free]
 
 
-def _staggered_stops(rows: list[list[int]]) -> list[int]:
-    """Two stop tokens under which the rows stop at two or more different steps and one row never does
-    (greedy random models repeat a token for long stretches, so search for them)."""
-    def ends(stops):
-        return [next((i for i, t in enumerate(r) if t in stops), None) for r in rows]
+def test_compaction_when_the_last_rows_stop_after_the_count_was_read(tiny_target, monkeypatch):
+    """Two rows stopping at consecutive steps: the count read one step late says one row runs, the
+    compaction finds none, and the batch ends with both rows' tokens (the qwen3 tiny target: the
+    llama one repeats one token per row)."""
+    from dflash_train.models import generate as gen
 
+    lm = static_lm.for_model(tiny_target.model)
+    prompts = _prompts(6, seed=5)
+    free = generate(lm, prompts, 16, []).rows
+    pair = next(((i, j, [free[i][t], free[j][t + 1]]) for i in range(6) for j in range(6) for t in range(1, 12)
+                 if i != j and _ends(free[i], free[j], {free[i][t], free[j][t + 1]}) == (t, t + 1)), None)
+    assert pair, f"no rows stopping at consecutive steps in {free}"
+    i, j, stops = pair
+    monkeypatch.setattr(gen, "COMPACT_MIN_ROWS", 1)
+    monkeypatch.setattr(gen, "COMPACT_MIN_SHARE", 0.0)
+    out = generate(lm, [prompts[i], prompts[j]], 16, stops, lag=1)
+    assert [spec._cut(r, set(stops)) for r in out.rows] == [spec._cut(r, set(stops)) for r in (free[i], free[j])]
+
+
+def _ends(a: list[int], b: list[int], stops: set[int]) -> tuple:
+    return tuple(next((k for k, t in enumerate(r) if t in stops), None) for r in (a, b))
+
+
+def _staggered_stops(rows: list[list[int]], longest: int) -> list[int]:
+    """Two stop tokens under which the rows stop at two or more different steps, row `longest` early,
+    and one row never does. Greedy random models repeat a token for long stretches: search."""
     tokens = sorted({t for r in rows for t in r})
     for a in tokens:
         for b in tokens:
-            e = ends({a, b})
-            if None in e and len({i for i in e if i is not None}) >= 2:
+            e = [next((i for i, t in enumerate(r) if t in {a, b}), None) for r in rows]
+            stopped = [i for i in e if i is not None]
+            if None in e and len(set(stopped)) >= 2 and e[longest] is not None and e[longest] < len(rows[longest]) - 2:
                 return [a, b]
     raise AssertionError(f"no staggered stops in {rows}")
 

@@ -100,7 +100,11 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
             if left == 0:
                 break
             if len(index) - left >= max(COMPACT_MIN_ROWS, COMPACT_MIN_SHARE * len(index)):
-                cache, index, nxt, pos, done, width = _compact(cache, done, index, nxt, pos, lens, bucket(width + n))
+                keep = (~done).nonzero().squeeze(1)  # host sync: the rows running now (a compaction is rare)
+                if len(keep) == 0:  # the rest stopped since the count was read
+                    break
+                cache, index, nxt, pos, width = _compact(cache, keep, index, nxt, pos, lens, bucket(width + n))
+                done = torch.zeros(len(keep), dtype=torch.bool, device=dev)
                 compactions += 1
         step = lm.step(nxt[:, None], pos[:, None], cache, bucket(width + n), logits="all")
         nxt = pick(step.logits[:, -1])
@@ -109,19 +113,18 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
     return Generated(rows, t1 - t0, now(dev) - t1, compactions)
 
 
-def _compact(cache: StaticCache, done: torch.Tensor, index: torch.Tensor, nxt: torch.Tensor, pos: torch.Tensor,
-             lens: list[int], slots: int):
-    """The batch without its finished rows: the running rows' K/V (their first `slots` slots, all that
-    is written) moved to the front of the cache, and a cache of views over those rows, which the
-    next steps capture their own graphs for. Returns (cache, index, nxt, pos, done, width)."""
-    keep = (~done).nonzero().squeeze(1)  # host sync: the new row count (a compaction is rare)
+def _compact(cache: StaticCache, keep: torch.Tensor, index: torch.Tensor, nxt: torch.Tensor, pos: torch.Tensor,
+             lens: list[int], slots: int) -> tuple[StaticCache, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The batch with only its rows `keep`: their K/V (the first `slots` slots, all that is written)
+    moved to the front of the cache, and a cache of views over those rows, which the next steps
+    capture their own graphs for. Returns (cache, index, nxt, pos, width)."""
     m = len(keep)
     for buf in (*cache.keys, *cache.values):
         buf[:m, :, :slots] = buf[keep, :, :slots]  # the gather copies first: moving rows down in place is safe
     index = index[keep]
     width = max(lens[i] for i in index.tolist())  # the K/V span the remaining rows need: maybe narrower
     rows = StaticCache(keys=[k[:m] for k in cache.keys], values=[v[:m] for v in cache.values])
-    return rows, index, nxt[keep], pos[keep], done[keep], width
+    return rows, index, nxt[keep], pos[keep], width
 
 
 def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
