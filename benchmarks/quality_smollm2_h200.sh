@@ -43,6 +43,14 @@ import torch
 from recipe_summary import first_tau, trained_tokens  # benchmarks/ is on PYTHONPATH (not a package)
 
 run, wall, command = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+
+def regen_line(log: Path) -> str | None:
+    """The job's `regenerate: ...` summary, or None when it reused a regenerated file."""
+    lines = [x for x in log.read_text(errors="replace").splitlines() if "] regenerate: regenerated" in x]
+    return lines[-1].split("regenerate: ", 1)[1] if lines else None
+
+
 after = json.loads((run / "eval_after.json").read_text())
 records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 tokens = trained_tokens(records)
@@ -55,6 +63,7 @@ out = {"tau_humaneval": after["tau"], "tau_mtbench": mt["tau"],
        "steps": records[-1]["step"] if records else 0, "wall_s": wall,
        "wall_s_note": "the whole train job: data, regeneration, training, export, HumanEval eval (with the target-only baseline)",
        "phases_s": json.loads((run / "phases.json").read_text()),  # the job's own split of its time (app/phases.py)
+       "regenerate": regen_line(run / "train.log"),  # its summary line: rate, prefill/decode split, compactions
        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
        "date": datetime.date.today().isoformat(), "command": command}
 (run / "quality.json").write_text(json.dumps(out, indent=1) + "\n")
