@@ -1,6 +1,8 @@
 """--val-conversations: conversations held out of training, and the validation estimate on them."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -79,36 +81,36 @@ def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tm
     assert [e.step for e in tb.Scalars("val/expected_tau")] == [3, 6]
 
 
-def test_validation_is_refused_where_it_does_not_run_yet(prepared, tmp_path, monkeypatch):
-    from dflash_train.app.ranks import run_torchrun_rank, worker_roles
+def test_val_every_must_be_positive(tmp_path):
     from dflash_train.training.config import TrainConfig
 
-    cfg = TrainConfig(run_dir=str(tmp_path), data=prepared, val_conversations=4, target_devices="cpu",
-                      drafter_devices="cpu,cpu")
-    for name, value in (("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "3"), ("RANK", "0"), ("WORLD_SIZE", "3")):
-        monkeypatch.setenv(name, value)
-    with pytest.raises(UsageError, match="--val-conversations 4: not under torchrun yet.*--val-conversations 0"):
-        run_torchrun_rank(cfg, worker_roles(cfg), resume=False, progress=False)
     with pytest.raises(UsageError, match="--val-every must be >= 1"):
         TrainConfig(run_dir=str(tmp_path), val_every=0)
 
 
 def test_worker_processes_validate_as_one_process_does(prepared, tmp_path, monkeypatch):
-    """A target worker and two drafter workers (gloo) against one process with 2 packs a step: the same
-    training losses and the same held-out values at the same steps; the saved held-out packs are removed."""
+    """A target worker and two drafter workers (gloo), started by the launcher or by torchrun, against
+    one process with 2 packs a step: the same training losses and the same held-out values at the same
+    steps; the launcher's saved held-out packs are removed (torchrun's drafter ranks build their own)."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
-    one, three = tmp_path / "one", tmp_path / "three"
+    one, three, tr = tmp_path / "one", tmp_path / "three", tmp_path / "torchrun"
     val = ["--val-conversations", "4", "--val-every", "3", "--max-steps", "6"]
+    roles = ["--target-devices", "cpu", "--drafter-devices", "cpu,cpu"]
     assert main([*BASE, "--data", prepared, "--run-dir", str(one), "--grad-accum", "2", *val]) == 0
-    assert main([*BASE, "--data", prepared, "--run-dir", str(three), "--target-devices", "cpu",
-                 "--drafter-devices", "cpu,cpu", *val]) == 0
-    a, b = ([json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, three))
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 3, 4, 6]
-    assert [r["step"] for r in b if "val_loss" in r] == [3, 6]
+    assert main([*BASE, "--data", prepared, "--run-dir", str(three), *roles, *val]) == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                           "-m", "dflash_train.cli", *BASE, "--data", prepared, "--run-dir", str(tr), *roles, *val],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b, c = ([json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, three, tr))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [r["step"] for r in c] == [2, 3, 4, 6]
+    assert [r["step"] for r in b if "val_loss" in r] == [r["step"] for r in c if "val_loss" in r] == [3, 6]
     for key in ("loss", "val_loss", "val_expected_tau"):
-        got, want = [r[key] for r in b if key in r], [r[key] for r in a if key in r]
-        assert len(got) == len(want) > 0
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        want = [r[key] for r in a if key in r]
+        for run in (b, c):
+            got = [r[key] for r in run if key in r]
+            assert len(got) == len(want) > 0
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not (three / "validation.pt").exists()
 
 

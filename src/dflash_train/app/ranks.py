@@ -115,9 +115,6 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
     if not (Path(cfg.data) / "meta.json").is_file():
         raise UsageError(f"--data {cfg.data}: under torchrun give a prepared dataset directory "
                          "(dflash-train prepare / regenerate first)")
-    if cfg.val_conversations:  # no process here holds the whole target before the ranks start
-        raise UsageError(f"--val-conversations {cfg.val_conversations}: not under torchrun yet (the launcher's "
-                         "--target-devices / --drafter-devices runs validate); give --val-conversations 0")
     dataset = PreparedDataset.open(cfg.data, labels=cfg.labels == "target")
     run_dir = Path(cfg.run_dir)
     devices = roles * (world // local_world)
@@ -160,6 +157,22 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
             return None
 
 
+def _validation(work: TrainWork, target, layer_ids: list[int], device: torch.device) -> Validation | None:
+    """The held-out packs a drafter rank validates on: the launcher's saved ones, or, under torchrun,
+    where no job process holds the target before the ranks start, built here. Every drafter rank
+    builds the same ones (the split and the packing are seeded), on its own device: a drafter-only
+    rank's target, loaded on the host, runs its whole stack there once."""
+    cfg = work.cfg
+    if work.validation_path:
+        return Validation.load(Path(work.validation_path), device)
+    if not cfg.val_conversations:
+        return None
+    target.model.to(device)
+    dataset = PreparedDataset.open(work.data_dir, labels=cfg.labels == "target")
+    _, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)
+    return Validation.build(cfg, target, held_out, layer_ids)
+
+
 def _stream(work: TrainWork, spec: WorkerSpec, state: StreamState) -> PackStream:
     cfg = work.cfg
     dataset = PreparedDataset.open(work.data_dir, labels=cfg.labels == "target")
@@ -196,18 +209,18 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
         drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
         drafter = make_drafter(cfg, target, None).to(device)
+    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    validate = _validation(work, target, layer_ids, device)  # while this rank still holds the whole target
     if head_only:
         target.keep_only_head(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # a random target's layers were allocated here first
     d_ranks = spec.drafter_ranks
     me = d_ranks.index(spec.rank)
-    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
     devices = len({d for _, d in spec.devices})  # the GPUs of the whole run: the records' mfu is over them all
     hooks = Hooks(prof=session.stats.loop("drafter"), trace=session.trace, stop_requested=peers.stop_requested,
                   heartbeat=lambda step: peers.stepped(spec.rank, step),
-                  flops=flop_counter(cfg, target, drafter, layer_ids, devices),
-                  validate=Validation.load(Path(work.validation_path), device) if work.validation_path else None)
+                  flops=flop_counter(cfg, target, drafter, layer_ids, devices), validate=validate)
     loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head,
                             Path(work.run_dir),
                             work.total_steps, dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
