@@ -107,12 +107,9 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
-        made = [0]  # tokens so far, counted per decoded batch: a pool is written (and counted) at its end
-
-        def rate(tokens: int) -> None:  # a pool can take minutes: show it working
-            made[0] += tokens
-            bar.set_postfix(tok_s=f"{made[0] / (time.perf_counter() - t0):.0f}")
-
+        # a pool can take minutes, and is written (its conversations counted) at its end: the rate
+        # moves after every decoded batch
+        rate = lambda: bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")  # noqa: E731
         while pool := list(islice(todo, cfg.batch_size * POOL_BATCHES)):
             jobs = [_Job(c.id, reply_segments(c, cfg.max_turns)) for c in pool]
             _run_batch(target, jobs, cfg, stops, report, on_batch=rate)
@@ -143,8 +140,8 @@ def _record(job: _Job, header: dict) -> dict:
 
 @torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
 def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport,
-               on_batch: Callable[[int], None] = lambda tokens: None) -> None:
-    """Fill every job's history, one batched decode per turn index (on_batch(tokens) after each batch)."""
+               on_batch: Callable[[], None] = lambda: None) -> None:
+    """Fill every job's history, one batched decode per turn index (on_batch() after each batch)."""
     for k in range(max(len(j.segments) for j in jobs)):
         active, prompts = [], []
         turn = [job for job in jobs if k < len(job.segments)]
@@ -163,22 +160,23 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
         for job, reply in zip(active, replies, strict=True):
             job.history.append({"role": "assistant", "content": reply.text})
             report.turns += 1
-            report.generated_tokens += len(reply.ids)
             report.hit_length_limit += reply.hit_limit
             report.empty_replies += not reply.text.strip()
 
 
 def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
-              report: RegenReport | None = None, on_batch: Callable[[int], None] = lambda tokens: None) -> list[_Reply]:
-    """One reply per prompt, decoded in batches of cfg.batch_size prompts sorted by length; their
-    prefill and decode seconds are added to `report`, on_batch(tokens) is told each batch's tokens."""
+              report: RegenReport | None = None, on_batch: Callable[[], None] = lambda: None) -> list[_Reply]:
+    """One reply per prompt, decoded in batches of cfg.batch_size prompts sorted by length; each batch's
+    tokens (and prefill and decode seconds) are added to `report`, then on_batch() is called."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     replies: dict[int, _Reply] = {}
     for start in range(0, len(order), cfg.batch_size):
         rows = order[start:start + cfg.batch_size]
         batch = _decode(target, [prompts[i] for i in rows], cfg, stops, report)
         replies.update(zip(rows, batch, strict=True))
-        on_batch(sum(len(r.ids) for r in batch))
+        if report is not None:
+            report.generated_tokens += sum(len(r.ids) for r in batch)
+        on_batch()
     return [replies[i] for i in range(len(prompts))]
 
 
