@@ -33,11 +33,10 @@ from dflash_train.data.dataset import LABELS, PreparedDataset
 from dflash_train.data.packing import pack
 from dflash_train.errors import UsageError
 from dflash_train.files import write_atomic
-from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, Target, document_row
+from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Target, document_backend, document_row
 
 PACKED_TOKENS = 16384  # real tokens per packed row (the H200 recipe's training packs)
 PADDED_TOKENS = 4096  # padded tokens per batch: attention memory grows with the batch's longest row squared
-MODES = ("auto", "packed", "padded", "flex", "dense")  # as pipeline/features.py
 _HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole row's
 
 
@@ -68,12 +67,12 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int | 
     backend (tests, benchmarks). batch_tokens: per forward, default PACKED_TOKENS packed and
     PADDED_TOKENS padded; a dense row holds at most DENSE_MASK_MAX_TOKENS.
     """
-    if mode not in MODES:
-        raise ValueError(f"relabel: mode {mode!r} not in {MODES}")
+    if mode not in FORWARD_MODES:
+        raise ValueError(f"relabel: mode {mode!r} not in {FORWARD_MODES}")
     if mode == "auto":
         mode = "packed" if target.device.type == "cuda" and target.full_attention_only else "padded"
     if mode == "packed":
-        mode = "flex" if target.device.type == "cuda" else "dense"
+        mode = document_backend(target.device)
     if batch_tokens is None:
         batch_tokens = PADDED_TOKENS if mode == "padded" else PACKED_TOKENS
     if mode == "dense":

@@ -62,10 +62,16 @@ def _flex_attention(q: torch.Tensor):
     return _compiled_flex
 
 
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [b, Hkv, m, d] with each head copied for the query heads that share it: [b, Hq, m, d] (GQA)."""
+    if q.shape[1] == k.shape[1]:
+        return k, v
+    rep = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
 def _sdpa(q, k, v, mask, scale):
-    if q.shape[1] != k.shape[1]:  # GQA: expand K/V heads to the query heads
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = repeat_kv(q, k, v)
     with no_cudnn_sdpa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 

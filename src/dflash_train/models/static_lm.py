@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.models import graphs
-from dflash_train.models.attention import attend, no_cudnn_sdpa
+from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
 from dflash_train.models.compiled import CompiledSteps
 from dflash_train.models.graphs import GraphStore
 
@@ -243,8 +243,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """
     grouped = q.shape[1] != k.shape[1]
     if grouped and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
-        rep = q.shape[1] // k.shape[1]
-        k, v, grouped = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        (k, v), grouped = repeat_kv(q, k, v), False
     with no_cudnn_sdpa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
 

@@ -359,6 +359,14 @@ def document_block_mask(doc: torch.Tensor, device: torch.device, tile: int = 128
 FLEX_TILE = 128
 # On CPU the document mask is a dense [L, L] boolean; beyond this many tokens padded batches cost less.
 DENSE_MASK_MAX_TOKENS = 4096
+# How sequences go through the target together (training features, relabelling): 'padded' batches,
+# or one 'packed' row with a document mask, 'flex' or 'dense' (document_backend picks), or 'auto'.
+FORWARD_MODES = ("auto", "packed", "padded", "flex", "dense")
+
+
+def document_backend(device: torch.device) -> str:
+    """A packed row's document mask on `device`: 'flex' (FlexAttention, compiled) on CUDA, else 'dense'."""
+    return "flex" if device.type == "cuda" else "dense"
 
 
 def document_row(ids: torch.Tensor, doc: torch.Tensor, pos: torch.Tensor, device: torch.device, *,

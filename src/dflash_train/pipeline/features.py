@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.data.packing import PackedBatch
-from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, Target, document_row
+from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Target, document_backend, document_row
 from dflash_train.profiling.stats import NULL_LOOP
 
 
@@ -35,9 +35,6 @@ def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return padded, rows.long(), torch.nonzero(rows.flatten()).flatten()
 
 
-MODES = ("auto", "packed", "padded", "flex", "dense")
-
-
 def sequence_lengths(batch: PackedBatch) -> torch.Tensor:
     """[n_seq] host tensor (the loader's host copy of the batch: no device sync)."""
     seq = batch.seq_ids.cpu()
@@ -48,7 +45,7 @@ def feature_mode(lengths: torch.Tensor, device: torch.device) -> str:
     """'padded' when padding costs nothing (one sequence or equal lengths) or a CPU row is long, else the packed row."""
     if lengths.numel() <= 1 or bool((lengths == lengths[0]).all()):
         return "padded"
-    if device.type == "cuda":
+    if document_backend(device) == "flex":
         return "flex"
     return "dense" if int(lengths.sum()) <= DENSE_MASK_MAX_TOKENS else "padded"
 
@@ -60,12 +57,12 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     mode: 'auto' (see feature_mode), 'padded', 'packed' (flex on CUDA, dense elsewhere), or
     'flex' / 'dense' to force one document-mask backend (tests, benchmarks).
     """
-    if mode not in MODES:
-        raise ValueError(f"packed_features: mode {mode!r} not in {MODES}")
+    if mode not in FORWARD_MODES:
+        raise ValueError(f"packed_features: mode {mode!r} not in {FORWARD_MODES}")
     if mode == "auto":
         mode = feature_mode(sequence_lengths(batch), target.device) if target.full_attention_only else "padded"
     elif mode == "packed":
-        mode = "flex" if target.device.type == "cuda" else "dense"
+        mode = document_backend(target.device)
     if mode == "padded":
         return padded_features(target, batch, layer_ids, prof)
     return document_features(target, batch, layer_ids, prof, flex=mode == "flex")
