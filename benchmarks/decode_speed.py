@@ -60,9 +60,10 @@ def regen_rate(target, prompts, new_tokens, hf: bool) -> dict:
     tokens = sum(len(r.ids) for r in replies)
     out = {"rows": len(prompts), "new_tokens": new_tokens, "generated": tokens, "seconds": round(secs, 3),
            "tokens_per_s": round(tokens / secs, 1)}
-    if split.prefill_s:  # StaticLM: prompts prefilled, then decode steps
+    if split.prefill_s:  # StaticLM: prompts prefilled, then decode steps (each row's first token is the prefill's)
         out.update(prompt_tokens=split.prompt_tokens, prefill_s=round(split.prefill_s, 3),
-                   decode_s=round(split.decode_s, 3), decode_tokens_per_s=round((tokens - len(prompts)) / split.decode_s, 1))  # the first comes from the prefill
+                   decode_s=round(split.decode_s, 3),
+                   decode_tokens_per_s=round((tokens - len(prompts)) / split.decode_s, 1))
     return out
 
 

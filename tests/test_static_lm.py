@@ -152,7 +152,11 @@ def test_compaction_when_the_last_rows_stop_after_the_count_was_read(tiny_target
 
 
 def _ends(a: list[int], b: list[int], stops: set[int]) -> tuple:
-    return tuple(next((k for k, t in enumerate(r) if t in stops), None) for r in (a, b))
+    return _first_stop(a, stops), _first_stop(b, stops)
+
+
+def _first_stop(row: list[int], stops: set[int]) -> int | None:
+    return next((k for k, t in enumerate(row) if t in stops), None)
 
 
 def _staggered_stops(rows: list[list[int]], longest: int) -> list[int]:
@@ -161,7 +165,7 @@ def _staggered_stops(rows: list[list[int]], longest: int) -> list[int]:
     tokens = sorted({t for r in rows for t in r})
     for a in tokens:
         for b in tokens:
-            e = [next((i for i, t in enumerate(r) if t in {a, b}), None) for r in rows]
+            e = [_first_stop(r, {a, b}) for r in rows]
             stopped = [i for i in e if i is not None]
             if None in e and len(set(stopped)) >= 2 and e[longest] is not None and e[longest] < len(rows[longest]) - 2:
                 return [a, b]
