@@ -193,6 +193,11 @@ def test_multi_turn_conditions_on_regenerated_history(tiny_target, tmp_path):
     assert report.prompt_tokens == sum(len(tiny_target.render_chat(h)) for h in prompts)
     assert report.prefill_s > 0 and report.decode_s > 0
     assert f"prefill {report.prefill_s:.1f} s ({report.prompt_tokens} prompt tokens)" in report.summary()
+    # ... and the host's share: rendering the prompts, decoding the replies' text, writing the file
+    assert report.render_s > 0 and report.text_s > 0 and report.write_s > 0
+    named = report.prefill_s + report.decode_s + report.render_s + report.text_s + report.write_s
+    assert 0 <= report.other_s() == report.seconds - named < report.seconds
+    assert f"render {report.render_s:.1f} s, text {report.text_s:.1f} s" in report.summary()
     # Turn 2 is the target's reply to a history holding its OWN first reply, not the original.
     assert msgs[2]["content"] != "orig 1"
     assert msgs[4]["content"] == reference_reply(tiny_target, msgs[:4])[1]

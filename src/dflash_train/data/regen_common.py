@@ -111,6 +111,16 @@ class RegenReport:
     """In-process StaticLM path: seconds spent in decode steps."""
     compactions: int = 0
     """In-process StaticLM path: times a batch dropped its finished rows (models/generate.py)."""
+    render_s: float = 0.0
+    """In-process path: seconds rendering and tokenizing each turn's prompts (the host, GPU idle)."""
+    text_s: float = 0.0
+    """In-process path: seconds turning generated tokens into reply text (the host, GPU idle)."""
+    write_s: float = 0.0
+    """Seconds writing and fsync'ing finished conversations."""
+
+    def other_s(self) -> float:
+        """Seconds the split above does not name (set-up, cache allocation, the source's reading)."""
+        return self.seconds - self.prefill_s - self.decode_s - self.render_s - self.text_s - self.write_s
 
     def summary(self) -> str:
         rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -119,7 +129,9 @@ class RegenReport:
                 f"{self.hit_length_limit} turns hit --max-new-tokens")
         if self.prefill_s:
             text += (f"; prefill {self.prefill_s:.1f} s ({self.prompt_tokens} prompt tokens), "
-                     f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions)")
+                     f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions), "
+                     f"render {self.render_s:.1f} s, text {self.text_s:.1f} s, write {self.write_s:.1f} s, "
+                     f"other {self.other_s():.1f} s")
         if self.requests:
             text += f"; {self.requests} requests ({self.requests / max(self.seconds, 1e-9):.1f}/s)"
         if self.retries:
