@@ -79,7 +79,9 @@ def test_packs_carry_target_labels_only_when_asked(tiny_target, data_dir):
         PreparedDataset.open(data_dir, labels=True)
 
 
-def test_train_with_target_labels_relabels_once_and_trains_on_them(data_dir, tmp_path):
+def test_train_with_target_labels_computes_them_in_the_feature_forward(tiny_target, data_dir, tmp_path):
+    """--labels target on data without labels.npy: the feature forward's labels train exactly as
+    relabel's file does (float32: the same tokens), and nothing is written into the data."""
     import json
 
     from dflash_train.cli import main
@@ -92,11 +94,45 @@ def test_train_with_target_labels_relabels_once_and_trains_on_them(data_dir, tmp
         return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
 
     plain = train("plain", "data")
+    inline = train("inline", "target")
     assert not (data_dir / LABELS).exists()
-    target = train("target", "target")
-    assert (data_dir / LABELS).is_file()
+    relabel(tiny_target, data_dir, progress=False)  # the job's random:tiny (seed 0)
+    from_file = train("file", "target")
+    np.testing.assert_allclose([r["loss"] for r in inline], [r["loss"] for r in from_file], rtol=1e-6)
+    assert [r["acc"] for r in inline] == [r["acc"] for r in from_file]
     # the random target rarely agrees with the text: other labels, and fewer of them after slot 1
-    assert [r["loss"] for r in plain] != [r["loss"] for r in target]
+    assert [r["loss"] for r in plain] != [r["loss"] for r in inline]
+
+
+@pytest.mark.parametrize("mode", ["padded", "dense"])
+def test_feature_forward_labels_are_relabels_and_leave_the_features_as_they_were(tiny_target, data_dir, mode):
+    from dflash_train.data.label_columns import TARGET_LABELS, feature_width, split_labels
+    from dflash_train.pipeline.features import packed_features
+
+    relabel(tiny_target, data_dir, progress=False)
+    ds = PreparedDataset.open(data_dir, labels=True)
+    batch = pack([ds[i] for i in range(4)], 400)
+    layers = [0, 1]
+    plain = packed_features(tiny_target, batch, layers, mode=mode)
+    both = packed_features(tiny_target, batch, [*layers, TARGET_LABELS], mode=mode)
+    assert both.shape[1] == feature_width([*layers, TARGET_LABELS], tiny_target.hidden_size, both.dtype)
+    feats, labels = split_labels(both)
+    torch.testing.assert_close(feats, plain, rtol=0, atol=0)
+    assert labels.tolist() == batch.labels.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_label_columns_survive_the_copies_features_go_through(dtype):
+    from dflash_train.data.label_columns import split_labels, with_labels
+
+    labels = torch.tensor([0, 1, 49151, 65535, 65536, 2**31 - 1, 12345])  # every bit pattern kind: NaN/inf/denormal
+    feats = torch.randn(len(labels), 6).to(dtype)
+    carried = with_labels(feats, labels)
+    # the feature cache's split and concatenation, a device copy's clone, a saved validation pack's slice
+    moved = torch.cat(list(carried.clone().split([3, 4])))[:, :].contiguous()
+    back, got = split_labels(moved)
+    assert got.tolist() == labels.tolist() and got.dtype == torch.int64
+    torch.testing.assert_close(back, feats, rtol=0, atol=0)
 
 
 def test_a_failed_write_names_the_file_and_leaves_nothing_behind(tiny_target, data_dir):

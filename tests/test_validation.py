@@ -91,10 +91,12 @@ def test_val_every_must_be_positive(tmp_path):
 def test_worker_processes_validate_as_one_process_does(prepared, tmp_path, monkeypatch):
     """A target worker and two drafter workers (gloo), started by the launcher or by torchrun, against
     one process with 2 packs a step: the same training losses and the same held-out values at the same
-    steps; the launcher's saved held-out packs are removed (torchrun's drafter ranks build their own)."""
+    steps; the launcher's saved held-out packs are removed (torchrun's drafter ranks build their own).
+    With target labels computed in the feature forward: they ride in the features through the P2P
+    buffers and the saved held-out packs (data/label_columns.py)."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     one, three, tr = tmp_path / "one", tmp_path / "three", tmp_path / "torchrun"
-    val = ["--val-conversations", "4", "--val-every", "3", "--max-steps", "6"]
+    val = ["--val-conversations", "4", "--val-every", "3", "--max-steps", "6", "--labels", "target"]
     roles = ["--target-devices", "cpu", "--drafter-devices", "cpu,cpu"]
     assert main([*BASE, "--data", prepared, "--run-dir", str(one), "--grad-accum", "2", *val]) == 0
     assert main([*BASE, "--data", prepared, "--run-dir", str(three), *roles, *val]) == 0

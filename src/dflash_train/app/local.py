@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
+from dflash_train.app.dataset import feature_layers
 from dflash_train.app.validation import Validation
+from dflash_train.data.label_columns import TARGET_LABELS, feature_width
 from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
-from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.sources import FeatureSource, local_source
 from dflash_train.pipeline.stream import PackStream
 from dflash_train.profiling.flops import PackFlops
@@ -57,7 +58,7 @@ def check_cache_fits(cfg: TrainConfig, target: Target, tokens: int, layer_ids: l
     """check_cache_room for a process that caches 1/share of the prepared tokens' features on its GPU
     (a worker keeps the packs it serves or trains on: about an equal share of them)."""
     if target.device.type == "cuda" and cache_features(cfg, target.device):
-        check_cache_room(-(-tokens // share), len(layer_ids) * target.hidden_size, target.dtype,
+        check_cache_room(-(-tokens // share), feature_width(layer_ids, target.hidden_size, target.dtype), target.dtype,
                          torch.cuda.mem_get_info(target.device)[0])
 
 
@@ -78,6 +79,8 @@ def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, layer
     device = next(drafter.parameters()).device
     if device.type != "cuda":
         return None
+    if TARGET_LABELS in layer_ids:  # the labels' forward runs the whole target (its LM head is not counted)
+        layer_ids = [target.num_layers - 1]
     return PackFlops.build(target.config, drafter.config, layer_ids, target.vocab_size, devices=devices,
                            with_target=not cache_features(cfg, device))
 
@@ -97,9 +100,9 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
                 trace=NO_TRACE, overlap: bool | None = None, checkpoints: bool = True,
                 on_loop=lambda loop: None, heartbeat=lambda step: None) -> TrainResult:
     """Train on one device: the target's features inline, or from a target thread with overlap."""
+    layer_ids = feature_layers(cfg, drafter.config, dataset)
     dataset, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)  # training reads the rest
     steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
-    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
     check_cache_fits(cfg, target, int(dataset.lengths().sum()), layer_ids)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
                   flops=flop_counter(cfg, target, drafter, layer_ids),

@@ -21,17 +21,17 @@ from typing import Any, NoReturn
 
 import torch
 
+from dflash_train.app.dataset import feature_layers, open_prepared
 from dflash_train.app.drafter import drafter_config, make_drafter
 from dflash_train.app.local import cache_features, check_cache_fits, features_here, flop_counter, total_steps
 from dflash_train.app.run_dir import export_drafter, run_dir_lock
 from dflash_train.app.validation import Validation
-from dflash_train.data.dataset import PreparedDataset
+from dflash_train.data.label_columns import feature_width
 from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import default_dtype, load_target
-from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
 from dflash_train.pipeline.stream import PackStream, StreamState
 from dflash_train.pipeline.worker import Peers, WorkerSpec, drafter_packs, join_group, receive_features, serve_features
@@ -115,7 +115,7 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
     if not (Path(cfg.data) / "meta.json").is_file():
         raise UsageError(f"--data {cfg.data}: under torchrun give a prepared dataset directory "
                          "(dflash-train prepare / regenerate first)")
-    dataset = PreparedDataset.open(cfg.data, labels=cfg.labels == "target")
+    dataset = open_prepared(cfg, cfg.data)
     run_dir = Path(cfg.run_dir)
     devices = roles * (world // local_world)
     # The first drafter rank writes metrics, checkpoints and the drafter: it holds the run directory's lock.
@@ -168,14 +168,14 @@ def _validation(work: TrainWork, target, layer_ids: list[int], device: torch.dev
     if not cfg.val_conversations:
         return None
     target.model.to(device)
-    dataset = PreparedDataset.open(work.data_dir, labels=cfg.labels == "target")
+    dataset = open_prepared(cfg, work.data_dir)
     _, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)
     return Validation.build(cfg, target, held_out, layer_ids)
 
 
 def _stream(work: TrainWork, spec: WorkerSpec, state: StreamState) -> PackStream:
     cfg = work.cfg
-    dataset = PreparedDataset.open(work.data_dir, labels=cfg.labels == "target")
+    dataset = open_prepared(cfg, work.data_dir)
     dataset, _ = split_validation(dataset, cfg.val_conversations, cfg.seed)  # the held-out ones are never trained on
     return PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, len(spec.drafter_ranks) * cfg.grad_accum,
                       state)
@@ -186,7 +186,7 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
     cfg, device = work.cfg, torch.device(spec.device)
     target = load_target(cfg.target, device=device)
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
-    layer_ids = feature_layer_ids(drafter_cfg, cfg.kd_weight > 0)
+    layer_ids = feature_layers(cfg, drafter_cfg, open_prepared(cfg, work.data_dir))
     stream = _stream(work, spec, work.stream)
     check_cache_fits(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))
     with target.compiled_layers(cfg.compile_target):
@@ -209,7 +209,7 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
         drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
         drafter = make_drafter(cfg, target, None).to(device)
-    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    layer_ids = feature_layers(cfg, drafter.config, open_prepared(cfg, work.data_dir))
     validate = _validation(work, target, layer_ids, device)  # while this rank still holds the whole target
     if head_only:
         target.keep_only_head(device)
@@ -233,8 +233,8 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
         check_cache_fits(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))
         source = features_here(cfg, target, packs, layer_ids, session.stats, session.trace)
     else:
-        source = receive_features(spec, packs, len(layer_ids) * target.hidden_size, cfg.token_budget, target.dtype,
-                                  device, cfg.queue_depth)
+        source = receive_features(spec, packs, feature_width(layer_ids, target.hidden_size, target.dtype),
+                                  cfg.token_budget, target.dtype, device, cfg.queue_depth)
     try:
         with target.compiled_layers(cfg.compile_target and spec.role == "both"):
             loop.train(source)

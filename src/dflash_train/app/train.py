@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.app.dataset import build_dataset
+from dflash_train.app.dataset import build_dataset, feature_layers
 from dflash_train.app.drafter import check_mask_token_absent, make_drafter
 from dflash_train.app.local import total_steps, train_local
 from dflash_train.app.phases import Phases
@@ -35,7 +35,7 @@ from dflash_train.models import static_lm
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target, load_target
-from dflash_train.objective.objective import check_backend_device, feature_layer_ids
+from dflash_train.objective.objective import check_backend_device
 from dflash_train.profiling.session import profile_session
 from dflash_train.profiling.stall import StallWatch
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
@@ -111,7 +111,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         if roles:
             init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
             try:
-                validation = save_validation(cfg, target, drafter, held_out, run_dir)  # the workers' held-out packs
+                validation = save_validation(cfg, target, drafter, dataset, held_out, run_dir)  # the workers' held-out packs
                 static_lm.release(target.model)
                 del target, drafter  # the workers load their own; free this process's device memory
                 if torch.cuda.is_available():
@@ -164,12 +164,13 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     return result.steps, result.seconds
 
 
-def save_validation(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, held_out, run_dir: Path) -> Path | None:
+def save_validation(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, held_out,
+                    run_dir: Path) -> Path | None:
     """The held-out packs and their target features, saved for the workers (app/validation.py); None without."""
     if held_out is None:
         return None
     path = run_dir / VALIDATION_FILE
-    layer_ids = feature_layer_ids(drafter.config, cfg.kd_weight > 0)
+    layer_ids = feature_layers(cfg, drafter.config, dataset)  # held_out's packs carry what training's do
     Validation.build(cfg, target, held_out, layer_ids).save(path)
     return path
 

@@ -240,7 +240,7 @@ class PreparedDataset:
             return cls(path, input_ids, loss_mask, offsets, ids, meta)
         if not (path / LABELS).is_file():
             raise UsageError(f"{path}: no target labels ({LABELS}); `dflash-train relabel --data {path}` "
-                              "or a single-process `train --labels target` computes them")
+                              "computes them (`train --labels target` computes them as it trains)")
         try:
             target_labels = np.load(path / LABELS, mmap_mode="r")
         except (OSError, ValueError) as e:

@@ -12,12 +12,13 @@ evaluated per packed sequence with SDPA (`"dense"`, the CPU default).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.data.label_columns import TARGET_LABELS, split_labels
 from dflash_train.data.packing import PackedBatch
 from dflash_train.config import ATTENTION, GAMMA, KD_WEIGHT, LOSS_CHUNK_ROWS, AttentionBackend, knob_field, validate
 from dflash_train.errors import UsageError
@@ -50,14 +51,16 @@ def check_backend_device(attention: str, device: torch.device) -> None:
                          "use --attention dense (or auto, which picks it off CUDA)")
 
 
-def feature_layer_ids(drafter_config, kd: bool) -> list[int]:
+def feature_layer_ids(drafter_config, kd: bool, labels: bool = False) -> list[int]:
     """The target layers whose hidden states a pack's features carry, in order.
 
     The drafter's context layers, then with distillation the target's last layer (final-normed:
-    its LM head over it gives the target's logits), which the objective splits off again.
+    its LM head over it gives the target's logits), which the objective splits off again; with
+    `labels` (target labels computed in the feature forward) TARGET_LABELS last: the labels'
+    columns (data/label_columns.py).
     """
     ids = list(drafter_config.target_layer_ids)
-    return ids + [drafter_config.num_target_layers - 1] if kd else ids
+    return ids + [drafter_config.num_target_layers - 1] * kd + [TARGET_LABELS] * labels
 
 
 class DFlashObjective(nn.Module):
@@ -110,6 +113,7 @@ class DFlashObjective(nn.Module):
         """batch and anchors on the drafter's device; features [S, n*H] (no grad needed), with
         distillation [S, (n+1)*H]: the target's final hidden states last (feature_layer_ids)."""
         prof = self.prof
+        batch, features = self._inline_labels(batch, features)
         with prof.span("drafter.masks", device=True):
             blocks = self.blocks(batch, anchors)
             masks = self.masks(batch, blocks)
@@ -126,6 +130,14 @@ class DFlashObjective(nn.Module):
             return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
                                        self.cfg.loss_chunk_rows, teacher)
 
+    def _inline_labels(self, batch: PackedBatch, features: torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
+        """The batch with the target labels its features carry (feature_layer_ids(labels=True)), and the
+        features without them; both as given when the features are only hidden states (by their width)."""
+        layers = len(self.drafter.config.target_layer_ids) + (self.cfg.kd_weight > 0)
+        if features.shape[1] == layers * self.embed_weight.shape[1]:
+            return batch, features
+        features, labels = split_labels(features)
+        return replace(batch, labels=labels.to(batch.input_ids.device)), features
 
     # --- metrics: device-side sums between two log records, read back only when one is written ---
 

@@ -8,15 +8,35 @@ The target must see each packed sequence alone (causal within it, nothing across
     padded   a right-padded [n_seq, longest] batch, valid rows gathered back into packed
              order. Used when it pads nothing (one sequence, or equal lengths: plain causal
              attention, the fastest kernel) and for long rows on CPU (a dense mask is L x L).
+
+Target labels in the same forward (TARGET_LABELS among the layer ids, `--labels target` on data
+without labels.npy): the target runs to its last layer and its LM head gives, at every position p,
+the greedy token after x_<p (data/relabel.py's labels, without relabel's own pass over the data).
+They travel as the features' last columns (data/label_columns.py); the objective splits them off.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dflash_train.data.label_columns import TARGET_LABELS, with_labels
 from dflash_train.data.packing import PackedBatch
 from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Target, document_backend, document_row
 from dflash_train.profiling.stats import NULL_LOOP
+
+_HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole pack's
+
+
+def _with_labels(target: Target, batch: PackedBatch, features: torch.Tensor) -> torch.Tensor:
+    """features [S, n*H + H] (the final-normed last layer last) -> [S, n*H + label columns]."""
+    H = target.hidden_size
+    final, features = features[:, -H:], features[:, :-H]
+    pred = torch.cat([target.lm_head(h).argmax(-1) for h in final.split(_HEAD_ROWS)])
+    dev = features.device
+    ids, mask, pos = (t.to(dev, non_blocking=True) for t in (batch.input_ids, batch.loss_mask, batch.positions))
+    # position p is labelled with the prediction made at p - 1 where it is a loss token with a prefix
+    # (every sequence of a pack starts at position 0), else keeps its own token (data/relabel.py)
+    return with_labels(features, torch.where(mask.bool() & (pos > 0), pred.roll(1), ids))
 
 
 def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,6 +79,11 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     """
     if mode not in FORWARD_MODES:
         raise ValueError(f"packed_features: mode {mode!r} not in {FORWARD_MODES}")
+    if TARGET_LABELS in layer_ids:
+        layers = [i for i in layer_ids if i != TARGET_LABELS] + [target.num_layers - 1]
+        feats = packed_features(target, batch, layers, prof, mode)
+        with torch.no_grad(), prof.span("target_labels", device=True):
+            return _with_labels(target, batch, feats)
     if mode == "auto":
         mode = feature_mode(sequence_lengths(batch), target.device) if target.full_attention_only else "padded"
     elif mode == "packed":

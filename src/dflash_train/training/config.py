@@ -56,7 +56,7 @@ class TrainConfig:
     regen_concurrency: int = opt(64, "requests in flight to --regen-server")
     regen_api_key_env: str | None = opt(None, "environment variable holding --regen-server's API key")
     labels: Literal["data", "target"] = opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
-                      "the true prefix, one teacher-forced forward per sequence; cached as labels.npy in the data)")
+                      "the true prefix: computed in training's target forward, or the data's labels.npy from relabel)")
     max_length: int = opt(512, "tokens per training sequence (longer ones are truncated)")
     on_bad: Literal["error", "skip"] = opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
     # --- drafter ---------------------------------------------------------------------
