@@ -133,10 +133,12 @@ class DFlashObjective(nn.Module):
     def _inline_labels(self, batch: PackedBatch, features: torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
         """The batch with the target labels its features carry (feature_layer_ids(labels=True)), and the
         features without them; both as given when the features are only hidden states (by their width)."""
-        layers = len(self.drafter.config.target_layer_ids) + (self.cfg.kd_weight > 0)
-        if features.shape[1] == layers * self.embed_weight.shape[1]:
+        width = (len(self.drafter.config.target_layer_ids) + (self.cfg.kd_weight > 0)) * self.embed_weight.shape[1]
+        if features.shape[1] == width:
             return batch, features
         features, labels = split_labels(features)
+        if features.shape[1] != width:  # a static shape check: no sync
+            raise ValueError(f"features of width {features.shape[1]} (labels split off), expected {width}")
         return replace(batch, labels=labels.to(batch.input_ids.device)), features
 
     # --- metrics: device-side sums between two log records, read back only when one is written ---
