@@ -6,6 +6,8 @@
 #   bash benchmarks/quality_pair.sh RUN_A RUN_B "A's train flags" "B's train flags"
 #   e.g. bash benchmarks/quality_pair.sh /tmp/qa /tmp/qb "--max-steps 2664" "--max-steps 2664 --lr 2e-3"
 # Each run writes RUN/quality.json (benchmarks/quality_smollm2_h200.sh); the pair's log is RUN_A.pair.log.
+# The plumbing on a CPU (under a minute): the CPU flags of quality_smollm2_h200.sh's header as both
+# runs' flags (B's with --lr 2e-3), with its EVAL_LIMIT=2 MTBENCH_LIMIT=2 EVAL_TOKENS=8.
 # Longer than one device call: start it with setsid nohup and poll for RUN_A.pair.done.
 set -uo pipefail
 a=${1:?usage: quality_pair.sh RUN_A RUN_B FLAGS_A FLAGS_B} b=${2:?} flags_a=${3-} flags_b=${4-}
