@@ -79,32 +79,50 @@ def test_cached_features_train_identically_and_skip_the_target_after_epoch_one(p
     assert forwards("plain") == steps and 0 < forwards("cached") <= steps // 3 + 1
 
 
-def test_a_feature_cache_that_cannot_fit_the_gpu_is_refused_with_its_figures():
-    """The shipped H200 config's cache (7.71M tokens x 5 x 576 bf16 = 44 GB) fits 139 GB free; on a 24 GB
-    GPU it would run out of memory in the middle of the first epoch, so it stops before training."""
-    from dflash_train.app.local import check_cache_room
-    from dflash_train.errors import UsageError
+def test_a_feature_cache_that_cannot_fit_the_gpu_keeps_what_fits_and_says_so(capsys):
+    """The shipped H200 config's first cache (7.71M tokens x 5 x 576 bf16 = 44 GB) fits 139 GB free; on a
+    24 GB GPU it would run out of memory in the middle of the first epoch, so it keeps 65% of 24 GB."""
+    from dflash_train.app.local import cache_budget
 
-    check_cache_room(7_709_379, 5 * 576, torch.bfloat16, free_bytes=139 * 10**9)
-    with pytest.raises(UsageError, match=r"--cache-features: .*44\.4 GB.*--no-cache-features"):
-        check_cache_room(7_709_379, 5 * 576, torch.bfloat16, free_bytes=24 * 10**9)
+    assert cache_budget(7_709_379, 5 * 576, torch.bfloat16, free_bytes=139 * 10**9) is None
+    assert cache_budget(7_709_379, 5 * 576, torch.bfloat16, free_bytes=24 * 10**9) == int(15.6e9)
+    assert "44.4 GB, more than 65% of the GPU's 24.0 GB free: keeping 15.6 GB of them (35%)" in capsys.readouterr().err
 
 
-def test_each_gpu_worker_checks_the_share_of_the_cache_it_will_hold(monkeypatch, tmp_path):
+def test_each_gpu_worker_budgets_the_share_of_the_cache_it_will_hold(monkeypatch, tmp_path):
     """A worker caches the packs it serves or trains on: with 4 of them a 44 GB cache is ~11 GB each."""
     from types import SimpleNamespace
 
-    from dflash_train.app.local import check_cache_fits
-    from dflash_train.errors import UsageError
+    from dflash_train.app.local import feature_cache
     from dflash_train.training.config import TrainConfig
 
     gpu = SimpleNamespace(device=torch.device("cuda", 0), hidden_size=576, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24 * 10**9, 80 * 10**9))
     cfg = TrainConfig(run_dir=str(tmp_path), cache_features=True)
-    check_cache_fits(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27], share=4)  # 11.1 GB of 24 GB free
-    with pytest.raises(UsageError, match=r"44\.4 GB"):
-        check_cache_fits(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27])
-    check_cache_fits(TrainConfig(run_dir=str(tmp_path), cache_features=False), gpu, 7_709_379, [1, 8, 14, 20, 27])
+    assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27], share=4).budget is None  # 11.1 GB of 24 GB free
+    assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27]).budget == int(15.6e9)
+    assert feature_cache(TrainConfig(run_dir=str(tmp_path), cache_features=False), gpu, 7_709_379, [1, 8, 14, 20, 27]) is None
+
+
+def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_features(tiny_target, prepared):
+    """Packs of cached and uncached sequences: the uncached ones go through the target on their own, and
+    each pack's features are those the target gives the whole pack; the cache stays within its budget."""
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.features import packed_features
+    from dflash_train.pipeline.stream import PackStream
+    from dflash_train.pipeline.target_loop import FeatureCache
+
+    packs = list(PackStream(PreparedDataset.open(prepared), 160, 4, 0, 1).packs(40))  # epochs packed anew
+    compute = lambda p: packed_features(tiny_target, p.batch, [0, 1])  # noqa: E731
+    width_bytes = 2 * tiny_target.hidden_size * 4
+    cache = FeatureCache(budget_bytes=200 * width_bytes)  # about a third of the data's tokens
+    calls = []
+    for pack in packs:
+        got = cache.features(pack, lambda p: calls.append((p.batch.num_tokens, pack.num_tokens)) or compute(p))
+        torch.testing.assert_close(got, compute(pack), rtol=1e-5, atol=1e-6)
+    assert 0 < cache.bytes <= 200 * width_bytes and 0 < len(cache.parts) < len({i for p in packs for i in p.sequence_ids})
+    assert any(0 < ran < whole for ran, whole in calls)  # packs of both kinds: only their uncached sequences ran
+    assert sum(ran for ran, _ in calls) < sum(p.batch.num_tokens for p in packs)  # cached tokens did not run again
 
 
 def test_a_pack_stream_counts_the_tokens_of_an_epoch(prepared):

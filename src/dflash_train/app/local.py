@@ -18,10 +18,11 @@ from dflash_train.app.dataset import feature_layers
 from dflash_train.app.validation import Validation
 from dflash_train.data.label_columns import TARGET_LABELS, feature_width
 from dflash_train.data.validation_split import split_validation
-from dflash_train.errors import UsageError
+from dflash_train.errors import say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
 from dflash_train.pipeline.sources import FeatureSource, local_source
+from dflash_train.pipeline.target_loop import FeatureCache
 from dflash_train.pipeline.stream import PackStream
 from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_PROFILE
@@ -39,35 +40,44 @@ def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.cache_features if cfg.cache_features is not None else device.type == "cpu"
 
 
-# What a GPU must keep free beside the cache: the run's own working memory (the shipped H200 config
-# reserved 13.7 GB beside its 44 GB cache; the margin is for larger drafters and packs)
-CACHE_HEADROOM = 0.75
+# The share of the GPU's free memory (read before training) the feature cache may take; the rest is the
+# run's working memory. The shipped H200 config's 87 GB cache peaked at 127.1 GB of 139 (session 19):
+# ~40 GB beside it, so 0.65 of ~135 GB free (~88 GB) is what has been seen to fit; a cache that does
+# not fit keeps that much, so it must be a share that works when filled
+CACHE_HEADROOM = 0.65
 
 
-def check_cache_room(tokens: int, width: int, dtype: torch.dtype, free_bytes: int) -> None:
-    """--cache-features on a GPU keeps every sequence's features (tokens x width) in its memory; a cache
-    that cannot fit fails now, with the figures, instead of out of memory in the middle of the first epoch."""
-    need = tokens * width * dtype.itemsize
-    if need > CACHE_HEADROOM * free_bytes:
-        raise UsageError(f"--cache-features: the target features of {tokens:,} tokens x {width} take {need / 1e9:.1f} GB, "
-                         f"more than {CACHE_HEADROOM:.0%} of the GPU's {free_bytes / 1e9:.1f} GB free; "
-                         "give --no-cache-features, or fewer tokens (--num-conversations, --max-length)")
+def cache_budget(tokens: int, width: int, dtype: torch.dtype, free_bytes: int) -> int | None:
+    """Bytes --cache-features may keep on a GPU: None (no limit) when every sequence's features (tokens x
+    width) fit beside the run's working memory, else CACHE_HEADROOM of the free memory, said with the
+    figures: the sequences that fit are kept, the target runs on the others every epoch (FeatureCache)."""
+    need, room = tokens * width * dtype.itemsize, int(CACHE_HEADROOM * free_bytes)
+    if need <= room:
+        return None
+    say(f"--cache-features: the target features of {tokens:,} tokens x {width} take {need / 1e9:.1f} GB, more than "
+        f"{CACHE_HEADROOM:.0%} of the GPU's {free_bytes / 1e9:.1f} GB free: keeping {room / 1e9:.1f} GB of them "
+        f"({room / need:.0%}); the target runs on the other sequences every epoch")
+    return room
 
 
-def check_cache_fits(cfg: TrainConfig, target: Target, tokens: int, layer_ids: list[int], share: int = 1) -> None:
-    """check_cache_room for a process that caches 1/share of the prepared tokens' features on its GPU
-    (a worker keeps the packs it serves or trains on: about an equal share of them)."""
-    if target.device.type == "cuda" and cache_features(cfg, target.device):
-        check_cache_room(-(-tokens // share), feature_width(layer_ids, target.hidden_size, target.dtype), target.dtype,
-                         torch.cuda.mem_get_info(target.device)[0])
+def feature_cache(cfg: TrainConfig, target: Target, tokens: int, layer_ids: list[int],
+                  share: int = 1) -> FeatureCache | None:
+    """The feature cache of a process that caches 1/share of the prepared tokens' features (a worker keeps
+    the packs it serves or trains on: about an equal share of them), or None without --cache-features."""
+    if not cache_features(cfg, target.device):
+        return None
+    if target.device.type != "cuda":
+        return FeatureCache()
+    width = feature_width(layer_ids, target.hidden_size, target.dtype)
+    return FeatureCache(cache_budget(-(-tokens // share), width, target.dtype, torch.cuda.mem_get_info(target.device)[0]))
 
 
-def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], stats=NULL_PROFILE, trace=NO_TRACE,
-                  overlap: bool | None = None) -> FeatureSource:
-    """Features from this process's own target, as --overlap and --cache-features say (or their defaults)."""
+def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], cache: FeatureCache | None,
+                  stats=NULL_PROFILE, trace=NO_TRACE, overlap: bool | None = None) -> FeatureSource:
+    """Features from this process's own target, as --overlap says (or its default), kept in `cache` if any."""
     overlap = use_overlap(cfg, target.device) if overlap is None else overlap
-    return local_source(target, packs, layer_ids, overlap=overlap, cache=cache_features(cfg, target.device),
-                        depth=cfg.queue_depth, stats=stats, trace=trace)
+    return local_source(target, packs, layer_ids, overlap=overlap, cache=cache, depth=cfg.queue_depth, stats=stats,
+                        trace=trace)
 
 
 def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, layer_ids: list[int],
@@ -103,7 +113,7 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     layer_ids = feature_layers(cfg, drafter.config, dataset)
     dataset, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)  # training reads the rest
     steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
-    check_cache_fits(cfg, target, int(dataset.lengths().sum()), layer_ids)
+    cache = feature_cache(cfg, target, int(dataset.lengths().sum()), layer_ids)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
                   flops=flop_counter(cfg, target, drafter, layer_ids),
                   validate=Validation.build(cfg, target, held_out, layer_ids) if held_out is not None else None)
@@ -112,7 +122,7 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     on_loop(loop)
     stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
     packs = stream.packs(steps)
-    source = features_here(cfg, target, packs, layer_ids, stats, trace, overlap)
+    source = features_here(cfg, target, packs, layer_ids, cache, stats, trace, overlap)
     try:
         with target.compiled_layers(cfg.compile_target):
             return loop.train(source)

@@ -23,7 +23,7 @@ import torch
 
 from dflash_train.app.dataset import feature_layers, open_prepared
 from dflash_train.app.drafter import drafter_config, make_drafter
-from dflash_train.app.local import cache_features, check_cache_fits, features_here, flop_counter, total_steps
+from dflash_train.app.local import feature_cache, features_here, flop_counter, total_steps
 from dflash_train.app.run_dir import export_drafter, run_dir_lock
 from dflash_train.app.validation import Validation
 from dflash_train.data.label_columns import feature_width
@@ -188,10 +188,9 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
     layer_ids = feature_layers(cfg, drafter_cfg, open_prepared(cfg, work.data_dir))
     stream = _stream(work, spec, work.stream)
-    check_cache_fits(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))
+    cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))  # of the packs it serves
     with target.compiled_layers(cfg.compile_target):
-        serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.queue_depth,
-                       cache=cache_features(cfg, device),  # each worker caches the packs it serves
+        serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.queue_depth, cache=cache,
                        prof=session.stats.loop("target"), trace=session.trace)
 
 
@@ -230,8 +229,8 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     stream = _stream(work, spec, loop.stream_state)
     packs = drafter_packs(spec, stream, work.total_steps)
     if spec.role == "both":
-        check_cache_fits(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))
-        source = features_here(cfg, target, packs, layer_ids, session.stats, session.trace)
+        cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))
+        source = features_here(cfg, target, packs, layer_ids, cache, session.stats, session.trace)
     else:
         source = receive_features(spec, packs, feature_width(layer_ids, target.hidden_size, target.dtype),
                                   cfg.token_budget, target.dtype, device, cfg.queue_depth)

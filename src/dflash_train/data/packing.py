@@ -95,6 +95,17 @@ def pack(sequences: list[tuple[np.ndarray, ...]], budget: int) -> PackedBatch:
                        torch.cat(labels) if labels else None)
 
 
+def select(batch: PackedBatch, seqs: list[int]) -> PackedBatch:
+    """The packed sequences `seqs` of `batch` (indices into it, ascending) as a batch of their own, renumbered
+    0..len(seqs)-1: each keeps its tokens and positions, so a target forward gives it the features it has in
+    `batch` (every sequence is seen alone). Host tensors, as the loader's."""
+    keep = torch.isin(batch.seq_ids, torch.tensor(seqs, dtype=torch.long))
+    renumber = torch.full((int(batch.seq_ids.max()) + 1,), -1, dtype=torch.long)
+    renumber[torch.tensor(seqs, dtype=torch.long)] = torch.arange(len(seqs))
+    return PackedBatch(batch.input_ids[keep], batch.loss_mask[keep], renumber[batch.seq_ids[keep]],
+                       batch.positions[keep], batch.labels[keep] if batch.labels is not None else None)
+
+
 def _head(v: np.ndarray, n: int) -> torch.Tensor:
     """The first n entries of a (memory-mapped) array as an int64 tensor."""
     return torch.as_tensor(np.asarray(v[:n], dtype=np.int64))

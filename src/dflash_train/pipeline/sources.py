@@ -6,8 +6,8 @@
                     queue; target forwards run while the drafter computes, filling its gaps
     P2PReceiver     features computed by target processes, received point-to-point (handoff.py)
 
-The first two keep each sequence's features after its first pack when asked (FeatureCache), so
-later epochs run only the drafter.
+The first two keep each sequence's features after its first pack when given a FeatureCache, so
+later epochs run only the drafter (or, with a cache that keeps only some, the target on the rest).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class FeatureSource(Protocol):
 class InlineSource:
     """Features computed on demand, on the drafter's thread (optionally cached per sequence)."""
 
-    def __init__(self, target: Target, packs, layer_ids: list[int], cache: bool, prof=NULL_LOOP) -> None:
+    def __init__(self, target: Target, packs, layer_ids: list[int], cache: FeatureCache | None, prof=NULL_LOOP) -> None:
         self.packs = iter(packs)
-        self.loop = TargetForwardLoop(target, layer_ids, prof, cache=FeatureCache() if cache else None)
+        self.loop = TargetForwardLoop(target, layer_ids, prof, cache=cache)
 
     def get(self, prof=NULL_LOOP) -> Features:
         """The drafter's `hs_queue_wait` here is the whole inline target step: it waits for it."""
@@ -54,10 +54,10 @@ class ThreadedSource:
     """A TargetForwardLoop thread (own CUDA stream) -> LocalHandoff -> the drafter loop."""
 
     def __init__(self, target: Target, packs, layer_ids: list[int], depth: int, prof=NULL_LOOP, trace=NO_TRACE,
-                 cache: bool = False) -> None:
+                 cache: FeatureCache | None = None) -> None:
         self.handoff = LocalHandoff(depth)
         self.batches = BatchQueue(packs, depth, prof)
-        self.loop = TargetForwardLoop(target, layer_ids, prof, trace=trace, cache=FeatureCache() if cache else None)
+        self.loop = TargetForwardLoop(target, layer_ids, prof, trace=trace, cache=cache)
         self.thread = threading.Thread(target=self.loop.run_local, args=(self.batches, self.handoff),
                                        name="target-forward", daemon=True)
         self.thread.start()
@@ -74,7 +74,7 @@ class ThreadedSource:
         self.thread.join(timeout=30)
 
 
-def local_source(target: Target, packs, layer_ids: list[int], *, overlap: bool, cache: bool, depth: int,
+def local_source(target: Target, packs, layer_ids: list[int], *, overlap: bool, cache: FeatureCache | None, depth: int,
                  stats=NULL_PROFILE, trace=NO_TRACE) -> FeatureSource:
     """Features from this process's own target: a thread on its own CUDA stream (overlap), or inline."""
     if overlap:

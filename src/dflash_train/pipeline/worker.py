@@ -174,11 +174,11 @@ def join_group(spec: WorkerSpec, peers: Peers) -> Any:
 
 
 def serve_features(spec: WorkerSpec, peers: Peers, target: Target, layer_ids: list[int], stream: PackStream,
-                   total_steps: int, *, depth: int, cache: bool, prof=NULL_LOOP, trace=NO_TRACE) -> None:
+                   total_steps: int, *, depth: int, cache: FeatureCache | None, prof=NULL_LOOP, trace=NO_TRACE) -> None:
     """A target rank: the features of its share of the packs, each sent to the drafter rank that trains on it."""
     me, n = spec.target_ranks.index(spec.rank), len(spec.target_ranks)
     packs = stream.packs(total_steps, keep=lambda p: p.index % n == me)
-    loop = TargetForwardLoop(target, layer_ids, prof, _fault("target"), trace, FeatureCache() if cache else None)
+    loop = TargetForwardLoop(target, layer_ids, prof, _fault("target"), trace, cache)
     sender = P2PSender(depth, spec.peer_timeout, spec.describe)
     loop.run_p2p(BatchQueue(packs, depth, prof), sender, spec.drafter_of, lambda: peers.beat(spec.rank))
 
