@@ -111,6 +111,8 @@ class RegenReport:
     """In-process StaticLM path: seconds spent in decode steps."""
     compactions: int = 0
     """In-process StaticLM path: times a batch dropped its finished rows (models/generate.py)."""
+    cache_s: float = 0.0
+    """In-process StaticLM path: seconds getting each batch's KV cache (reused, or freed and allocated anew)."""
     render_s: float = 0.0
     """In-process path: seconds rendering and tokenizing each turn's prompts (the host, GPU idle)."""
     text_s: float = 0.0
@@ -120,7 +122,8 @@ class RegenReport:
 
     def other_s(self) -> float:
         """Seconds the split above does not name (set-up, cache allocation, the source's reading)."""
-        return self.seconds - self.prefill_s - self.decode_s - self.render_s - self.text_s - self.write_s
+        return (self.seconds - self.prefill_s - self.decode_s - self.cache_s - self.render_s - self.text_s
+                - self.write_s)
 
     def summary(self) -> str:
         rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -129,7 +132,7 @@ class RegenReport:
                 f"{self.hit_length_limit} turns hit --max-new-tokens")
         if self.prefill_s:
             text += (f"; prefill {self.prefill_s:.1f} s ({self.prompt_tokens} prompt tokens), "
-                     f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions), "
+                     f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions), cache {self.cache_s:.1f} s, "
                      f"render {self.render_s:.1f} s, text {self.text_s:.1f} s, write {self.write_s:.1f} s, "
                      f"other {self.other_s():.1f} s")
         if self.requests:

@@ -197,6 +197,7 @@ def _decode(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: l
         report.prefill_s += out.prefill_s
         report.decode_s += out.decode_s
         report.compactions += out.compactions
+        report.cache_s += out.cache_s
     t = time.perf_counter()
     replies = _replies(target, out.rows, set(stops), cfg.max_new_tokens)
     if report is not None:

@@ -39,6 +39,7 @@ class Generated:
     prefill_s: float
     decode_s: float
     compactions: int = 0  # times the batch dropped its finished rows
+    cache_s: float = 0.0  # getting the batch's KV cache: reused, or freed and allocated anew (with its graphs)
 
 
 def now(device: torch.device) -> float:
@@ -69,6 +70,7 @@ def generate(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int, stop_i
         total.rows += part.rows
         total.prefill_s, total.decode_s = total.prefill_s + part.prefill_s, total.decode_s + part.decode_s
         total.compactions += part.compactions
+        total.cache_s += part.cache_s
     return total
 
 
@@ -77,6 +79,7 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
     dev = lm.device
     lens = [len(p) for p in prompts]
     width = max(lens)
+    tc = now(dev)
     cache = lm.cache_for(len(prompts), width + max_new_tokens)
     t0 = now(dev)
     with record_function("generate: prefill"):  # a row of its own in a profiler's tables
@@ -110,7 +113,7 @@ def _generate_batch(lm: StaticLM, prompts: list[list[int]], max_new_tokens: int,
         nxt = pick(step.logits[:, -1])
         pos = pos + 1
     rows = out[:, :n].tolist()  # host sync: the batch's tokens, once
-    return Generated(rows, t1 - t0, now(dev) - t1, compactions)
+    return Generated(rows, t1 - t0, now(dev) - t1, compactions, t0 - tc)
 
 
 def _compact(cache: StaticCache, keep: torch.Tensor, index: torch.Tensor, nxt: torch.Tensor, pos: torch.Tensor,
