@@ -27,18 +27,6 @@ from dflash_train.profiling.stats import NULL_LOOP
 _HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole pack's
 
 
-def _with_labels(target: Target, batch: PackedBatch, features: torch.Tensor) -> torch.Tensor:
-    """features [S, n*H + H] (the final-normed last layer last) -> [S, n*H + label columns]."""
-    H = target.hidden_size
-    final, features = features[:, -H:], features[:, :-H]
-    pred = torch.cat([target.lm_head(h).argmax(-1) for h in final.split(_HEAD_ROWS)])
-    dev = features.device
-    ids, mask, pos = (t.to(dev, non_blocking=True) for t in (batch.input_ids, batch.loss_mask, batch.positions))
-    # position p is labelled with the prediction made at p - 1 where it is a loss token with a prefix
-    # (every sequence of a pack starts at position 0), else keeps its own token (data/relabel.py)
-    return with_labels(features, torch.where(mask.bool() & (pos > 0), pred.roll(1), ids))
-
-
 def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host-side padding of a packed batch: ids [n_seq, width], attention mask, flat indices of valid slots.
 
@@ -72,7 +60,8 @@ def feature_mode(lengths: torch.Tensor, device: torch.device) -> str:
 
 def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP,
                     mode: str = "auto") -> torch.Tensor:
-    """Target features [S, n*H] of the packed context tokens (sequences kept apart), on the target's device.
+    """Target features [S, n*H] of the packed context tokens (sequences kept apart), on the target's device;
+    with TARGET_LABELS among layer_ids, the target's greedy labels as the last columns (module docstring).
 
     mode: 'auto' (see feature_mode), 'padded', 'packed' (flex on CUDA, dense elsewhere), or
     'flex' / 'dense' to force one document-mask backend (tests, benchmarks).
@@ -91,6 +80,18 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     if mode == "padded":
         return padded_features(target, batch, layer_ids, prof)
     return document_features(target, batch, layer_ids, prof, flex=mode == "flex")
+
+
+def _with_labels(target: Target, batch: PackedBatch, features: torch.Tensor) -> torch.Tensor:
+    """features [S, n*H + H] (the final-normed last layer last) -> [S, n*H + label columns]."""
+    H = target.hidden_size
+    final, features = features[:, -H:], features[:, :-H]
+    pred = torch.cat([target.lm_head(h).argmax(-1) for h in final.split(_HEAD_ROWS)])
+    dev = features.device
+    ids, mask, pos = (t.to(dev, non_blocking=True) for t in (batch.input_ids, batch.loss_mask, batch.positions))
+    # position p is labelled with the prediction made at p - 1 where it is a loss token with a prefix
+    # (every sequence of a pack starts at position 0), else keeps its own token (data/relabel.py)
+    return with_labels(features, torch.where(mask.bool() & (pos > 0), pred.roll(1), ids))
 
 
 def padded_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP) -> torch.Tensor:
