@@ -37,7 +37,6 @@ from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Ta
 
 PACKED_TOKENS = 16384  # real tokens per packed row (the H200 recipe's training packs)
 PADDED_TOKENS = 4096  # padded tokens per batch: attention memory grows with the batch's longest row squared
-_HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole row's
 
 
 @dataclass
@@ -143,16 +142,14 @@ def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[
 
 @torch.inference_mode()
 def _packed_greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]], flex: bool) -> list[np.ndarray]:
-    """As _greedy_tokens, through one packed row: each sequence attends only within itself."""
+    """As _greedy_tokens at the loss positions (elsewhere the token itself: Target.greedy_labels, what the
+    training forward computes), through one packed row: each sequence attends only within itself."""
     xs = [np.asarray(x) for x, *_ in items]
     batch = pack(items, max(len(x) for x in xs))  # the row: sequence ids and positions, nothing truncated
     row, pos, mask = document_row(batch.input_ids, batch.seq_ids, batch.positions, target.device, flex=flex)
     last = target.num_layers - 1  # its feature is the final-normed state the LM head reads
     hidden = target.features(row, [last], position_ids=pos, attention_mask=mask)[0, :batch.num_tokens]
-    pred = torch.cat([target.lm_head(h).argmax(-1) for h in hidden.split(_HEAD_ROWS)])
-    pred = pred.cpu().numpy()  # the one host sync of the row
-    out, start = [], 0
-    for x in xs:  # position p predicts p + 1: each sequence's last prediction is past its end
-        out.append(np.concatenate([x[:1], pred[start:start + len(x) - 1]]).astype(np.int32))
-        start += len(x)
-    return out
+    # the training forward's labels (--labels target without this file): the caller reads the loss positions
+    labels = target.greedy_labels(hidden, batch.input_ids, batch.loss_mask, batch.positions)
+    labels = labels.cpu().numpy().astype(np.int32)  # the one host sync of the row
+    return np.split(labels, np.cumsum([len(x) for x in xs])[:-1])

