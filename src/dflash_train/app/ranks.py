@@ -157,7 +157,7 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
             return None
 
 
-def _validation(work: TrainWork, target, layer_ids: list[int], device: torch.device) -> Validation | None:
+def _validation(work: TrainWork, dataset, target, layer_ids: list[int], device: torch.device) -> Validation | None:
     """The held-out packs a drafter rank validates on: the launcher's saved ones, or, under torchrun,
     where no job process holds the target before the ranks start, built here. Every drafter rank
     builds the same ones (the split and the packing are seeded), on its own device: a drafter-only
@@ -168,14 +168,12 @@ def _validation(work: TrainWork, target, layer_ids: list[int], device: torch.dev
     if not cfg.val_conversations:
         return None
     target.model.to(device)
-    dataset = open_prepared(cfg, work.data_dir)
     _, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)
     return Validation.build(cfg, target, held_out, layer_ids)
 
 
-def _stream(work: TrainWork, spec: WorkerSpec, state: StreamState) -> PackStream:
+def _stream(work: TrainWork, dataset, spec: WorkerSpec, state: StreamState) -> PackStream:
     cfg = work.cfg
-    dataset = open_prepared(cfg, work.data_dir)
     dataset, _ = split_validation(dataset, cfg.val_conversations, cfg.seed)  # the held-out ones are never trained on
     return PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, len(spec.drafter_ranks) * cfg.grad_accum,
                       state)
@@ -186,8 +184,9 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
     cfg, device = work.cfg, torch.device(spec.device)
     target = load_target(cfg.target, device=device)
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
-    layer_ids = feature_layers(cfg, drafter_cfg, open_prepared(cfg, work.data_dir))
-    stream = _stream(work, spec, work.stream)
+    dataset = open_prepared(cfg, work.data_dir)
+    layer_ids = feature_layers(cfg, drafter_cfg, dataset)
+    stream = _stream(work, dataset, spec, work.stream)
     cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))  # of the packs it serves
     with target.compiled_layers(cfg.compile_target):
         serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.queue_depth, cache=cache,
@@ -208,8 +207,9 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
         drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
         drafter = make_drafter(cfg, target, None).to(device)
-    layer_ids = feature_layers(cfg, drafter.config, open_prepared(cfg, work.data_dir))
-    validate = _validation(work, target, layer_ids, device)  # while this rank still holds the whole target
+    dataset = open_prepared(cfg, work.data_dir)
+    layer_ids = feature_layers(cfg, drafter.config, dataset)
+    validate = _validation(work, dataset, target, layer_ids, device)  # while this rank still holds the whole target
     if head_only:
         target.keep_only_head(device)
         if device.type == "cuda":
@@ -226,7 +226,7 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
                             resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
                             progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
                             checkpoints=work.checkpoints)
-    stream = _stream(work, spec, loop.stream_state)
+    stream = _stream(work, dataset, spec, loop.stream_state)
     packs = drafter_packs(spec, stream, work.total_steps)
     if spec.role == "both":
         cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))

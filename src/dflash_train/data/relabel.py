@@ -123,7 +123,8 @@ def _groups(order: np.ndarray, lengths: np.ndarray, batch_tokens: int, padded: b
 
 @torch.inference_mode()
 def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
-    """For each sequence x: g with g[p] = argmax of the target's logits after x_<p (g[0] = x[0])."""
+    """For each sequence x: g with g[p] = argmax of the target's logits after x_<p at its loss positions
+    p > 0, elsewhere x[p] (Target.greedy_labels, as the packed rows and the training forward)."""
     n = max(len(x) for x, *_ in items)
     ids = torch.zeros(len(items), n, dtype=torch.long)
     attn = torch.zeros(len(items), n, dtype=torch.long)
@@ -133,23 +134,21 @@ def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[
     dev = target.device
     hidden = target.decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev), use_cache=False).last_hidden_state
     out = []
-    for r, (x, *_) in enumerate(items):
-        # the LM head on the rows that predict something (positions 0..len-2), not the padding
-        pred = target.lm_head(hidden[r, :len(x) - 1]).argmax(-1).cpu().numpy()
-        out.append(np.concatenate([np.asarray(x[:1]), pred]).astype(np.int32))
+    for r, (x, m, *_) in enumerate(items):  # each row up to its length, not the padding
+        labels = target.greedy_labels(hidden[r, :len(x)], torch.as_tensor(np.asarray(x, dtype=np.int64)),
+                                      torch.as_tensor(np.asarray(m)), torch.arange(len(x)))
+        out.append(labels.cpu().numpy().astype(np.int32))
     return out
 
 
 @torch.inference_mode()
 def _packed_greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]], flex: bool) -> list[np.ndarray]:
-    """As _greedy_tokens at the loss positions (elsewhere the token itself: Target.greedy_labels, what the
-    training forward computes), through one packed row: each sequence attends only within itself."""
+    """As _greedy_tokens, through one packed row: each sequence attends only within itself."""
     xs = [np.asarray(x) for x, *_ in items]
     batch = pack(items, max(len(x) for x in xs))  # the row: sequence ids and positions, nothing truncated
     row, pos, mask = document_row(batch.input_ids, batch.seq_ids, batch.positions, target.device, flex=flex)
     last = target.num_layers - 1  # its feature is the final-normed state the LM head reads
     hidden = target.features(row, [last], position_ids=pos, attention_mask=mask)[0, :batch.num_tokens]
-    # the training forward's labels (--labels target without this file): the caller reads the loss positions
     labels = target.greedy_labels(hidden, batch.input_ids, batch.loss_mask, batch.positions)
     labels = labels.cpu().numpy().astype(np.int32)  # the one host sync of the row
     return np.split(labels, np.cumsum([len(x) for x in xs])[:-1])

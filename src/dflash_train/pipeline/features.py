@@ -68,7 +68,7 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     if TARGET_LABELS in layer_ids:
         layers = [i for i in layer_ids if i != TARGET_LABELS] + [target.num_layers - 1]
         feats = packed_features(target, batch, layers, prof, mode)
-        with torch.no_grad(), prof.span("target_labels", device=True):
+        with prof.span("target_labels", device=True):  # Target.greedy_labels runs without autograd
             return _with_labels(target, batch, feats)
     if mode == "auto":
         mode = feature_mode(sequence_lengths(batch), target.device) if target.full_attention_only else "padded"
