@@ -442,6 +442,42 @@ def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_dra
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_eager_layers_compile_no_layer_graph(tiny_target, make_drafter):
+    """Validation under --compile-drafter: torch.compile guards on the grad mode, so the no-grad forward of
+    layers compiled in the grad mode compiles a layer graph of its own; inside eager_layers it compiles
+    nothing beyond what the eager layers compile anyway (their fused chains, warmed first), gives the
+    compiled loss, and the compiled forwards come back after it. (The grad mode without grads: FlexAttention
+    has no CPU backward.)"""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    obj = _objective(tiny_target, make_drafter, "flex")
+    obj.drafter.requires_grad_(False)
+
+    def loss(seed, lens):
+        b = _packed(lens, seed)
+        return obj(b, sample_packed_anchors(b, 20, torch.Generator().manual_seed(seed)),
+                   torch.randn(b.num_tokens, 3 * 64, generator=torch.Generator().manual_seed(seed))).loss
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():  # the eager layers' own compiled chains in the validation's mode, at new sizes too
+        eager = loss(0, (300, 150))
+        loss(1, (90, 400, 220))
+    with obj.drafter.compiled_layers(backend="eager"):
+        compiled = loss(0, (300, 150))  # training's mode
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.no_grad(), obj.drafter.eager_layers():
+            assert torch.equal(loss(0, (300, 150)), eager)
+            loss(2, (200, 90, 60))
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert all("forward" in layer.__dict__ for layer in obj.drafter.layers)  # compiled again
+        with torch.no_grad():
+            loss(2, (200, 90, 60))  # what eager_layers saves: the layer graph again, for the no-grad mode
+        assert counters["stats"]["unique_graphs"] > graphs
+    torch.testing.assert_close(compiled, eager)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA")
 def test_compiled_draft_layers_equal_the_eager_ones_on_cuda():
     """Inductor with FlexAttention traced into each layer: the loss and gradients of the eager layers."""

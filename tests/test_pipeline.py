@@ -118,7 +118,7 @@ def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_featu
     cache = FeatureCache(budget_bytes=200 * width_bytes)  # about a third of the data's tokens
     calls = []
     for pack in packs:
-        got = cache.features(pack, lambda p: calls.append((p.batch.num_tokens, pack.num_tokens)) or compute(p))
+        got = cache.features(pack, lambda p, whole=pack.num_tokens: calls.append((p.batch.num_tokens, whole)) or compute(p))
         torch.testing.assert_close(got, compute(pack), rtol=1e-5, atol=1e-6)
     assert 0 < cache.bytes <= 200 * width_bytes and 0 < len(cache.parts) < len({i for p in packs for i in p.sequence_ids})
     assert any(0 < ran < whole for ran, whole in calls)  # packs of both kinds: only their uncached sequences ran

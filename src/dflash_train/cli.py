@@ -363,7 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_libraries() -> None:
     """Our own progress bars and messages are the ones a user should read."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Set, so a fork (a compiler's subprocess) after a batch encode prints no warning. True, not false: a
+    # fast tokenizer encodes and decodes a batch on every core, and the job renders, selects and prepares
+    # in batches. False made every batch single-threaded: regeneration's prompt rendering took 36 s of the
+    # H200 recipe's 197 (16.2M prompt tokens on one of 16 cores). The processes we start are spawned,
+    # never forked with the tokenizer's threads (data/parallel.py, pipeline/launcher.py).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ class DrafterTrainLoop(Trainer):
                              f"{objective.backend(device)} attention on {device.type}")
         super().__init__(objective, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
         self.drafter = drafter
+
+    def _validation_mode(self) -> contextlib.AbstractContextManager[None]:
+        """Compiled layers validate eagerly: a no-grad forward would compile graphs of its own."""
+        return self.drafter.eager_layers() if self.cfg.compile_drafter else contextlib.nullcontext()
 
     def train(self, source) -> TrainResult:
         compiled = self.cfg.compile_drafter

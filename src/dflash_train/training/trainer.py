@@ -13,6 +13,7 @@ hand-off queue, or point-to-point from target processes).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -272,10 +273,14 @@ class Trainer:
             return {}
         t0 = time.perf_counter()
         # timed whole; the objective's and the layers' own spans inside would count as training's
-        with self.prof.span("validate", sync="the held-out sums' read-back"), self.prof.muted():
+        with self.prof.span("validate", sync="the held-out sums' read-back"), self.prof.muted(), self._validation_mode():
             values = self.hooks.validate(self.objective)
         window.t0 += time.perf_counter() - t0  # the record's rates are training's (less the step's queued tail)
         return values
+
+    def _validation_mode(self) -> contextlib.AbstractContextManager[None]:
+        """How the model runs the validation's forwards (a subclass may run them differently from training's)."""
+        return contextlib.nullcontext()
 
     def _step(self, source, window: _Window) -> None:
         """One optimizer step over `grad_accum` packs."""
