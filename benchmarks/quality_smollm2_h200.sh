@@ -6,11 +6,12 @@
 #   bash benchmarks/quality_smollm2_h200.sh RUN_DIR [extra train flags, which override the config...]
 # Writes RUN_DIR/quality.json with the keys of benchmarks/results/quality-smollm2-h200.json
 # (tau_humaneval, tau_mtbench, tau_sharegpt, speedup, train_tokens, steps, wall_s, device, date,
-# command) and the job's seconds per phase (phases_s, from RUN_DIR/phases.json). Longer than one
+# command), the job's seconds per phase (phases_s, from RUN_DIR/phases.json) and the GPU's peak memory
+# (peak_gpu_memory_gb, from nvidia-smi every 5 s: RUN_DIR/gpu.log). Longer than one
 # device call (~15 min on an H200): start it with setsid nohup and poll.
 # The plumbing on a CPU (a few minutes):
 #   EVAL_LIMIT=2 MTBENCH_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/quality_smollm2_h200.sh /tmp/q --device cpu --target random:tiny \
-#   --num-conversations 40 --no-regenerate --regen-samples 1 --num-layers 2 --max-steps 4 --max-length 128 --token-budget 512 \
+#   --num-conversations 40 --no-regenerate --regen-samples 1 --no-compile-drafter --num-layers 2 --max-steps 4 --max-length 128 --token-budget 512 \
 #   --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0
 set -uo pipefail
 run=${1:?usage: quality_smollm2_h200.sh RUN_DIR [train flags]}
@@ -21,10 +22,17 @@ limit=${EVAL_LIMIT:-40} mt_limit=${MTBENCH_LIMIT:-80} tokens=${EVAL_TOKENS:-128}
 for ((i = 1; i < $#; i++)); do [ "${!i}" = --target ] && { j=$((i + 1)); target=${!j}; }; done
 dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
 mkdir -p "$run"
+# the GPU's memory every 5 s through the train job (quality.json's peak_gpu_memory_gb)
+smi=""
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -l 5 > "$run/gpu.log" 2>/dev/null &
+  smi=$!
+fi
 start=$(date +%s)
 dft train --config "$repo/configs/smollm2-h200.toml" --run-dir "$run" --quiet "$@" > "$run/train.log" 2>&1
 rc=$?
 wall=$(( $(date +%s) - start ))
+[ -n "$smi" ] && kill "$smi" 2>/dev/null
 echo "train: rc $rc in $wall s (log $run/train.log)"
 [ $rc -eq 0 ] || exit $rc
 for d in mtbench sharegpt; do
@@ -43,6 +51,13 @@ import torch
 from recipe_summary import first_tau, trained_tokens  # benchmarks/ is on PYTHONPATH (not a package)
 
 run, wall, command = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+
+def peak_memory_gb(log: Path) -> float | None:
+    """The highest memory.used (MiB) of the nvidia-smi log in GB of 2**30 bytes (the H200's "139 GB");
+    None without one (a CPU run)."""
+    used = [float(x.split(",")[1]) for x in log.read_text().splitlines() if x.count(",") >= 2] if log.is_file() else []
+    return round(max(used) / 1024, 1) if used else None
 
 
 def regen_line(log: Path) -> str | None:
@@ -64,6 +79,7 @@ out = {"tau_humaneval": after["tau"], "tau_mtbench": mt["tau"],
        "wall_s_note": "the whole train job: data, regeneration, training, export, HumanEval eval (with the target-only baseline)",
        "phases_s": json.loads((run / "phases.json").read_text()),  # the job's own split of its time (app/phases.py)
        "regenerate": regen_line(run / "train.log"),  # its summary line: rate, prefill/decode split, compactions
+       "peak_gpu_memory_gb": peak_memory_gb(run / "gpu.log"),  # sampled every 5 s by nvidia-smi
        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
        "date": datetime.date.today().isoformat(), "command": command}
 (run / "quality.json").write_text(json.dumps(out, indent=1) + "\n")
