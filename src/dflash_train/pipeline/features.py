@@ -24,6 +24,7 @@ from dflash_train.data.packing import PackedBatch
 from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Target, document_backend, document_row
 from dflash_train.profiling.stats import NULL_LOOP
 
+
 def pad_packed(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host-side padding of a packed batch: ids [n_seq, width], attention mask, flat indices of valid slots.
 

@@ -33,8 +33,9 @@ class DrafterTrainLoop(Trainer):
         self.drafter = drafter
 
     def _validation_mode(self) -> contextlib.AbstractContextManager[None]:
-        """Compiled layers validate eagerly: a no-grad forward would compile graphs of its own."""
-        return self.drafter.eager_layers() if self.cfg.compile_drafter else contextlib.nullcontext()
+        """Compiled layers validate eagerly: a no-grad forward would compile graphs of its own (eager layers
+        stay as they are)."""
+        return self.drafter.eager_layers()
 
     def train(self, source) -> TrainResult:
         compiled = self.cfg.compile_drafter
