@@ -28,6 +28,9 @@ if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -l 5 > "$run/gpu.log" 2>/dev/null &
   smi=$!
 fi
+# why each torch.compile graph compiled again, in train.log: on a fresh H200 the draft layers compiled anew at
+# the epoch boundary (38 s) and the target once in the first epoch (31 s), for reasons not yet known
+export TORCH_LOGS="${TORCH_LOGS-recompiles}"
 start=$(date +%s)
 dft train --config "$repo/configs/smollm2-h200.toml" --run-dir "$run" --quiet "$@" > "$run/train.log" 2>&1
 rc=$?

@@ -442,15 +442,24 @@ def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_dra
     assert counters["stats"]["unique_graphs"] == 2
 
 
-def test_eager_layers_compile_no_layer_graph(tiny_target, make_drafter):
-    """Validation under --compile-drafter: torch.compile guards on the grad mode, so the no-grad forward of
-    layers compiled in the grad mode compiles a layer graph of its own; inside eager_layers it compiles
-    nothing beyond what the eager layers compile anyway (their fused chains, warmed first), gives the
-    compiled loss, and the compiled forwards come back after it. (The grad mode without grads: FlexAttention
-    has no CPU backward.)"""
+def test_validation_of_compiled_layers_runs_on_the_training_graphs(tiny_target, make_drafter):
+    """Validation under --compile-drafter: torch.compile guards on the grad mode, so a no-grad forward of
+    layers compiled in the grad mode compiles a layer graph of its own. The drafter loop validates compiled
+    layers in the grad mode instead: new pack sizes compile nothing, and the loss is the eager no-grad one.
+    Eager layers validate without grad. (The grad mode without grads: FlexAttention has no CPU backward.)"""
+    from types import SimpleNamespace
+
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from dflash_train.training.drafter_loop import DrafterTrainLoop
+
+    def mode(compiled: bool) -> bool:  # the grad mode the drafter loop validates in, entered under no_grad
+        loop = SimpleNamespace(cfg=SimpleNamespace(compile_drafter=compiled))
+        with torch.no_grad(), DrafterTrainLoop._validation_mode(loop):
+            return torch.is_grad_enabled()
+
+    assert mode(compiled=True) and not mode(compiled=False)
     obj = _objective(tiny_target, make_drafter, "flex")
     obj.drafter.requires_grad_(False)
 
@@ -459,23 +468,20 @@ def test_eager_layers_compile_no_layer_graph(tiny_target, make_drafter):
         return obj(b, sample_packed_anchors(b, 20, torch.Generator().manual_seed(seed)),
                    torch.randn(b.num_tokens, 3 * 64, generator=torch.Generator().manual_seed(seed))).loss
 
+    with torch.no_grad():
+        eager = loss(0, (300, 150))
     torch._dynamo.reset()
     counters.clear()
-    with torch.no_grad():  # the eager layers' own compiled chains in the validation's mode, at new sizes too
-        eager = loss(0, (300, 150))
-        loss(1, (90, 400, 220))
     with obj.drafter.compiled_layers(backend="eager"):
-        compiled = loss(0, (300, 150))  # training's mode
+        loss(1, (90, 400, 220))  # training's mode
         graphs = counters["stats"]["unique_graphs"]
-        with torch.no_grad(), obj.drafter.eager_layers():
-            assert torch.equal(loss(0, (300, 150)), eager)
+        with torch.enable_grad():  # the validation's mode
+            torch.testing.assert_close(loss(0, (300, 150)), eager)
             loss(2, (200, 90, 60))
         assert counters["stats"]["unique_graphs"] == graphs
-        assert all("forward" in layer.__dict__ for layer in obj.drafter.layers)  # compiled again
         with torch.no_grad():
-            loss(2, (200, 90, 60))  # what eager_layers saves: the layer graph again, for the no-grad mode
+            loss(2, (200, 90, 60))  # what the grad mode saves: the layer graph again, for the no-grad mode
         assert counters["stats"]["unique_graphs"] > graphs
-    torch.testing.assert_close(compiled, eager)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA")

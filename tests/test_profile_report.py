@@ -175,3 +175,18 @@ def test_report_pools_the_starved_counts_over_windows(tmp_path, monkeypatch):
     assert head[-3:] == ["dev", "starved", "share"]
     row = next(line for line in text.splitlines() if line.strip().startswith("backward")).split()
     assert row[-2] == "25%"  # 1 of 4 starts over the run, not the mean of the windows' shares (50%)
+
+
+def test_the_report_sums_the_windows_compiles_and_says_where_they_fell():
+    clock = FakeClock()
+    stats = ProfileStats("main", clock=clock)
+    records = []
+    for compiled in ({"graphs": 4, "seconds": 37.9}, None, {"graphs": 1, "seconds": 0.4}):
+        drafter_window(stats)
+        clock.now += WINDOW_S
+        rec = window_record(stats, stats.take_window())
+        if compiled:
+            rec["compiles"] = compiled
+        records.append(attach_verdict(rec))
+    assert [r["verdict"]["kind"] for r in records][:2] == ["compiling", "balanced"]
+    assert "compiles (sum over windows): 5 graphs, 38.3 s (38 s at 10 s)" in summarize(records)

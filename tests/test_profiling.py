@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from dflash_train.errors import UsageError
 from dflash_train.profiling.reporter import ProfileReporter, resolve_interval
@@ -109,6 +110,34 @@ def test_verdict_message_names_the_wait_and_the_remedy():
     v = attach_verdict(_record(target__hs_queue_full_wait=0.41))["verdict"]
     assert v["message"].startswith("drafter-bound: target workers wait 41% on a full hs_queue")
     assert "add drafter devices" in v["message"]
+
+
+def test_a_window_that_compiles_says_so_and_its_verdict_is_compiling():
+    """torch.compile's graphs and seconds land in the window they happened in, and only there; a window
+    that spent a quarter of its time compiling is judged 'compiling', whatever it waited on."""
+    from dflash_train.profiling.compiles import compile_window
+
+    assert compile_window({"graphs": 3, "seconds": 10.0}, {"graphs": 3, "seconds": 10.0}) is None
+    assert compile_window({"graphs": 3, "seconds": 10.0}, {"graphs": 5, "seconds": 48.25}) == {"graphs": 2, "seconds": 38.25}
+    clock = Clock()
+    stats = ProfileStats("main", clock=clock)
+    prof = stats.loop("drafter")
+    f = torch.compile(lambda x: x.sin() * 2, backend="eager")
+    with prof.span("drafter_forward"):
+        f(torch.randn(7))
+    clock.t += 1.0
+    rec = attach_verdict(window_record(stats, stats.take_window()))
+    assert rec["compiles"]["graphs"] >= 1 and rec["compiles"]["seconds"] > 0
+    assert "compiles: +" in format_record(rec)
+    with prof.span("drafter_forward"):
+        f(torch.randn(7))  # compiled already: nothing new
+    clock.t += 1.0
+    assert "compiles" not in window_record(stats, stats.take_window())
+    waiting = {**_record(target__hs_queue_full_wait=0.6), "window_s": 30.0}
+    assert verdict(waiting).kind == "drafter-bound"
+    v = verdict({**waiting, "compiles": {"graphs": 2, "seconds": 20.5}})
+    assert v.kind == "compiling" and "20.5 s" in v.message
+    assert verdict({**waiting, "compiles": {"graphs": 1, "seconds": 2.0}}).kind == "drafter-bound"
 
 
 def test_interval_from_env_and_flag_precedence(monkeypatch):

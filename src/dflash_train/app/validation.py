@@ -71,9 +71,9 @@ class Validation:
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last
 
-    @torch.no_grad()
     def __call__(self, objective) -> dict[str, object]:
-        """val_loss, val_acc and val_expected_tau over every held-out pack (one host sync, at the end)."""
+        """val_loss, val_acc and val_expected_tau over every held-out pack (one host sync, at the end), in the
+        caller's grad mode (Trainer._validation_mode): the sums take the outputs' detached values only."""
         device = self.packs[0][0].input_ids.device
         sums = torch.zeros(objective.metric_width, device=device)
         for batch, anchors, feats in self.packs:

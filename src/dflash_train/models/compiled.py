@@ -108,22 +108,6 @@ def compiled_forwards(modules: Iterable[nn.Module], backend: str = "inductor",
             del module.forward
 
 
-@contextlib.contextmanager
-def eager_forwards(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Inside a compiled_forwards block: the modules' eager forwards, their compiled ones again on exit.
-
-    For calls that would compile a graph of their own and run too rarely to pay for it: torch.compile
-    guards on the grad mode, so a no-grad forward of modules compiled for training compiles a second
-    graph (counted on the CPU, test_eager_layers_compile_no_layer_graph). Modules not compiled are untouched.
-    """
-    saved = [(module, module.__dict__.pop("forward")) for module in modules if "forward" in module.__dict__]
-    try:
-        yield
-    finally:
-        for module, forward in saved:
-            module.forward = forward
-
-
 _OPEN = {"count": 0, "saved": True}  # compiled_forwards blocks open in this process, and the flag before the first
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from dflash_train.models import fused
 from dflash_train.models.attention import AttnMask, attend
-from dflash_train.models.compiled import compiled_forwards, eager_forwards
+from dflash_train.models.compiled import compiled_forwards
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 
 
@@ -251,13 +251,6 @@ class DFlashDrafter(nn.Module):
             return
         with compiled_forwards(self.layers, backend=backend, dynamic=True):
             yield
-
-    def eager_layers(self) -> contextlib.AbstractContextManager[None]:
-        """Inside compiled_layers: the layers eager again, for the validation's no-grad forwards, which
-        would compile a layer graph of their own (torch.compile guards on the grad mode). On the H200 the
-        compiled run spent 98 s more outside its training windows than the eager one (docs/quality.md,
-        session 21), while a validation is a forward over a few packs."""
-        return eager_forwards(self.layers)
 
     def _inference_masks(self, q_len: int, position_ids: torch.Tensor, cache: ContextCache | None) -> dict[str, AttnMask]:
         """Full layers see every key. Sliding layers, as in the reference, are causal within a

@@ -110,6 +110,17 @@ def _allocator_line(recs: list[Record]) -> list[str]:
     return ["    allocator (sum over windows): " + ", ".join(f"{k} {v}" for k, v in sums.items()) + f" | {peak}"]
 
 
+def _compiles_line(recs: list[Record]) -> list[str]:
+    """torch.compile's graphs and seconds summed over the process's windows, and the windows they fell in."""
+    windows = [(r.get("elapsed_s", 0.0), r["compiles"]) for r in recs if isinstance(r.get("compiles"), dict)]
+    if not windows:
+        return []
+    seconds = sum(c["seconds"] for _, c in windows)
+    where = ", ".join(f"{c['seconds']:.0f} s at {t:.0f} s" for t, c in windows if c["seconds"] >= 1)
+    return [f"    compiles (sum over windows): {sum(c['graphs'] for _, c in windows)} graphs, {seconds:.1f} s"
+            + (f" ({where})" if where else "")]
+
+
 def _extras(recs: list[Record], loop: str) -> list[str]:
     """Rates (mean over the windows that report them) and gauges (max over windows)."""
     rates: dict[str, list[float]] = defaultdict(list)
@@ -154,7 +165,7 @@ def summarize(records: list[Record]) -> str:
         for loop in loops_of(recs):
             lines.append(f"{process} [{loop}]  profiled {wall:.1f} s over {len(recs)} windows")
             lines += _stage_table(recs, loop, wall) + _extras(recs, loop)
-        lines += _allocator_line(recs)
+        lines += _allocator_line(recs) + _compiles_line(recs)
         lines.append("")
     lines.append("verdicts")
     for process, recs in groups.items():

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from dflash_train.profiling.allocator import allocator_window
+from dflash_train.profiling.compiles import compile_window, snapshot
 from dflash_train.profiling.device_time import DeviceTimer
 
 _NULL_CONTEXT = contextlib.nullcontext()
@@ -101,6 +102,7 @@ class Window:
     clocks: dict[Key, SpanClocks] = field(default_factory=dict)  # spans only; add() has no clocks
     syncs: dict[Key, str] = field(default_factory=dict)  # stage -> the host sync its span declared
     allocator: dict[str, Any] | None = None  # allocator.allocator_window(); None without CUDA
+    compiles: dict[str, Any] | None = None  # compiles.compile_window(); None when nothing compiled
 
     @property
     def seconds(self) -> float:
@@ -206,6 +208,7 @@ class ProfileStats:
         self.syncs: dict[Key, str] = {}
         self._alloc_prev: Mapping[str, Any] = {}
         self._alloc_index = 0
+        self._compiles_prev = snapshot()
         self.started = clock()
         self._reset(self.started)
 
@@ -267,8 +270,10 @@ class ProfileStats:
             self.cumulative_counters[k] += v
         for k, c in clocks.items():
             self.cumulative_clocks[k].merge(c)
+        compiled, self._compiles_prev = self._compiles_prev, snapshot()
         return Window(start, now, dict(durations), dict(counters), dict(gauges), dict(clocks),
-                      {k: v for k, v in syncs.items() if k in clocks}, self._sample_allocator())
+                      {k: v for k, v in syncs.items() if k in clocks}, self._sample_allocator(),
+                      compile_window(compiled, self._compiles_prev))
 
     def _sample_allocator(self) -> dict[str, Any] | None:
         """This window's allocator telemetry; None without a memory_stats source or before CUDA starts."""

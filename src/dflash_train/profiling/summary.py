@@ -18,7 +18,8 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
                                                             "starts", "starved"}},  # clocks as above
                                        "counters": {...}}}},
      "allocator": {...},   # CUDA only: allocator telemetry of the window, schema in allocator.py
-     "verdict": {"kind": "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound" | "allocator-churn"
+     "compiles": {"graphs", "seconds"},  # when torch.compile compiled in the window: compiles.py
+     "verdict": {"kind": "compiling" | "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound" | "allocator-churn"
                          | "sync-bound" | "launch-bound" | "balanced" | "idle",
                  "message": <one line>}}
 
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from dflash_train.profiling.allocator import format_allocator
+from dflash_train.profiling.compiles import format_compiles
 from dflash_train.profiling.stats import ProfileStats, SpanClocks, Window
 
 # Display order; stages not listed follow alphabetically.
@@ -138,6 +140,8 @@ def window_record(stats: ProfileStats, window: Window) -> dict[str, Any]:
               "window_s": window.seconds, "loops": loops}
     if window.allocator is not None:
         record["allocator"] = window.allocator
+    if window.compiles is not None:
+        record["compiles"] = window.compiles
     return record
 
 
@@ -167,6 +171,8 @@ def format_record(record: dict[str, Any], limit: int | None = None) -> str:
             lines.append(f"  {'':<{len(loop) + 3}}" + " | ".join(extras))
     if "allocator" in record:
         lines.append("  " + format_allocator(record["allocator"]))
+    if "compiles" in record:
+        lines.append("  " + format_compiles(record["compiles"]))
     if "verdict" in record:
         lines.append(f"  verdict: {record['verdict']['message']}")
     return "\n".join(lines)

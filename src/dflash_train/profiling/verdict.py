@@ -3,6 +3,8 @@
 A loop that waits is not the bottleneck; the role it waits on is. The rules, checked in order
 (WAIT = 0.25 of the window's wall time, HANDOFF = 0.25):
 
+    compiling      torch.compile took >= WAIT of the window (its `compiles` record): the window's
+                   waits and rates are a compile's, not the steady state's.
     input-bound    target loops wait >= WAIT for batches (batch_queue_wait): the batch
                    producer (loading + packing on the host) cannot keep up.
     drafter-bound  target loops wait >= WAIT on a full hs_queue (hs_queue_full_wait): drafters
@@ -188,6 +190,10 @@ def verdict(record: dict[str, Any]) -> Verdict:
     loops = record["loops"]
     if not any(data["stages"] for data in loops.values()):
         return Verdict("idle", "idle: nothing was timed in this window")
+    compiling = record.get("compiles", {}).get("seconds", 0.0)
+    if compiling > 0 and compiling >= WAIT * record.get("window_s", 0.0):
+        return Verdict("compiling", f"compiling: torch.compile took {compiling:.1f} s of the window "
+                                    f"({record['compiles']['graphs']} graphs) — its waits and rates are not the steady state's")
     waits_in = _share(record, "target", "batch_queue_wait")
     waits_full = _share(record, "target", "hs_queue_full_wait")
     waits_empty = _share(record, "drafter", "hs_queue_wait")

@@ -279,8 +279,9 @@ class Trainer:
         return values
 
     def _validation_mode(self) -> contextlib.AbstractContextManager[None]:
-        """How the model runs the validation's forwards (a subclass may run them differently from training's)."""
-        return contextlib.nullcontext()
+        """The grad mode of the validation's forwards: none (a subclass whose compiled graphs guard on it may
+        validate in training's mode)."""
+        return torch.no_grad()
 
     def _step(self, source, window: _Window) -> None:
         """One optimizer step over `grad_accum` packs."""
