@@ -134,6 +134,28 @@ def test_compiled_layers_run_the_document_mask_with_one_dynamic_recompile():
     assert all("forward" not in vars(layer) for layer in target.decoder.layers)
 
 
+def test_the_document_flex_compiles_once_for_every_row_length():
+    """The target's own compiled FlexAttention (CUDA, without --compile-target): rows of 3, 5 and 2 tiles,
+    with 3, 4 and 2 documents, run on one graph, and give the eager attention."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from dflash_train.models.targets import _document_flex, compiled_document_flex, document_block_mask
+
+    gen, rows = torch.Generator().manual_seed(0), []
+    for lengths in ([100, 200, 84], [37, 300, 1, 302], [128, 128]):
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        q, k, v = (torch.randn(1, h, doc.numel(), 16, generator=gen) for h in (6, 2, 2))
+        args = (q, k, v, document_block_mask(doc, torch.device("cpu"), 128), 0.25)
+        rows.append((args, _document_flex(*args)))  # eager FlexAttention compiles a wrapper of its own: first
+    flex = compiled_document_flex(backend="eager")  # the plumbing; inductor is what runs on the GPU
+    torch._dynamo.reset()
+    counters.clear()
+    for args, want in rows:
+        torch.testing.assert_close(flex(*args), want)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA")
 @pytest.mark.parametrize("compile_target", [False, True])
 def test_cuda_flex_features_match_the_padded_batch(compile_target):

@@ -407,20 +407,25 @@ def _document_flex(query, key, value, block_mask, scale):
                           enable_gqa=query.shape[1] != key.shape[1])
 
 
-def _document_flex_fn():
-    """FlexAttention is only fast compiled (CUDA); on CPU it runs eagerly as an exact reference.
+def compiled_document_flex(backend: str = "inductor"):
+    """_document_flex under torch.compile: its own code object, so its own dynamo cache and recompile
+    count, apart from the drafter's, called under the compile lock (models/compiled.py): the target
+    thread may compile while the drafter runs. Every size dynamic from the first call: packed rows
+    change length (by multiples of 128) from pack to pack, and the block mask's tile counts with
+    them. Under automatic dynamic shapes it compiled static on the first row and again on the first
+    other length; a fresh H200 spent ~40 s of its first minute on the target's compiles (session 22).
+    Now once (counted on the CPU, test_the_document_flex_compiles_once_for_every_row_length), and
+    again only for a row of one 128-token tile (torch specializes sizes 0 and 1)."""
+    from dflash_train.models.compiled import compile_serialized
 
-    Our own compiled function (its own code object, so its own dynamo cache and recompile
-    count, apart from the drafter's), called under the compile lock (models/compiled.py):
-    the target thread may compile while the drafter runs. Automatic dynamic shapes: packed
-    rows change length (by multiples of 128) from pack to pack, so it compiles twice in all,
-    static on the first row and dynamic on the first other length.
-    """
+    return compile_serialized(_document_flex, dynamic=True, backend=backend)
+
+
+def _document_flex_fn():
+    """FlexAttention is only fast compiled (CUDA); on CPU it runs eagerly as an exact reference."""
     global _compiled_document_flex
     if _compiled_document_flex is None:
-        from dflash_train.models.compiled import compile_serialized
-
-        _compiled_document_flex = compile_serialized(_document_flex)
+        _compiled_document_flex = compiled_document_flex()
     return _compiled_document_flex
 
 
