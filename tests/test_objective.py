@@ -168,6 +168,29 @@ def test_structured_block_mask_covers_the_predicate_and_full_tiles_are_full(wind
                                            torch.arange(dense.shape[1])[None, :]), dense)
 
 
+def test_compiled_mask_tiles_equal_the_eager_ones_with_one_graph_per_layer_kind():
+    """--compile-masks: the tiles of packs of other sizes come from one graph per window setting (every size
+    dynamic from the first call), in either grad mode, and equal the eager tiles."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from dflash_train.objective.masks import compiled_mask_tiles, mask_tiles
+
+    tiles = compiled_mask_tiles(backend="eager")  # the plumbing; inductor is what runs on the GPU
+    torch._dynamo.reset()
+    counters.clear()
+    for seed, lens in enumerate([(13, 9, 11), (40, 7, 22, 30), (90, 5)]):
+        b = _packed(lens, seed)
+        anchors = sample_packed_anchors(b, 9, torch.Generator().manual_seed(seed))
+        for window in (None, 5):
+            args = (b.seq_ids, b.positions, anchors, 4, window, 16)
+            with torch.set_grad_enabled(seed % 2 == 0):
+                got = tiles(*args)
+            for g, want in zip(got, mask_tiles(*args), strict=True):
+                assert torch.equal(g, want)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 def test_structured_and_evaluated_block_masks_give_the_same_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -547,6 +570,10 @@ def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, t
         TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="cpu")
     with pytest.raises(UsageError, match="--compile-drafter.*--attention dense"):
         TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="cuda", attention="dense")
+    with pytest.raises(UsageError, match="--compile-masks.*--device cpu"):
+        TrainConfig(run_dir=str(tmp_path), compile_masks=True, device="cpu")
+    with pytest.raises(UsageError, match="--compile-masks.*--attention dense"):
+        TrainConfig(run_dir=str(tmp_path), compile_masks=True, device="cuda", attention="dense")
     cfg = TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="auto")
     with pytest.raises(UsageError, match="--compile-drafter"):
         DrafterTrainLoop(cfg.trainer(), cfg.objective(), make_drafter(), tiny_target.embedding_weight,

@@ -12,6 +12,9 @@ evaluated per packed sequence with SDPA (`"dense"`, the CPU default).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,6 +82,7 @@ class DFlashObjective(nn.Module):
         self.cfg = cfg
         self.prof = prof
         self.gamma = gamma_for(drafter.block_size, cfg.gamma)
+        self._compiled_masks = False  # compiled_masks() turns it on for a training run
 
     @property
     def model(self) -> DFlashDrafter:
@@ -91,12 +95,24 @@ class DFlashObjective(nn.Module):
         return self.cfg.attention
 
     def masks(self, batch: PackedBatch, blocks: Blocks) -> dict[str, object]:
-        build = structured_block_mask if self.backend(batch.input_ids.device) == "flex" else segmented_mask
+        if self.backend(batch.input_ids.device) == "flex":
+            build = functools.partial(structured_block_mask, compiled=self._compiled_masks)
+        else:
+            build = segmented_mask
         cfg = self.drafter.config
         masks = {FULL_ATTENTION: build(MaskSpec.of(batch, blocks))}
         if SLIDING_ATTENTION in cfg.layer_types:
             masks[SLIDING_ATTENTION] = build(MaskSpec.of(batch, blocks, window=cfg.sliding_window))
         return masks
+
+    @contextlib.contextmanager
+    def compiled_masks(self, enabled: bool = True) -> Iterator[None]:
+        """Inside: FlexAttention masks built by a compiled function (--compile-masks; masks.structured_block_mask)."""
+        saved, self._compiled_masks = self._compiled_masks, enabled
+        try:
+            yield
+        finally:
+            self._compiled_masks = saved
 
     def blocks(self, batch: PackedBatch, anchors: torch.Tensor) -> Blocks:
         return build_blocks(batch, anchors, self.drafter.block_size, self.drafter.mask_token_id, self.gamma)

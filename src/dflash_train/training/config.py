@@ -91,6 +91,8 @@ class TrainConfig:
                                "(one graph for all layers, compiled once per run)")
     compile_drafter: bool = opt(False, "torch.compile each draft layer's training forward (one graph for all layers, "
                                 "FlexAttention traced in; CUDA): fewer launches and host time per step")
+    compile_masks: bool = opt(False, "torch.compile the tile computation of the drafter's FlexAttention masks (CUDA): "
+                              "~80 launches a mask become a few; experimental, not yet timed")
     # --- pipeline --------------------------------------------------------------------
     target_devices: str | None = opt(None, "devices of the target workers, comma-separated (e.g. cuda:0); "
                                      "with --drafter-devices: one process per device")
@@ -147,6 +149,9 @@ class TrainConfig:
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
                              + ("--device cpu" if self.device == "cpu" else "--attention dense (its per-sequence "
                                 "segments would recompile the layer for every pack)"))
+        if self.compile_masks and (self.device == "cpu" or self.attention == "dense"):
+            raise UsageError("--compile-masks: compiled masks are FlexAttention's, on CUDA, not "
+                             + ("--device cpu" if self.device == "cpu" else "--attention dense"))
         if self.sliding_layers < 0 or self.sliding_layers > self.num_layers:
             raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
         if self.sliding_layers and not (self.sliding_window or 0) >= 1:
@@ -236,6 +241,7 @@ class TrainerConfig:
     checkpoint_every: int
     keep_checkpoints: int
     compile_drafter: bool
+    compile_masks: bool
 
 
 # The tree's sections, by the first field of each run of fields in TrainConfig's order.

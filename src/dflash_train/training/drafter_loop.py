@@ -43,5 +43,6 @@ class DrafterTrainLoop(Trainer):
     def train(self, source) -> TrainResult:
         compiled = self.cfg.compile_drafter
         # its fusion, attention and MLP into this loop's view (whole layers when compiled: their insides are one graph)
-        with self.drafter.compiled_layers(compiled), drafter_spans(self.drafter, self.prof, whole_layers=compiled):
+        with self.drafter.compiled_layers(compiled), self.objective.compiled_masks(self.cfg.compile_masks), \
+                drafter_spans(self.drafter, self.prof, whole_layers=compiled):
             return super().train(source)
