@@ -43,3 +43,21 @@ def test_our_checkpoint_decodes_losslessly_in_the_reference_loop(smollm2, tmp_pa
     assert theirs[0, len(prompt):].tolist() == base.tokens
     rep = evaluate(smollm2, to_device(drafter, smollm2), [prompt], EvalConfig(max_new_tokens=24), progress=False)
     assert rep.lossless == "exact" and rep.tau >= 1.0
+
+
+def test_decode_rows_is_batch_decode(smollm2):
+    """Regeneration's reply text through the fast tokenizer's batched backend: batch_decode's text exactly,
+    special tokens, odd byte pieces and empty rows included; a tokenizer that cleans up spaces keeps batch_decode."""
+    import copy
+
+    from dflash_train.data.tokenize import decode_rows
+
+    tok = smollm2.tokenizer
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, smollm2.vocab_size, (n,), generator=gen).tolist() for n in (0, 1, 7, 256, 33)]
+    rows.append(tok.encode("def f(x):\n    return x  # été 😀<|im_end|>", add_special_tokens=False))
+    assert decode_rows(tok, rows) == tok.batch_decode(rows, skip_special_tokens=False)
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    spaced = [tok.encode("a , b . c 's", add_special_tokens=False)]
+    assert decode_rows(cleaning, spaced) == cleaning.batch_decode(spaced, skip_special_tokens=False)

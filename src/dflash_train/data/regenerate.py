@@ -60,6 +60,7 @@ from tqdm import tqdm
 from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, append, pending, reply_segments,
                                             resume, sample_ids, with_samples)
 from dflash_train.data.sources import Conversation
+from dflash_train.data.tokenize import decode_rows
 from dflash_train.models import static_lm
 from dflash_train.models.generate import generate
 from dflash_train.models.sampling import pick
@@ -242,11 +243,9 @@ def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, sto
 
 def _replies(target: Target, rows: list[list[int]], stops: set[int], max_new_tokens: int) -> list[_Reply]:
     """Each row's text up to its first stop token (rows that stopped early run on, or are padded, after it).
-    One batch_decode: a fast tokenizer decodes the rows on every core (one by one, 11.6M tokens took
-    ~11 s of the H200 recipe's regeneration on one core, 2026-12-02)."""
+    One batched decode (tokenize.decode_rows): a fast tokenizer decodes the rows on every core."""
     cuts = [next((i for i, t in enumerate(row) if t in stops), None) for row in rows]
-    texts = target.tokenizer.batch_decode([row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)],
-                                          skip_special_tokens=False)
+    texts = decode_rows(target.tokenizer, [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)])
     return [_Reply(text, row, len(row) >= max_new_tokens) if cut is None else _Reply(text, row[:cut + 1], False)
             for text, row, cut in zip(texts, rows, cuts, strict=True)]
 

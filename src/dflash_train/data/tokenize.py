@@ -97,6 +97,21 @@ def encode_chats(tokenizer, conversations: list[list[dict[str, str]]], *,
     return out
 
 
+def decode_rows(tokenizer, rows: list[list[int]]) -> list[str]:
+    """The text of each row of token ids, special tokens kept: tokenizer.batch_decode's output.
+
+    transformers' batch_decode decodes one row at a time in Python; a fast tokenizer's own backend
+    decodes the batch on every core. Same text when the tokenizer cleans up no spaces after decoding
+    (`clean_up_tokenization_spaces`, which only the Python side does): 11.6M generated tokens cost
+    6.3 s of the H200 recipe's regeneration (2026-12-02, session 22) through batch_decode; on a 2-core
+    machine 2,048 rows of 256 tokens took 0.28 s against 0.13 s (test_decode_rows_is_batch_decode).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer.batch_decode(rows, skip_special_tokens=False)
+    return backend.decode_batch(rows, skip_special_tokens=False)
+
+
 def _loss_mask(ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[tuple[int, int]],
                stops: set[int]) -> tuple[list[int], list[int]]:
     """(ids, mask): 1 on tokens overlapping an assistant content span and on the end-of-turn token after it."""

@@ -19,9 +19,11 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-# dynamo's timers (torch._dynamo.utils.compilation_time_metrics) that hold compile time: a frame's whole
-# compile (tracing, AOT autograd, inductor), and an AOT backward compiled lazily at its first backward
-TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+# dynamo's timers (torch._dynamo.utils.compilation_time_metrics) that hold compile time, by the end of their
+# name (torch 2.13: "_compile.compile_inner", "backward._backward_impl"; older ones qualify them otherwise):
+# a frame's whole compile (tracing, AOT autograd, inductor), and an AOT backward compiled lazily at its
+# first backward
+TIMERS = ("compile_inner", "_backward_impl")
 
 
 def snapshot() -> dict[str, float]:
@@ -29,9 +31,9 @@ def snapshot() -> dict[str, float]:
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return {"graphs": 0, "seconds": 0.0}
-    times = getattr(utils, "compilation_time_metrics", {})
+    times = dict(getattr(utils, "compilation_time_metrics", {}))  # a copy: other threads add to it
     return {"graphs": int(utils.counters["frames"].get("ok", 0)),
-            "seconds": float(sum(sum(times.get(name, ())) for name in TIMERS))}
+            "seconds": float(sum(sum(v) for k, v in times.items() if k.endswith(TIMERS)))}
 
 
 def compile_window(prev: Mapping[str, float], cur: Mapping[str, float]) -> dict[str, Any] | None:
