@@ -191,6 +191,32 @@ def test_compiled_mask_tiles_equal_the_eager_ones_with_one_graph_per_layer_kind(
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_compiled_flex_compiles_once():
+    """Eager draft layers' FlexAttention (CUDA, without --compile-drafter): packs of other token, anchor and
+    tile counts run on one graph, with the eager attention's output."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.models.attention import compiled_flex
+
+    gen, cases = torch.Generator().manual_seed(0), []
+    for seed, (lens, n) in enumerate([((13, 9, 11), 4), ((40, 7, 22, 30), 6), ((90, 5), 9)]):
+        b = _packed(lens, seed)
+        spec = MaskSpec(b.seq_ids, b.positions, sample_packed_anchors(b, n, torch.Generator().manual_seed(seed)), 4)
+        q = torch.randn(1, 4, spec.num_queries, 8, generator=gen)
+        k, v = (torch.randn(1, 2, spec.context_len + spec.num_queries, 8, generator=gen) for _ in range(2))
+        args = (q, k, v)
+        kw = {"block_mask": structured_block_mask(spec, 16), "enable_gqa": True}
+        cases.append((args, kw, flex_attention(*args, **kw)))  # eager FlexAttention compiles a wrapper of its own: first
+    flex = compiled_flex(backend="eager")  # the plumbing; inductor is what runs on the GPU
+    torch._dynamo.reset()
+    counters.clear()
+    for args, kw, want in cases:
+        torch.testing.assert_close(flex(*args, **kw), want)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_structured_and_evaluated_block_masks_give_the_same_attention():
     from torch.nn.attention.flex_attention import flex_attention
 

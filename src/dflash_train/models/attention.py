@@ -52,13 +52,20 @@ AttnMask = torch.Tensor | SegmentedMask | BlockMask | None
 _compiled_flex = None
 
 
+def compiled_flex(backend: str = "inductor"):
+    """flex_attention under torch.compile for eager draft layers, every size dynamic from the first call:
+    token and anchor counts change every pack, and the block mask's tile counts with them (under
+    automatic dynamic shapes it compiled static first, then again; test_compiled_flex_compiles_once)."""
+    return compile_serialized(flex_attention, dynamic=True, backend=backend)
+
+
 def _flex_attention(q: torch.Tensor):
     """FlexAttention is only fast when compiled (CUDA); eager mode is an exact reference elsewhere."""
     global _compiled_flex
     if not q.is_cuda or torch.compiler.is_compiling():
         return flex_attention  # inside a compiled draft layer (--compile-drafter) it is traced into the graph
     if _compiled_flex is None:
-        _compiled_flex = compile_serialized(flex_attention)  # automatic dynamic shapes: packs vary in length
+        _compiled_flex = compiled_flex()
     return _compiled_flex
 
 
