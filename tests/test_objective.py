@@ -504,8 +504,9 @@ def test_validation_of_compiled_layers_runs_on_the_training_graphs(tiny_target, 
     from dflash_train.training.drafter_loop import DrafterTrainLoop
 
     def mode(compiled: bool) -> bool:  # the grad mode the drafter loop validates in, entered under no_grad
-        loop = SimpleNamespace(cfg=SimpleNamespace(compile_drafter=compiled))
-        with torch.no_grad(), DrafterTrainLoop._validation_mode(loop):
+        loop = DrafterTrainLoop.__new__(DrafterTrainLoop)  # its mode alone: no model, no run directory
+        loop.cfg = SimpleNamespace(compile_drafter=compiled)
+        with torch.no_grad(), loop._validation_mode():
             return torch.is_grad_enabled()
 
     assert mode(compiled=True) and not mode(compiled=False)

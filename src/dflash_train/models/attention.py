@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +50,7 @@ class SegmentedMask:
 
 AttnMask = torch.Tensor | SegmentedMask | BlockMask | None
 
-_compiled_flex = None
-
-
+@functools.cache  # one per process: its graphs are reused by every eager draft layer
 def compiled_flex(backend: str = "inductor"):
     """flex_attention under torch.compile for eager draft layers, every size dynamic from the first call:
     token and anchor counts change every pack, and the block mask's tile counts with them (under
@@ -61,12 +60,9 @@ def compiled_flex(backend: str = "inductor"):
 
 def _flex_attention(q: torch.Tensor):
     """FlexAttention is only fast when compiled (CUDA); eager mode is an exact reference elsewhere."""
-    global _compiled_flex
     if not q.is_cuda or torch.compiler.is_compiling():
         return flex_attention  # inside a compiled draft layer (--compile-drafter) it is traced into the graph
-    if _compiled_flex is None:
-        _compiled_flex = compiled_flex()
-    return _compiled_flex
+    return compiled_flex()
 
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ For L = N-1 HF's last hidden state has the final norm applied; `Target.capture` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -299,7 +300,6 @@ def _capture(store: dict[int, torch.Tensor], idx: int):
 # elsewhere: the same predicate as a dense [1, 1, L, L] boolean mask for sdpa.
 
 DOCUMENT_ATTENTION = "dflash_document_flex"  # the name registered with transformers' AttentionInterface
-_compiled_document_flex = None
 
 
 def is_block_mask(mask) -> bool:
@@ -407,6 +407,7 @@ def _document_flex(query, key, value, block_mask, scale):
                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+@functools.cache  # one per process: its graphs are reused by every target forward
 def compiled_document_flex(backend: str = "inductor"):
     """_document_flex under torch.compile: its own code object, so its own dynamo cache and recompile
     count, apart from the drafter's, called under the compile lock (models/compiled.py): the target
@@ -421,14 +422,6 @@ def compiled_document_flex(backend: str = "inductor"):
     return compile_serialized(_document_flex, dynamic=True, backend=backend)
 
 
-def _document_flex_fn():
-    """FlexAttention is only fast compiled (CUDA); on CPU it runs eagerly as an exact reference."""
-    global _compiled_document_flex
-    if _compiled_document_flex is None:
-        _compiled_document_flex = compiled_document_flex()
-    return _compiled_document_flex
-
-
 def _document_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention function for a BlockMask.
 
@@ -437,7 +430,7 @@ def _document_attention(module, query, key, value, attention_mask, scaling=None,
     if torch.compiler.is_compiling():
         fn = _document_flex  # inside --compile-target's layer graph: traced into it
     elif query.is_cuda:
-        fn = _document_flex_fn()
+        fn = compiled_document_flex()  # FlexAttention is only fast compiled
     else:
         fn = _document_flex  # eager FlexAttention: the unfused reference (tests)
     out = fn(query, key, value, attention_mask, scaling)

@@ -16,6 +16,7 @@ empty tiles.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ def structured_block_mask(spec: MaskSpec, tile: int = 128, compiled: bool = Fals
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    tiles = (_compiled_tiles() if compiled else mask_tiles)(spec.seq_ids, spec.positions, spec.anchors,
+    tiles = (compiled_mask_tiles() if compiled else mask_tiles)(spec.seq_ids, spec.positions, spec.anchors,
                                                             spec.block_size, spec.window, tile)
     return BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=tile, mask_mod=_mask_mod(spec),
                                     seq_lengths=(spec.num_queries, spec.context_len + spec.num_queries))
@@ -158,6 +159,7 @@ def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Te
     return (*indices(partial), *indices(full))
 
 
+@functools.cache  # one per process: its graphs are reused by every pack
 def compiled_mask_tiles(backend: str = "inductor"):
     """mask_tiles under torch.compile, every size dynamic from the first call (token and anchor counts
     change every pack): one graph per (block size, window, tile), i.e. one per layer kind, in either
@@ -170,16 +172,6 @@ def compiled_mask_tiles(backend: str = "inductor"):
     def tiles(*args):
         return compiled(*args)
     return tiles
-
-
-_COMPILED_TILES = None
-
-
-def _compiled_tiles():
-    global _COMPILED_TILES
-    if _COMPILED_TILES is None:
-        _COMPILED_TILES = compiled_mask_tiles()
-    return _COMPILED_TILES
 
 
 def flex_block_mask(spec: MaskSpec):

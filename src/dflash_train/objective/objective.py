@@ -12,9 +12,7 @@ evaluated per packed sequence with SDPA (`"dense"`, the CPU default).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,7 +72,7 @@ class DFlashObjective(nn.Module):
     """
 
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: nn.Module,
-                 cfg: ObjectiveConfig, prof=NULL_LOOP) -> None:
+                 cfg: ObjectiveConfig, prof=NULL_LOOP, compiled_masks: bool = False) -> None:
         super().__init__()
         self.drafter = drafter
         self.embed_weight = embed_weight  # frozen target embedding (not a parameter of ours)
@@ -82,7 +80,7 @@ class DFlashObjective(nn.Module):
         self.cfg = cfg
         self.prof = prof
         self.gamma = gamma_for(drafter.block_size, cfg.gamma)
-        self._compiled_masks = False  # compiled_masks() turns it on for a training run
+        self.compiled_masks = compiled_masks  # FlexAttention masks from a compiled function (--compile-masks)
 
     @property
     def model(self) -> DFlashDrafter:
@@ -96,7 +94,7 @@ class DFlashObjective(nn.Module):
 
     def masks(self, batch: PackedBatch, blocks: Blocks) -> dict[str, object]:
         if self.backend(batch.input_ids.device) == "flex":
-            build = functools.partial(structured_block_mask, compiled=self._compiled_masks)
+            build = functools.partial(structured_block_mask, compiled=self.compiled_masks)
         else:
             build = segmented_mask
         cfg = self.drafter.config
@@ -104,15 +102,6 @@ class DFlashObjective(nn.Module):
         if SLIDING_ATTENTION in cfg.layer_types:
             masks[SLIDING_ATTENTION] = build(MaskSpec.of(batch, blocks, window=cfg.sliding_window))
         return masks
-
-    @contextlib.contextmanager
-    def compiled_masks(self, enabled: bool = True) -> Iterator[None]:
-        """Inside: FlexAttention masks built by a compiled function (--compile-masks; masks.structured_block_mask)."""
-        saved, self._compiled_masks = self._compiled_masks, enabled
-        try:
-            yield
-        finally:
-            self._compiled_masks = saved
 
     def blocks(self, batch: PackedBatch, anchors: torch.Tensor) -> Blocks:
         return build_blocks(batch, anchors, self.drafter.block_size, self.drafter.mask_token_id, self.gamma)

@@ -145,13 +145,11 @@ class TrainConfig:
                      "regen_temperature", "memory_history", "val_conversations"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        if self.compile_drafter and (self.device == "cpu" or self.attention == "dense"):
-            raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
-                             + ("--device cpu" if self.device == "cpu" else "--attention dense (its per-sequence "
-                                "segments would recompile the layer for every pack)"))
-        if self.compile_masks and (self.device == "cpu" or self.attention == "dense"):
-            raise UsageError("--compile-masks: compiled masks are FlexAttention's, on CUDA, not "
-                             + ("--device cpu" if self.device == "cpu" else "--attention dense"))
+        for name, what in (("compile_drafter", "compiled draft layers need"), ("compile_masks", "compiled masks are")):
+            if getattr(self, name) and (self.device == "cpu" or self.attention == "dense"):
+                raise UsageError(f"--{_flag(name)}: {what} FlexAttention on CUDA, not "
+                                 + ("--device cpu" if self.device == "cpu" else "--attention dense (its per-sequence "
+                                    "segments would recompile for every pack)"))
         if self.sliding_layers < 0 or self.sliding_layers > self.num_layers:
             raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
         if self.sliding_layers and not (self.sliding_window or 0) >= 1:

@@ -25,7 +25,7 @@ class DrafterTrainLoop(Trainer):
         hooks = hooks or Hooks()
         device = next(drafter.parameters()).device
         check_backend_device(objective_cfg.attention, device)
-        objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof)
+        objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, cfg.compile_masks)
         if cfg.compile_drafter and objective.backend(device) != "flex":  # the backend the step will run
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
                              f"{objective.backend(device)} attention on {device.type}")
@@ -38,11 +38,10 @@ class DrafterTrainLoop(Trainer):
         layers eagerly instead cost more than that. On the H200 (2026-12-02, session 22) the 12-layer drafter's
         first eager validation took 43.7 s and each later one 4.4 s, against ~35 ms a pack for a compiled
         forward. A forward pass only: its autograd graph goes with its outputs, one pack at a time."""
-        return torch.enable_grad() if self.cfg.compile_drafter else torch.no_grad()
+        return torch.enable_grad() if self.cfg.compile_drafter else super()._validation_mode()
 
     def train(self, source) -> TrainResult:
         compiled = self.cfg.compile_drafter
         # its fusion, attention and MLP into this loop's view (whole layers when compiled: their insides are one graph)
-        with self.drafter.compiled_layers(compiled), self.objective.compiled_masks(self.cfg.compile_masks), \
-                drafter_spans(self.drafter, self.prof, whole_layers=compiled):
+        with self.drafter.compiled_layers(compiled), drafter_spans(self.drafter, self.prof, whole_layers=compiled):
             return super().train(source)
