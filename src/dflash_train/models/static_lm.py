@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.models import graphs
+from dflash_train.models import decode_attention, graphs
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
 from dflash_train.models.compiled import CompiledSteps
 from dflash_train.models.graphs import GraphStore
@@ -104,6 +104,13 @@ class StaticCache(GraphStore):
 
 
 @dataclass
+class Lengths:
+    """One-token decode visibility as each row's key count [b] (slots 0..keys-1): no mask tensor."""
+
+    keys: torch.Tensor
+
+
+@dataclass
 class StepOut:
     logits: torch.Tensor | None  # [b, q, V] (or [b, 1, V] for last_only)
     features: torch.Tensor | None  # [b, q, n * H] hidden states of the requested layers
@@ -168,8 +175,7 @@ class StaticLM(CompiledSteps):
         """
         x = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(x, pos)
-        # [b, q, kv_len]; None for a prefill, whose mask is implied
-        visible = None if prefill else torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
+        visible = None if prefill else self._visible(ids, pos, kv_len)
         feats = {}
         for i, layer in enumerate(self.base.layers):
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, pos, visible,
@@ -187,8 +193,17 @@ class StaticLM(CompiledSteps):
             x = x[:, -1:] if last is None else x[torch.arange(x.shape[0], device=x.device), last][:, None]
         return StepOut(self.model.lm_head(x), features)
 
+    def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor | Lengths:
+        """What each query may see: slots 0..pos. A one-token step of a wide batch on CUDA gets each row's
+        key count (Lengths: the decode kernel reads only those slots); others get a mask [b, q, kv_len]."""
+        b, q = ids.shape
+        if decode_attention.applies(b, q, self.kv_heads, self.head_dim, self.dtype, ids.device):
+            return Lengths(pos[:, 0] + 1)
+        return torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
+
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                   visible: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+                   visible: torch.Tensor | Lengths | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kv_len: int) -> torch.Tensor:
         b, q, _ = h.shape
         d = self.head_dim
         qs = attn.q_proj(h).view(b, q, -1, d)
@@ -203,6 +218,8 @@ class StaticLM(CompiledSteps):
         v_cache.scatter_(2, slots, vs)
         if visible is None:  # a prefill from position 0: causal over the q slots just written
             out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
+        elif isinstance(visible, Lengths):  # each row up to its own length, whatever kv_len the batch has
+            out = decode_attention.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling)
         else:
             out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
@@ -217,6 +234,8 @@ class StaticLM(CompiledSteps):
         overwrites them, so read (or clone) them before stepping again.
         """
         kv_len = self.step_kv(cache, kv_len)
+        if decode_attention.applies(*ids.shape, self.kv_heads, self.head_dim, self.dtype, ids.device):
+            kv_len = cache.capacity  # the kernel reads each row's own slots: one graph per batch, not per bucket
         if not self.graphs:
             return self.step_forward(ids, pos, cache, kv_len, layers=layers, logits=logits)
         run = lambda i, p: self.step_forward(i, p, cache, kv_len, layers=layers, logits=logits)  # noqa: E731

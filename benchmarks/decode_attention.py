@@ -1,0 +1,140 @@
+"""Regeneration's decode attention: the Triton kernel (models/decode_attention.py) against the batched-matmul
+path, alone at one layer's shape and inside whole regeneration batches.
+
+    python3 benchmarks/decode_attention.py --json benchmarks/results/decode-attention-h200.json
+
+1. One layer's attention for `--rows` rows whose lengths are spread over [--min-len, --max-len] (a sorted
+   batch of later-turn prompts plus the tokens decoded so far): the batched-matmul path reads every row up
+   to the batch's key-length bucket, the kernel each row's own slots. Both are timed with CUDA events over
+   graph-free back-to-back calls; `own_tb_s` = the rows' own K/V bytes over the time (what a perfect kernel
+   moves), against the H200's ~4.3 TB/s copy rate. Kernel tile shapes are timed side by side.
+2. Regeneration (benchmarks/decode_speed.py's regen_rate: 2,048 random-weight rows of 600-900-token
+   prompts, 256 new tokens, no stops) with the kernel off and on, and on with compiled steps.
+3. `--profile FILE`: torch.profiler tables of one prefill of the batch (the other half of regeneration's
+   device time on the shipped config's data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import date
+
+import torch
+
+from dflash_train.models import decode_attention as da
+from dflash_train.models import static_lm
+from dflash_train.models.static_lm import bucket, cached_attention
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_speed import _prompts, regen_rate  # noqa: E402  (benchmarks/ is not a package)
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()  # host sync: the events' times
+    return start.elapsed_time(end) / reps
+
+
+def attention_layer(rows: int, lo: int, hi: int, heads: int = 9, kv_heads: int = 3, d: int = 64) -> dict:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    lens = torch.sort(torch.randint(lo, hi + 1, (rows,), device=dev, generator=g)).values
+    kv_len = bucket(int(lens.max()))  # host sync, once: the batched-matmul path's span
+    cap = bucket(kv_len, static_lm.CACHE_BUCKET)
+    q = torch.randn(rows, heads, 1, d, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, kv_heads, cap, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    pos = (lens - 1)[:, None]
+
+    def batched():  # what StaticLM.forward did per layer: the mask, then the two GEMVs and softmax
+        visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]
+        return cached_attention(q, k[:, :, :kv_len], v[:, :, :kv_len], visible, 0.125)
+
+    own_bytes = int(lens.sum()) * kv_heads * d * 2 * 2  # K and V, bf16
+    read_bytes = rows * kv_len * kv_heads * d * 2 * 2
+    want = batched().float()
+    out = {"rows": rows, "lengths": [lo, hi], "kv_len": kv_len, "own_gb": round(own_bytes / 1e9, 3),
+           "batched_read_gb": round(read_bytes / 1e9, 3)}
+    ms = _time_ms(batched)
+    out["batched"] = {"ms": round(ms, 4), "own_tb_s": round(own_bytes / ms / 1e9, 2),
+                      "read_tb_s": round(read_bytes / ms / 1e9, 2)}
+    for block, warps, stages in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3)):
+        fn = lambda: da.decode_attention(q, k, v, lens, 0.125, block, warps, stages)  # noqa: E731
+        err = (fn().float() - want).abs().max().item()
+        ms = _time_ms(fn)
+        out[f"kernel_b{block}_w{warps}_s{stages}"] = {"ms": round(ms, 4), "own_tb_s": round(own_bytes / ms / 1e9, 2),
+                                                      "max_abs_diff": round(err, 5)}
+    return out
+
+
+def prefill_profile(target, prompts, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_train.models.generate import prefill
+
+    lm = static_lm.for_model(target.model)
+    cache = lm.cache_for(len(prompts), max(map(len, prompts)) + 8)
+    prefill(lm, prompts, cache)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill(lm, prompts, cache)
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            f.write(f"== prefill of {len(prompts)} prompts by {key}\n"
+                    f"{prof.key_averages().table(sort_by=key, row_limit=25)}\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="random:smollm2-135m")
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--min-len", type=int, default=600)
+    ap.add_argument("--max-len", type=int, default=1100)
+    ap.add_argument("--regen-rows", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--no-regen", action="store_true", help="the attention timings only")
+    ap.add_argument("--no-compiled", action="store_true", help="skip regeneration with compiled steps")
+    ap.add_argument("--profile", default=None, help="torch.profiler tables of one prefill of the regen batch")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from dflash_train.models.targets import load_target
+
+    out: dict = {"device": torch.cuda.get_device_name(0), "date": date.today().isoformat(), "torch": torch.__version__,
+                 "command": "python3 benchmarks/decode_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    out["attention"] = attention_layer(args.rows, args.min_len, args.max_len)
+    print("attention", json.dumps(out["attention"]), flush=True)
+    if not args.no_regen:
+        target = load_target(args.target, device=torch.device("cuda"))
+        rows = _prompts(args.regen_rows, 600, 900, min(len(target.tokenizer), target.vocab_size))
+        for name, kernel in (("regen_batched", "0"), ("regen_kernel", "1")):
+            os.environ[da.ENV] = kernel
+            static_lm.release(target.model)  # fresh graphs: captured with this path's kernels
+            out[name] = regen_rate(target, rows, args.new_tokens, hf=False)
+            print(name, out[name], flush=True)
+        if args.profile:
+            prefill_profile(target, rows[:1024], args.profile)
+        if not args.no_compiled:
+            static_lm.release(target.model)
+            static_lm.for_model(target.model).compile()
+            try:
+                out["regen_kernel_compiled"] = regen_rate(target, rows, args.new_tokens, hf=False)
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
+                out["regen_kernel_compiled"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            print("regen_kernel_compiled", out["regen_kernel_compiled"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""One-token decode attention over a static KV cache as one Triton kernel: each row reads its own keys.
+
+Regeneration decodes 2,048 rows a step, and a step's bytes are mostly K/V: ~44 GB at ~900 slots of
+context for SmolLM2-135M (30 layers x 3 KV heads x 64 dims x 2 B x 2, per slot and row), ~9 ms at
+the H200's 4.8 TB/s. The batched-matmul path (`static_lm.cached_attention`) reads every row up to the
+batch's key-length bucket (its widest prompt plus the tokens so far, rounded up to 128), then runs
+the scale, mask and softmax as passes of their own; on the shipped config's data the rows' own keys
+were 71% of what it read (`benchmarks/regen_widths.py`). Here one program takes one (row, KV head):
+it loads the group's query heads once, walks only that row's slots 0..len-1 in tiles with an online
+softmax in float32, and writes the output: K and V are read once, up to each row's own length, and
+nothing else touches memory.
+
+Math: softmax(q k^T * scale) v over the visible slots, float32 scores and accumulation, the
+probabilities rounded to the cache's dtype for the P.V product (as flash attention does). The
+batched-matmul path rounds its scores to the cache's dtype first, so the two agree to bf16 rounding,
+not bit for bit: at T=0 a near-tie of the target's logits can pick another token (either is the
+target's greedy choice up to its own rounding). The CPU, and batches too small to fill the GPU
+(`applies`), keep the batched-matmul path: batch-1 eval decoding is unchanged.
+
+Triton is optional: without it (the CPU build of torch ships none) `applies` is False. Under
+TRITON_INTERPRET=1 the kernel runs on CPU tensors (how the tests check it on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
+    triton = None
+
+# Below this many (row, KV head) programs the GPU is not full and a row's serial walk over its keys is
+# latency-bound; the batched-matmul path (two GEMVs, eval's batch 1) stays there. 2x the H200's 132 SMs.
+MIN_PROGRAMS = 264
+BLOCK_N = 64  # key slots per tile: 8 KB of K and 8 KB of V at head_dim 64 in bf16
+ENV = "DFLASH_DECODE_KERNEL"  # "0" turns the kernel off (the batched-matmul path everywhere): A/B runs
+
+
+def enabled() -> bool:
+    return triton is not None and os.environ.get(ENV, "1") != "0"
+
+
+def _dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """What the kernel runs in on `device`: half precision on CUDA (float32 stays on cuBLAS: the
+    kernel's dots would round it to tf32); on CPU only under Triton's interpreter (TRITON_INTERPRET=1:
+    tests, it is slow), whose bf16 dot is wrong (triton 3.8), so float32 and float16 there."""
+    if device.type == "cuda":
+        return (torch.float16, torch.bfloat16)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return (torch.float32, torch.float16)
+    return ()
+
+
+def applies(rows: int, queries: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a step of `queries` query tokens per row over a cache of this shape and dtype goes
+    through the kernel: one-token steps of batches that fill the GPU, in half precision on CUDA."""
+    return (enabled() and queries == 1 and dtype in _dtypes(device) and head_dim & (head_dim - 1) == 0
+            and head_dim >= 16 and rows * kv_heads >= MIN_PROGRAMS)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     scale: float, block: int = BLOCK_N, warps: int = 4, stages: int = 3) -> torch.Tensor:
+    """q [b, H, 1, d]; k/v_cache [b, Hkv, C, d] (any slot stride, last dim contiguous); lengths [b]:
+    row i sees slots 0..lengths[i]-1 (1 <= lengths[i] <= C). -> [b, H, 1, d] in q's dtype.
+    block, warps, stages: the tile and launch shape (benchmarks/decode_attention.py times others)."""
+    b, H, _, d = q.shape
+    hkv = k_cache.shape[1]
+    group = H // hkv
+    q3 = q.reshape(b, H, d)
+    if q3.stride(-1) != 1:
+        q3 = q3.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("decode_attention: the KV cache's last dimension must be contiguous")
+    out = torch.empty(b, H, d, dtype=q.dtype, device=q.device)
+    lengths = lengths.to(torch.int32)
+    _decode_kernel[(b, hkv)](
+        q3, k_cache, v_cache, lengths, out, scale,
+        q3.stride(0), q3.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block,
+        num_warps=warps, num_stages=stages,
+    )
+    return out.view(b, H, 1, d)
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_kernel(Q, K, V, Lens, Out, scale,
+                       sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        n = tl.load(Lens + row)
+        g = tl.arange(0, GROUP_PAD)  # the group's query heads, padded to a tile tl.dot takes (>= 16 rows)
+        dim = tl.arange(0, D)
+        heads = kvh * GROUP + g
+        live = g < GROUP
+        q = tl.load(Q + row * sq_b + heads[:, None] * sq_h + dim[None, :], mask=live[:, None], other=0.0)
+        k_base = K + row * sk_b + kvh * sk_h
+        v_base = V + row * sv_b + kvh * sv_h
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of each head's scores
+        s_sum = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for start in range(0, n, BLOCK):  # this row's slots only
+            slot = start + tl.arange(0, BLOCK)
+            seen = slot < n
+            k = tl.load(k_base + slot[:, None] * sk_n + dim[None, :], mask=seen[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], float32
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slot[:, None] * sv_n + dim[None, :], mask=seen[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        o = acc / s_sum[:, None]
+        tl.store(Out + row * so_b + heads[:, None] * so_h + dim[None, :], o.to(Out.dtype.element_ty),
+                 mask=live[:, None])

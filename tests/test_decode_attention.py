@@ -1,0 +1,121 @@
+"""The decode-attention kernel (models/decode_attention.py) computes the batched-matmul path's attention,
+and regeneration through it gives the same tokens. Triton's interpreter runs the kernel on the CPU; it is
+chosen when triton is imported, so the checks run in a child process with TRITON_INTERPRET=1."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dflash_train.models import decode_attention as da
+
+triton = pytest.importorskip("triton")
+# triton 3.6's interpreter cannot run the kernel (numpy 2.5: "only 0-dimensional arrays can be converted to
+# Python scalars", seen on the H200 image); 3.8's can. The CUDA test below runs on the GPU either way.
+interpreted = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8),
+                                 reason="triton's interpreter runs this kernel from 3.8")
+
+
+def _run_interpreted(code: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@interpreted
+def test_kernel_equals_the_batched_matmul_attention():
+    """Rows of 1 slot, one tile less one, one tile, one more, and the whole cache; 3 query heads per KV head;
+    float32 and float16; a cache of more rows and slots than the step's (the compacted batch's views)."""
+    _run_interpreted("""
+        import torch
+        from dflash_train.models import decode_attention as da
+        from dflash_train.models.static_lm import cached_attention
+
+        torch.manual_seed(0)
+        b, H, hkv, d, C = 5, 9, 3, 64, 160
+        lens = torch.tensor([1, 63, 64, 65, 160])
+        for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            q = torch.randn(b, H, 1, d, dtype=dtype)
+            k, v = (torch.randn(b + 2, hkv, C + 40, d, dtype=dtype)[:b, :, :C] for _ in range(2))
+            visible = torch.arange(C)[None, None, :] < lens[:, None, None]
+            want = cached_attention(q.float(), k.float(), v.float(), visible, 0.125)
+            got = da.decode_attention(q, k, v, lens, 0.125)
+            assert got.shape == want.shape and got.dtype == dtype
+            err = (got.float() - want).abs().max().item()
+            assert err < atol, (dtype, err)
+            # the slots past each row's length are never read: garbage there changes nothing
+            k2, v2 = k.clone(), v.clone()
+            for i, n in enumerate(lens.tolist()):
+                k2[i, :, n:], v2[i, :, n:] = float("nan"), float("nan")
+            assert torch.equal(da.decode_attention(q, k2, v2, lens, 0.125), got)
+        """)
+
+
+@interpreted
+def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
+    """generate() on the tiny target with the kernel on (its one-token steps, every compaction's views) and
+    off: the same tokens at T=0 in float32, and the kernel ran at every layer of every step."""
+    out = _run_interpreted("""
+        import os
+        import torch
+        from dflash_train.models import decode_attention as da, generate as gen, static_lm
+        from dflash_train.models.targets import load_target
+
+        torch.manual_seed(0)
+        target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+        lm = static_lm.for_model(target.model)
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(4)]
+        os.environ[da.ENV] = "0"
+        free = gen.generate(lm, prompts, 10, []).rows
+        stops = [free[0][2], free[2][5]]  # rows stop at different steps: compactions
+        gen.COMPACT_MIN_ROWS, gen.COMPACT_MIN_SHARE = 1, 0.0
+        want = gen.generate(lm, prompts, 10, stops)
+        os.environ[da.ENV] = "1"
+        da.MIN_PROGRAMS = 1  # the tiny batch would stay on the batched-matmul path
+        calls = []
+        kernel = da.decode_attention
+        da.decode_attention = lambda *a: calls.append(1) or kernel(*a)
+        got = gen.generate(lm, prompts, 10, stops)
+        assert got.rows == want.rows, (got.rows, want.rows)
+        assert got.compactions == want.compactions >= 1
+        print(len(calls))
+        """)
+    steps_layers = int(out.split()[-1])
+    assert steps_layers >= 6 * 5  # 6 layers, at least 5 one-token steps
+
+
+def test_the_kernel_takes_one_token_steps_of_wide_half_precision_batches_on_cuda(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(da.ENV, raising=False)
+    wide = da.MIN_PROGRAMS // 3
+    assert da.applies(wide, 1, 3, 64, torch.bfloat16, cuda)
+    assert not da.applies(wide - 1, 1, 3, 64, torch.bfloat16, cuda)  # eval's batch 1 keeps its GEMVs
+    assert not da.applies(wide, 8, 3, 64, torch.bfloat16, cuda)  # a verify block
+    assert not da.applies(wide, 1, 3, 64, torch.float32, cuda)
+    assert not da.applies(wide, 1, 3, 64, torch.float32, cpu)
+    monkeypatch.setenv(da.ENV, "0")
+    assert not da.applies(wide, 1, 3, 64, torch.bfloat16, cuda)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
+    """SmolLM2's attention shape at a regeneration batch's width, compiled for the GPU (not interpreted)."""
+    from dflash_train.models.static_lm import cached_attention
+
+    torch.manual_seed(0)
+    b, H, hkv, d, C = 512, 9, 3, 64, 1024
+    dev = torch.device("cuda")
+    lens = torch.randint(1, C + 1, (b,), device=dev)
+    q = torch.randn(b, H, 1, d, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, C, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    visible = torch.arange(C, device=dev)[None, None, :] < lens[:, None, None]
+    want = cached_attention(q.float(), k.float(), v.float(), visible, 0.125)
+    got = da.decode_attention(q, k, v, lens, 0.125)
+    assert (got.float() - want).abs().max().item() < 2e-2
