@@ -9,7 +9,8 @@ path, alone at one layer's shape and inside whole regeneration batches.
    graph-free back-to-back calls; `own_tb_s` = the rows' own K/V bytes over the time (what a perfect kernel
    moves), against the H200's ~4.3 TB/s copy rate. Kernel tile shapes are timed side by side.
 2. Regeneration (benchmarks/decode_speed.py's regen_rate: 2,048 random-weight rows of 600-900-token
-   prompts, 256 new tokens, no stops) with the kernel off and on, and on with compiled steps.
+   prompts, 256 new tokens, no stops) with the kernel off and on, on with the fused elementwise chains
+   (models/fused_target.py), and on with compiled steps.
 3. `--profile FILE`: torch.profiler tables of one prefill of the batch (the other half of regeneration's
    device time on the shipped config's data).
 """
@@ -114,8 +115,9 @@ def main(argv=None) -> int:
     if not args.no_regen:
         target = load_target(args.target, device=torch.device("cuda"))
         rows = _prompts(args.regen_rows, 600, 900, min(len(target.tokenizer), target.vocab_size))
-        for name, kernel in (("regen_batched", "0"), ("regen_kernel", "1")):
-            os.environ[da.ENV] = kernel
+        for name, kernel, fused in (("regen_batched", "0", "0"), ("regen_kernel", "1", "0"),
+                                    ("regen_kernel_fused", "1", "1")):
+            os.environ[da.ENV], os.environ["DFLASH_FUSED_TARGET"] = kernel, fused
             static_lm.release(target.model)  # fresh graphs: captured with this path's kernels
             out[name] = regen_rate(target, rows, args.new_tokens, hf=False)
             print(name, out[name], flush=True)

@@ -119,3 +119,36 @@ def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
     want = cached_attention(q.float(), k.float(), v.float(), visible, 0.125)
     got = da.decode_attention(q, k, v, lens, 0.125)
     assert (got.float() - want).abs().max().item() < 2e-2
+
+
+@interpreted
+def test_fused_target_forward_equals_the_eager_forward():
+    """StaticLM with its elementwise chains as Triton kernels (models/fused_target.py: residual add + RMSNorm,
+    RoPE in place, SiLU x up) gives the eager forward's logits and features: a prefill, then one-token steps."""
+    _run_interpreted("""
+        import os
+        import torch
+        from dflash_train.models import static_lm
+        from dflash_train.models.targets import load_target
+
+        target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(3)]
+        outs = []
+        for flag in ("0", "1"):
+            os.environ["DFLASH_FUSED_TARGET"] = flag
+            lm = static_lm.StaticLM(target.model)
+            assert lm._fused == (flag == "1") and lm._fused_mlp
+            cache = lm.cache_for(3, 64)
+            width = max(map(len, prompts))
+            ids = torch.zeros(3, width, dtype=torch.long)
+            for i, p in enumerate(prompts):
+                ids[i, :len(p)] = torch.tensor(p)
+            pos = torch.arange(width).expand(3, width)
+            first = lm.forward(ids, pos, cache, static_lm.bucket(width), layers=(1, 5), prefill=True)
+            step = lm.step(torch.tensor([[7], [8], [9]]), torch.tensor([[len(p)] for p in prompts]), cache,
+                           static_lm.bucket(width + 1), layers=(1, 5))
+            outs.append((first.logits, first.features, step.logits, step.features))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        """)

@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from dflash_train.config import DECODE_KERNEL_ENV
+
 try:
     import triton
     import triton.language as tl
@@ -37,11 +39,11 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
 # latency-bound; the batched-matmul path (two GEMVs, eval's batch 1) stays there. 2x the H200's 132 SMs.
 MIN_PROGRAMS = 264
 BLOCK_N = 64  # key slots per tile: 8 KB of K and 8 KB of V at head_dim 64 in bf16
-ENV = "DFLASH_DECODE_KERNEL"  # "0" turns the kernel off (the batched-matmul path everywhere): A/B runs
+ENV = DECODE_KERNEL_ENV.name  # "0" turns the kernel off (the batched-matmul path everywhere): A/B runs
 
 
 def enabled() -> bool:
-    return triton is not None and os.environ.get(ENV, "1") != "0"
+    return triton is not None and DECODE_KERNEL_ENV.flag(default=True)
 
 
 def _dtypes(device: torch.device) -> tuple[torch.dtype, ...]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.models import decode_attention, graphs
+from dflash_train.models import decode_attention, fused_target, graphs
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
 from dflash_train.models.compiled import CompiledSteps
 from dflash_train.models.graphs import GraphStore
@@ -130,6 +130,9 @@ class StaticLM(CompiledSteps):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._graphs = graphs
         self._cache: StaticCache | None = None
+        # the elementwise chains as Triton kernels (models/fused_target.py) where they run: CUDA, half precision
+        self._fused = fused_target.applies(self.device, self.dtype)
+        self._fused_mlp = fused_target.fusable_mlp(model)
 
     @property
     def device(self) -> torch.device:
@@ -176,34 +179,38 @@ class StaticLM(CompiledSteps):
         x = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(x, pos)
         visible = None if prefill else self._visible(ids, pos, kv_len)
+        fused = self._fused and not torch.compiler.is_compiling()  # a compiled step: inductor fuses them itself
         feats = {}
+        x, h = fused_target.add_rms_norm(x, None, self.base.layers[0].input_layernorm, fused)
         for i, layer in enumerate(self.base.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, pos, visible,
-                                    cache.keys[i], cache.values[i], kv_len)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            a = self._attention(layer.self_attn, h, cos, sin, pos, visible, cache.keys[i], cache.values[i], kv_len,
+                                fused)
+            x, h = fused_target.add_rms_norm(x, a, layer.post_attention_layernorm, fused)
+            m = fused_target.swiglu_mlp(layer.mlp, h, True) if fused and self._fused_mlp else layer.mlp(h)
+            # this layer's residual add with the next norm: the next layer's input norm, or the final one
+            last_layer = i + 1 == self.n_layers
+            norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
+            x, h = fused_target.add_rms_norm(x, m, norm, fused)
             if i in layers:
-                feats[i] = x
-        x = self.base.norm(x)
-        if self.n_layers - 1 in feats:  # HF's hidden_states[N] is the final-normed output
-            feats[self.n_layers - 1] = x
+                feats[i] = h if last_layer else x  # HF's hidden_states[N] is the final-normed output
         features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None
         if logits == "none":
             return StepOut(None, features)
         if logits == "last":
-            x = x[:, -1:] if last is None else x[torch.arange(x.shape[0], device=x.device), last][:, None]
-        return StepOut(self.model.lm_head(x), features)
+            h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
+        return StepOut(self.model.lm_head(h), features)
 
     def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor | Lengths:
         """What each query may see: slots 0..pos. A one-token step of a wide batch on CUDA gets each row's
         key count (Lengths: the decode kernel reads only those slots); others get a mask [b, q, kv_len]."""
         b, q = ids.shape
-        if decode_attention.applies(b, q, self.kv_heads, self.head_dim, self.dtype, ids.device):
+        if not torch.compiler.is_compiling() and decode_attention.applies(b, q, self.kv_heads, self.head_dim, self.dtype, ids.device):
             return Lengths(pos[:, 0] + 1)
         return torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                    visible: torch.Tensor | Lengths | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   kv_len: int) -> torch.Tensor:
+                   kv_len: int, fused: bool) -> torch.Tensor:
         b, q, _ = h.shape
         d = self.head_dim
         qs = attn.q_proj(h).view(b, q, -1, d)
@@ -211,8 +218,8 @@ class StaticLM(CompiledSteps):
         vs = attn.v_proj(h).view(b, q, -1, d)
         if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
+        qs, ks = fused_target.rope_(qs, cos, sin, fused), fused_target.rope_(ks, cos, sin, fused)
         qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)  # [b, heads, q, d]
-        qs, ks = _rope(qs, cos, sin), _rope(ks, cos, sin)
         slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
         k_cache.scatter_(2, slots, ks)  # the new K/V first: a query at pos p sees slot p
         v_cache.scatter_(2, slots, vs)
@@ -240,14 +247,6 @@ class StaticLM(CompiledSteps):
             return self.step_forward(ids, pos, cache, kv_len, layers=layers, logits=logits)
         run = lambda i, p: self.step_forward(i, p, cache, kv_len, layers=layers, logits=logits)  # noqa: E731
         return graphs.replay(cache, (tuple(ids.shape), kv_len, layers, logits), run, ids, pos)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb for one tensor: x [b, h, q, d], cos/sin [b, q, d]."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
