@@ -204,7 +204,8 @@ class StaticLM(CompiledSteps):
         """What each query may see: slots 0..pos. A one-token step of a wide batch on CUDA gets each row's
         key count (Lengths: the decode kernel reads only those slots); others get a mask [b, q, kv_len]."""
         b, q = ids.shape
-        if not torch.compiler.is_compiling() and decode_attention.applies(b, q, self.kv_heads, self.head_dim, self.dtype, ids.device):
+        kernel = decode_attention.applies(b, q, self.kv_heads, self.head_dim, self.dtype, ids.device)
+        if kernel and not torch.compiler.is_compiling():  # compiled steps keep the batched matmuls
             return Lengths(pos[:, 0] + 1)
         return torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
 
