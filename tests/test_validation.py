@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from dflash_train.cli import main
 from dflash_train.data.dataset import PreparedDataset
@@ -143,3 +144,24 @@ def test_held_out_conversations_without_anchors_are_named_as_such(tiny_target, t
     cfg = TrainConfig(run_dir=str(tmp_path), max_length=96, token_budget=192, block_size=4)
     with pytest.raises(UsageError, match="--val-conversations: the held-out conversations have no two consecutive"):
         Validation.build(cfg, tiny_target, NoLabels(), [1, 2, 3])
+
+
+def test_validation_runs_in_the_updates_precision(prepared, tmp_path, monkeypatch):
+    """The held-out forward in the training forward's autocast: on CUDA that is bf16, and outside it the
+    validation computed in float32 (other numbers than training's, and compiled graphs of its own). The CPU
+    update has no autocast; here it is made bf16 on the CPU to see which precision each forward runs in."""
+    from dflash_train.app import validation as validation_mod
+    from dflash_train.training import update as update_mod
+
+    monkeypatch.setattr(update_mod.Update, "autocast", lambda self, device: torch.autocast("cpu", torch.bfloat16))
+    seen = []
+    real_call = validation_mod.Validation.__call__
+
+    def spy(self, objective):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real_call(self, objective)
+
+    monkeypatch.setattr(validation_mod.Validation, "__call__", spy)
+    assert main([*BASE, "--data", prepared, "--run-dir", str(tmp_path / "run"), "--max-steps", "2",
+                 "--val-conversations", "4", "--val-every", "1"]) == 0
+    assert seen == [True, True]
