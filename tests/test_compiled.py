@@ -54,3 +54,20 @@ def test_compiled_forward_blocks_restore_the_nested_trace_flag_in_any_exit_order
     assert torch._dynamo.config.error_on_nested_fx_trace is False  # b is still open
     b.__exit__(None, None, None)
     assert torch._dynamo.config.error_on_nested_fx_trace is before
+
+
+def test_dynamic_compiles_leave_out_the_size_guarded_fusion(monkeypatch):
+    """Inductor's mix-order reduction guards a dynamic token count on rows x columns >= 5 * 2**20, so on CUDA
+    a pack below 9,102 tokens compiled the draft layers again (benchmarks/mix_order_guard.py). Dynamic inductor
+    compiles turn that fusion off; static ones, other backends and an explicit mode keep torch's settings."""
+    seen, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or real(fn, **kw))
+    fn = lambda x: x.sum(0) + x.sum(1)  # noqa: E731
+    compiled.compile_serialized(fn, dynamic=True)
+    compiled.compile_serialized(fn, dynamic={0: 0})
+    compiled.compile_serialized(fn, dynamic=False)
+    compiled.compile_serialized(fn, dynamic=True, backend="eager")
+    compiled.compile_serialized(fn, dynamic=True, mode="max-autotune-no-cudagraphs")
+    options = [kw.get("options") for kw in seen]
+    assert options == [{"triton.mix_order_reduction": False}] * 2 + [None] * 3
+    assert inductor_config.triton.mix_order_reduction is True  # torch's own setting: a compile's option, not a global

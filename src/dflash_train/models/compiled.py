@@ -61,6 +61,29 @@ def allow_recompiles() -> None:
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
 
 
+def size_free_options(dynamic: Mapping[int, int] | bool | None, compile_kwargs: Mapping) -> dict:
+    """Inductor options that keep a dynamic graph free of size guards: {} for static compiles, other
+    backends, an explicit mode or options, or a torch without the setting.
+
+    Inductor's mix-order reduction (a backward's row and column sums of one tensor in one kernel)
+    fuses only when rows x columns >= 5 * 2**20 and guards on that, so a dynamic token count gets
+    specialized there: 9,102 tokens at the drafter's width 576, and a smaller pack (the epoch's
+    leftover) compiled the draft layers and norms again (the H200 recipe's epoch boundary, 17-38 s
+    on a fresh machine; docs/quality.md, session 24). With the fusion off, token counts 4K-16K
+    compiled one graph on the H200 (2026-12-03) where the default compiled two; forward + backward
+    at 16K tokens x 576: RMSNorm 1.15 -> 0.88 ms, RMSNorm + MLP 1.71 -> 1.79 ms
+    (benchmarks/results/mix-order-guard-h200-2026-12-03.json)."""
+    if dynamic is False or compile_kwargs.get("backend", "inductor") != "inductor":
+        return {}
+    if "mode" in compile_kwargs or "options" in compile_kwargs:  # torch.compile takes one of the two
+        return {}
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config.triton, "mix_order_reduction"):  # an older torch: no such fusion
+        return {}
+    return {"triton.mix_order_reduction": False}
+
+
 def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, **compile_kwargs) -> F:
     """torch.compile(fn), each call made under the process's compile lock.
 
@@ -68,9 +91,13 @@ def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, *
     counts change (the context's vs the block's, pack to pack, the last loss chunk), and under
     automatic dynamic shapes each such function compiled twice: static first, then dynamic.
     True or False: torch.compile's own `dynamic` (False: one static variant per shape).
+    Dynamic compiles get `size_free_options`.
     """
     keep_compile_pool()
     allow_recompiles()
+    options = size_free_options(dynamic, compile_kwargs)
+    if options:
+        compile_kwargs["options"] = options
     if isinstance(dynamic, bool):
         compile_kwargs["dynamic"], dynamic = dynamic, None
     compiled = torch.compile(fn, **compile_kwargs)
