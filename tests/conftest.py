@@ -1,11 +1,69 @@
+import random
 import time
 
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.config
+import torch._inductor.config
 
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.targets import load_target
+
+
+def pytest_addoption(parser):
+    parser.addoption("--test-order", default="file", metavar="ORDER",
+                     help="file (as collected), reverse, or shuffle:SEED: run the tests in another order to show "
+                          "what one test leaves behind for the next (scripts/test_orders.sh)")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = config.getoption("--test-order")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        random.Random(int(order.split(":", 1)[1])).shuffle(items)
+    elif order != "file":
+        raise pytest.UsageError(f"--test-order: {order!r} is not file, reverse or shuffle:SEED")
+
+
+_CONFIGS = (torch._dynamo.config, torch._inductor.config)
+
+
+def _torch_state():
+    """What a test could leave changed for every later test in this process (and thread)."""
+    return {"configs": [c.get_config_copy() for c in _CONFIGS], "dtype": torch.get_default_dtype(),
+            "threads": torch.get_num_threads(), "grad": torch.is_grad_enabled()}
+
+
+def _same(a, b) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # values without a plain truth value (tensors, arrays): compare by identity
+        return False
+
+
+def restore_torch_state(before: dict) -> None:
+    """Put back what `_torch_state` saw: only the settings that differ now, or that a test deleted."""
+    for config, saved in zip(_CONFIGS, before["configs"]):
+        now = config.get_config_copy()
+        for key, value in saved.items():
+            if key not in now or not _same(now[key], value):
+                setattr(config, key, value)
+    if torch.get_num_threads() != before["threads"]:
+        torch.set_num_threads(before["threads"])
+    torch.set_default_dtype(before["dtype"])
+    torch.set_grad_enabled(before["grad"])
+
+
+@pytest.fixture(autouse=True)
+def torch_state_restored():
+    """Each test starts from the state the one before it found. The product sets some of torch's config on
+    purpose (models/compiled.py); a test that patched a setting away (pytest's monkeypatch deletes what it
+    did not find in a module's __dict__, where torch's config keeps nothing) broke every compiled test after it."""
+    before = _torch_state()
+    yield
+    restore_torch_state(before)
 
 
 @pytest.fixture(scope="session")

@@ -1,40 +1,66 @@
 """Compiled entry points: one lock, and inductor's compile workers kept up for the whole run."""
 
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 import torch
+import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 
 from dflash_train.models import compiled
 
+_LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
 
+
+# torch's config modules are patched with their own `patch`: pytest's monkeypatch deletes a setting it did not
+# find in the module's __dict__ (where torch's config keeps none), and torch then reports it missing for good.
+quiesce = pytest.mark.skipif(not hasattr(inductor_config, "quiesce_async_compile_pool"),
+                             reason="torch < 2.10 has no compile-pool quiesce")
+
+
+@quiesce
 def test_compiled_functions_keep_the_compile_pool_up(monkeypatch):
     # the pool's idle shutdown/wakeup cycle is where an H200 run hung (models/compiled.py)
     monkeypatch.delenv(compiled.QUIESCE_ENV, raising=False)
-    monkeypatch.setattr(inductor_config, "quiesce_async_compile_pool", True)
-    fn = compiled.compile_serialized(lambda x: x * 2 + 1)
-    assert inductor_config.quiesce_async_compile_pool is False
-    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0))
+    with inductor_config.patch(quiesce_async_compile_pool=True):
+        fn = compiled.compile_serialized(lambda x: x * 2 + 1)
+        assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0))
+        assert inductor_config.quiesce_async_compile_pool is False
 
 
+@quiesce
 def test_the_environment_still_decides_the_compile_pool(monkeypatch):
     monkeypatch.setenv(compiled.QUIESCE_ENV, "1")
-    monkeypatch.setattr(inductor_config, "quiesce_async_compile_pool", True)
-    compiled.compile_serialized(lambda x: x + 1)
-    assert inductor_config.quiesce_async_compile_pool is True
+    with inductor_config.patch(quiesce_async_compile_pool=True):
+        fn = compiled.compile_serialized(lambda x: x + 1)
+        assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))
+        assert inductor_config.quiesce_async_compile_pool is True
 
 
-def test_a_function_compiles_past_torchs_eight_variants(monkeypatch):
+def _twelve_variants(fn) -> None:
+    for n in range(1, 13):  # 12 static shapes: 12 variants
+        assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
+
+
+@pytest.mark.parametrize("where", ["this thread", "another thread"])
+def test_a_function_compiles_past_torchs_eight_variants(where):
     """Training and the evals' decode shapes compile more than 8 variants of one fused chain in one
-    process; past torch's default limit dynamo would run it eagerly from then on."""
-    import torch._dynamo.config as dynamo_config
+    process; past torch's default limit dynamo would run it eagerly from then on. From torch 2.13 a
+    config setting holds in the thread that made it only, and the target's features are computed on a
+    thread of their own: the limit must be raised where the function runs, not only where it was made."""
     from torch._dynamo.testing import CompileCounter
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # torch's default
     counter = CompileCounter()
     torch._dynamo.reset()
     fn = compiled.compile_serialized(lambda x: x * 2 + 1, backend=counter, dynamic=False)  # a variant per shape
-    for n in range(1, 13):  # 12 static shapes: 12 variants
-        assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
-    assert counter.frame_count == 12 and dynamo_config.recompile_limit == compiled.RECOMPILE_LIMIT
+    with dynamo_config.patch(_LIMIT, 8):  # torch's default
+        if where == "this thread":
+            _twelve_variants(fn)
+        else:
+            worker = ThreadPoolExecutor(1)
+            worker.submit(_twelve_variants, fn).result()
+            worker.shutdown()
+    assert counter.frame_count == 12
     torch._dynamo.reset()
 
 

@@ -15,6 +15,10 @@ executor threads left behind across quiesce cycles), and an 8-layer H200 run sto
 at the first recompile that came 60+ s after the previous one (docs/quality.md, session 10-11).
 `compile_serialized` keeps the pool up for the process's life instead, unless the environment
 says otherwise (TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL).
+
+From torch 2.13 a dynamo/inductor config setting holds only in the thread (context) that made it; up to
+2.12 it held for the process. So the settings a compile needs are made in the thread that calls the
+compiled function (the target's features are computed on a thread of their own), not only where it was made.
 """
 
 from __future__ import annotations
@@ -57,8 +61,24 @@ def allow_recompiles() -> None:
     explicit higher setting stays."""
     import torch._dynamo.config as dynamo_config
 
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
-    setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
+    setattr(dynamo_config, _limit_name(), max(getattr(dynamo_config, _limit_name()), RECOMPILE_LIMIT))
+
+
+@functools.cache
+def _limit_name() -> str:
+    import torch._dynamo.config as dynamo_config
+
+    return "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+
+
+def _compile_settings_here() -> None:
+    """`keep_compile_pool` and `allow_recompiles` in the calling thread, unless they hold there already:
+    one config read per call (about a microsecond) where a compiled call launches kernels for milliseconds."""
+    import torch._dynamo.config as dynamo_config
+
+    if getattr(dynamo_config, _limit_name()) < RECOMPILE_LIMIT:
+        keep_compile_pool()
+        allow_recompiles()
 
 
 def size_free_options(dynamic: Mapping[int, int] | bool | None, compile_kwargs: Mapping) -> dict:
@@ -108,6 +128,7 @@ def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, *
         for i, dim in marks:
             torch._dynamo.maybe_mark_dynamic(args[i], dim % args[i].dim())
         with _LOCK:
+            _compile_settings_here()
             return compiled(*args, **kwargs)
     return call  # type: ignore[return-value]
 
