@@ -4,6 +4,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash_train.profiling.flops import Shape, drafter_flops, target_flops
@@ -37,6 +38,7 @@ def test_target_flops_counts_causal_pairs():
     assert target_flops(shape, 2, [3, 2]) == 2 * (2 * shape.linear_params * 5 + shape.attn_pair * (6 + 3))
 
 
+@pytest.mark.slow
 def test_bench_command_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--target", "random:tiny", "--device", "cpu", "--num-layers", "1", "--block-size", "4",
@@ -55,6 +57,7 @@ def test_bench_command_on_cpu(tmp_path):
     assert "verdict" not in res["variants"]["overlap"]
 
 
+@pytest.mark.slow
 def test_cold_start_gives_each_variant_process_empty_compile_caches(monkeypatch):
     from dflash_train.bench.run import _compile_caches, _in_fresh_process
 
@@ -68,6 +71,7 @@ def test_cold_start_gives_each_variant_process_empty_compile_caches(monkeypatch)
         assert _in_fresh_process(os.getenv, "TORCHINDUCTOR_CACHE_DIR") == "/warm"
 
 
+@pytest.mark.slow
 def test_bench_splits_run_the_multi_process_pipeline_on_cpu(tmp_path):
     """--splits: T+D processes over gloo and xN whole pipelines, with verdicts and scaling against one device."""
     out = tmp_path / "multi.json"

@@ -232,6 +232,7 @@ def test_hidden_size_mismatch(tmp_path, capsys):
     assert "hidden_size" in err
 
 
+@pytest.mark.slow
 def test_console_script_usage_error_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dflash_train.cli", "eval", "--drafter", str(tmp_path),
                            "--target", "random:nope"], capture_output=True, text=True)

@@ -247,6 +247,7 @@ def test_the_graphed_device_loop_takes_the_host_loops_steps():
                                                                              host.accepted, host.slots)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_compiled_decode_steps_take_the_eager_steps(device):
     """compile_decode: the target's token steps and verifies and the drafter's steps run through

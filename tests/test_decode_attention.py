@@ -27,6 +27,7 @@ def _run_interpreted(code: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 @interpreted
 def test_kernel_equals_the_batched_matmul_attention():
     """Rows of 1 slot, one tile less one, one tile, one more, and the whole cache; 3 query heads per KV head;
@@ -56,6 +57,7 @@ def test_kernel_equals_the_batched_matmul_attention():
         """)
 
 
+@pytest.mark.slow
 @interpreted
 def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
     """generate() on the tiny target with the kernel on (its one-token steps, every compaction's views) and
@@ -121,6 +123,7 @@ def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
     assert (got.float() - want).abs().max().item() < 2e-2
 
 
+@pytest.mark.slow
 @interpreted
 def test_fused_target_forward_equals_the_eager_forward():
     """StaticLM with its elementwise chains as Triton kernels (models/fused_target.py: residual add + RMSNorm,

@@ -23,6 +23,7 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_three_processes_reproduce_the_single_device_losses(prepared, tmp_path, monkeypatch):
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     one, three = tmp_path / "one", tmp_path / "three"
@@ -46,6 +47,7 @@ def test_three_processes_reproduce_the_single_device_losses(prepared, tmp_path, 
     assert depths and max(depths) <= 2
 
 
+@pytest.mark.slow
 def test_distillation_through_three_processes_equals_one_device(prepared, tmp_path, monkeypatch):
     """--kd-weight: the target workers send one more layer (its final hidden states) and the
     drafter workers distil from it; the losses equal the one-device run's, and differ from hard labels."""
@@ -133,6 +135,7 @@ def test_a_pack_stream_counts_the_tokens_of_an_epoch(prepared):
     assert PackStream(data, 4096, 4, 0, 1).tokens() == int(data.lengths().sum())
 
 
+@pytest.mark.slow
 def test_a_pipeline_per_device_reproduces_the_single_device_losses(prepared, tmp_path, monkeypatch):
     """The same list to both flags: each process holds a target and a drafter; only gradients cross."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
@@ -194,6 +197,7 @@ def _wait_for_workers(proc: subprocess.Popen, n: int, timeout: float = 60) -> li
     raise AssertionError(f"the {n} workers did not start")
 
 
+@pytest.mark.slow
 def test_raising_in_a_target_worker_ends_the_run(prepared, tmp_path):
     proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000"],
                   DFLASH_TRAIN_FAULT="target:30")
@@ -207,6 +211,7 @@ def test_raising_in_a_target_worker_ends_the_run(prepared, tmp_path):
     assert not any(_running(p) for p in workers)
 
 
+@pytest.mark.slow
 def test_raising_in_the_target_of_a_pipeline_per_device_ends_the_run(prepared, tmp_path):
     proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), "--target-devices", "cpu,cpu",
                    "--drafter-devices", "cpu,cpu", "--max-steps", "100000"], DFLASH_TRAIN_FAULT="target:30")
@@ -216,6 +221,7 @@ def test_raising_in_the_target_of_a_pipeline_per_device_ends_the_run(prepared, t
     assert "(both, cpu) exited with code 1" in err
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_named_when_progress_stalls(prepared, tmp_path):
     """SIGSTOP of a drafter worker: after --peer-timeout the run ends naming that worker, not the
     target that stalled behind it."""
@@ -233,6 +239,7 @@ def test_a_stopped_worker_is_named_when_progress_stalls(prepared, tmp_path):
     assert "worker rank 2 (drafter, cpu) is stopped (SIGSTOP or a debugger)" in err
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_drafter_worker_ends_the_run_within_30s(prepared, tmp_path):
     proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000"])
     workers = _wait_for_training(proc, tmp_path)
@@ -246,6 +253,7 @@ def test_kill_9_of_a_drafter_worker_ends_the_run_within_30s(prepared, tmp_path):
     assert not any(_running(p) for p in workers)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_after_a_checkpoint(prepared, tmp_path):
     proc = _start([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "100000",
                    "--checkpoint-every", "0"])
@@ -262,6 +270,7 @@ def test_sigterm_stops_after_a_checkpoint(prepared, tmp_path):
                  "--max-steps", str(int(latest.removeprefix("step_")) + 2)]) == 0
 
 
+@pytest.mark.slow
 def test_torchrun_launch_trains_with_the_same_role_split(prepared, tmp_path):
     """Under torchrun each process takes (role, device) = the lists' entry at LOCAL_RANK."""
     run = tmp_path / "run"

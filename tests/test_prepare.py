@@ -174,6 +174,7 @@ def test_truncation_is_reported(tok, tmp_path):
     assert "1 truncated" in report.summary()
 
 
+@pytest.mark.slow
 def test_worker_processes_prepare_the_same_dataset(tok, tmp_path, monkeypatch):
     """Batches spread over spawned workers (data/parallel.py; the H200 machine's 16 cores get 15)
     give the dataset one process gives, in order, bad records in their place: one rejected by the

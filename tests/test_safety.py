@@ -89,6 +89,7 @@ def test_a_run_dir_whose_drafter_is_foreign_is_refused_before_training(prepared,
 
 # --- 2. one train run per run directory --------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_train_run_on_the_same_run_dir_exits_2(prepared, tmp_path, capsys):
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "dflash_train.cli", *TRAIN, "--data", prepared, "--run-dir",
@@ -111,6 +112,7 @@ def test_a_second_train_run_on_the_same_run_dir_exits_2(prepared, tmp_path, caps
                  str(int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_")) + 1)]) == 0
 
 
+@pytest.mark.slow
 def test_the_lock_dies_with_its_process(tmp_path, capsys):
     from dflash_train.files import DirectoryLock
 

@@ -89,6 +89,7 @@ def test_val_every_must_be_positive(tmp_path):
         TrainConfig(run_dir=str(tmp_path), val_every=0)
 
 
+@pytest.mark.slow
 def test_worker_processes_validate_as_one_process_does(prepared, tmp_path, monkeypatch):
     """A target worker and two drafter workers (gloo), started by the launcher or by torchrun, against
     one process with 2 packs a step: the same training losses and the same held-out values at the same
