@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 _CONFIGS = (torch._dynamo.config, torch._inductor.config)
+_DELETED = object()
 
 
 def _torch_state():
@@ -46,9 +47,9 @@ def _same(a, b) -> bool:
 def restore_torch_state(before: dict) -> None:
     """Put back what `_torch_state` saw: only the settings that differ now, or that a test deleted."""
     for config, saved in zip(_CONFIGS, before["configs"]):
-        now = config.get_config_copy()
-        for key, value in saved.items():
-            if key not in now or not _same(now[key], value):
+        for key, value in saved.items():  # key by key: a deleted setting makes torch's whole-config copy raise
+            now = getattr(config, key, _DELETED)
+            if now is _DELETED or not _same(now, value):
                 setattr(config, key, value)
     if torch.get_num_threads() != before["threads"]:
         torch.set_num_threads(before["threads"])
