@@ -23,6 +23,8 @@ from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
 from dflash_train.models.targets import embedded_gguf_path
 
+pytestmark = pytest.mark.slow  # starts a llama.cpp server process
+
 ROOT = Path(__file__).resolve().parents[1]
 KEY_ENV, KEY = "DFLASH_TEST_SERVER_KEY", "test-key-17"
 ALIAS = "smollm2-135m"

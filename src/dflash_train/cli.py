@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from dflash_train.app.drafter import check_init_drafter_shape, check_num_features
 from dflash_train.app.train import run as run_train
 from dflash_train.bench.config import BenchConfig
 from dflash_train.bench.run import run_bench
-from dflash_train.config import (BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, INTERMEDIATE_SIZE, NUM_LAYERS, REGEN_MAX_NEW_TOKENS,
-                                 RELEASED, SEED, TRACEBACK_ENV, add_arguments, check)
+from dflash_train.config import (BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, INTERMEDIATE_SIZE, NUM_FEATURES, NUM_LAYERS,
+                                 REGEN_MAX_NEW_TOKENS, RELEASED, SEED, TRACEBACK_ENV, add_arguments, check)
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.parallel import default_workers
 from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
@@ -82,11 +83,15 @@ def _check_output_file(path: str, flag: str) -> None:
 def cmd_init_drafter(args) -> int:
     check(NUM_LAYERS, args.num_layers, "--num-layers")
     check(BLOCK_SIZE, args.block_size, "--block-size")
+    check(NUM_FEATURES, args.num_features, "--num-features")
+    if args.num_features is not None and args.target_layer_ids is not None:
+        raise UsageError("--num-features and --target-layer-ids: give one (the ids fix the number of features)")
     check(INTERMEDIATE_SIZE, args.intermediate_size, "--intermediate-size")
     _check_seed(args.seed)
     parse_dtype(args.save_dtype, "--save-dtype")
     check_replaceable(Path(args.out), "--out")  # before loading the target: a wrong --out costs nothing
     target = _load_target(args)
+    check_num_features(target, args.num_features, hint="; or name them with --target-layer-ids")
     cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size,
                              num_features=args.num_features, target_layer_ids=args.target_layer_ids,
                              mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
@@ -155,13 +160,24 @@ def cmd_eval(args) -> int:
 
 
 def cmd_train(args) -> int:
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the checkpoints in --run-dir, --overwrite discards them: give one")
+    cfg = _train_config(args)
+    return run_train(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+
+
+def _train_config(args) -> train_config.TrainConfig:
+    """Defaults < --config FILE (or, on --resume, the run's own config.toml) < flags."""
     base = train_config.read_toml(args.config) if args.config else {}
+    explicit = set(base) | set(train_config.given(args))  # the user's own file and flags, not the run's saved one
     if args.resume and not args.config:
         saved = Path(getattr(args, "run_dir", None) or base.get("run_dir") or train_config.TrainConfig().run_dir) / "config.toml"
         if saved.is_file():
             base = train_config.read_toml(saved)  # resume with the run's own settings unless overridden
     cfg = train_config.from_args(args, base)
-    return run_train(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    if not (args.resume and cfg.init_drafter and not Path(cfg.init_drafter).is_dir()):  # gone: the checkpoint has it
+        check_init_drafter_shape(cfg, explicit)
+    return cfg
 
 
 def cmd_prepare(args) -> int:
@@ -249,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=NUM_LAYERS.default, help=f"draft layers (default {NUM_LAYERS.default})")
     p.add_argument("--block-size", type=int, default=RELEASED["block_size"],
                    help=f"block size B (default {RELEASED['block_size']}, the released drafters')")
-    p.add_argument("--num-features", type=int, default=None, help="number of target feature layers (default 5)")
+    p.add_argument("--num-features", type=int, default=None, help=NUM_FEATURES.help)
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="explicit feature layers, e.g. 1,9,17")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: first spare embedding row, "
                    "else an unused special token")
@@ -287,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--config", default=None, help="TOML file of options (flags override it)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="discard the checkpoints already in --run-dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over: delete the earlier run's outputs that --run-dir's .dflash-train.json lists and "
+                        "that still look like the tool's (docs/training.md); the data caches stay")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     train_config.add_arguments(p)
     p.set_defaults(func=cmd_train)
@@ -310,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_args(p)
     p.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
     p.add_argument("--out", required=True, help="output directory of the prepared dataset")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out when it holds a prepared dataset that dflash-train wrote")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("regenerate", help="let the target write the assistant turns, in-process or through an "

@@ -55,6 +55,8 @@ class Knob:
 # --- the drafter -------------------------------------------------------------------------
 BLOCK_SIZE = Knob(4, "block size B", at_least(2))
 NUM_LAYERS = Knob(1, "draft layers", at_least(1))
+NUM_FEATURES = Knob(None, "target feature layers (default 5, fewer for shallow targets; at most the target's layers "
+                          "1..N-3, over which they are spread)", at_least(1))
 INTERMEDIATE_SIZE = Knob(None, "the draft layers' MLP width (default: the target's); wider adds capacity and training "
                                "FLOPs, while at batch-1 decode its small matmuls are latency-bound", at_least(1))
 # --- the objective -----------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -21,8 +22,10 @@ from dflash_train.errors import UsageError
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """`write(f)` into a temporary sibling of `path`, flushed to disk, then renamed over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """`write(f)` into a temporary sibling of `path`, flushed to disk, then renamed over `path`.
+    A symbolic link at `path` is refused: whoever placed it meant the write for its target."""
+    refuse_symlink(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -91,11 +94,51 @@ class AtomicDirectory:
         old.unlink() if old.is_symlink() or not old.is_dir() else shutil.rmtree(old, ignore_errors=True)
 
 
-def leftovers(name: str) -> tuple[str, ...]:
+def leftovers(name: str, *, exact: bool = False) -> tuple[str, ...]:
     """Glob patterns, beside `name`, of what an interrupted atomic write of `name` can leave (a SIGKILL
     between creating and renaming): write_atomic's temporary file, AtomicDirectory's temporary and
-    set-aside directories. `name` may itself be a glob ("step_*")."""
+    set-aside directories. `name` may itself be a glob ("step_*").
+
+    exact: only the names these writers make now, for names where a user's own `.NAME.bak` may sit
+    beside ours (config.toml); the broad pattern stays for names whose older temporaries lack a suffix."""
+    if exact:
+        return (f".{name}.*.tmp", f".{name}.tmp-*", f".{name}.old-*")
     return (f".{name}.*",)
+
+
+def refuse_symlink(path: Path, where: str = "") -> None:
+    """UsageError when `path` is a symbolic link: writing through it would change a file elsewhere."""
+    if Path(path).is_symlink():
+        raise UsageError(f"{where}{path}: is a symbolic link; refusing to write through it (remove it)")
+
+
+# --- what the tool wrote: the manifest of a directory it created ------------------------------
+
+MANIFEST = ".dflash-train.json"  # {"written_by": "dflash-train", "kind": ..., "entries": {name: {...}}}
+
+
+def read_manifest(directory: Path) -> dict[str, dict] | None:
+    """The entries the tool recorded in `directory`, or None when it holds no readable manifest of ours."""
+    path = Path(directory) / MANIFEST
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    ok = isinstance(raw, dict) and raw.get("written_by") == "dflash-train" and isinstance(raw.get("entries"), dict)
+    return raw["entries"] if ok else None
+
+
+def manifest_bytes(kind: str, entries: dict[str, dict]) -> bytes:
+    return (json.dumps({"written_by": "dflash-train", "kind": kind, "entries": entries}, indent=1,
+                       sort_keys=True) + "\n").encode()
+
+
+def write_manifest(directory: Path, kind: str, entries: dict[str, dict]) -> None:
+    """Record what the tool wrote in `directory` (atomically: a kill leaves the old record or the new)."""
+    data = manifest_bytes(kind, entries)
+    write_atomic(Path(directory) / MANIFEST, lambda f: f.write(data))
 
 
 def _fsync_tree(root: Path) -> None:
@@ -157,7 +200,12 @@ class DirectoryLock:
         """Take the lock; None on success, else the holder's PID (0 when it has not written it yet)."""
         import fcntl
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # O_NOFOLLOW: a link planted as .lock would have us truncate its target
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                refuse_symlink(self.path)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

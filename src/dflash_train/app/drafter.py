@@ -7,31 +7,76 @@ from pathlib import Path
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.models.checkpoint import load_drafter
-from dflash_train.models.config import DFlashConfig
+from dflash_train.config import flag
+from dflash_train.models.checkpoint import load_config, load_drafter
+from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target
 from dflash_train.training.config import TrainConfig
 
 
+# The flags that shape a fresh drafter; a starting drafter (--init-drafter, a checkpoint) has its own.
+SHAPE_FLAGS = ("num_layers", "block_size", "num_features", "sliding_layers", "sliding_window", "intermediate_size")
+
+
 def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:
+    check_num_features(target, cfg.num_features)
     return drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
                               num_features=cfg.num_features, dtype=cfg.export_dtype,
                               num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window,
                               intermediate_size=cfg.intermediate_size)
 
 
+def max_features(num_target_layers: int) -> int:
+    """Features are spread over distinct layers from 1 to N-3 (models/config.py); a shallower target gives one."""
+    return max(1, num_target_layers - 3)
+
+
+def check_num_features(target: Target, num_features: int | None, hint: str = "") -> None:
+    """More features than distinct layers would repeat layers: slots holding copies of the same features."""
+    limit = max_features(target.num_layers)
+    if num_features is not None and num_features > limit:
+        raise UsageError(f"--num-features {num_features}: at most {limit} for target {target.spec} "
+                         f"({target.num_layers} layers; the features take distinct layers between 1 and N-3){hint}")
+
+
+def check_init_drafter_shape(cfg: TrainConfig, explicit: set[str]) -> None:
+    """--init-drafter's config fixes the shape: a shape flag given beside it that disagrees would be
+    ignored, so it is refused (one that agrees is harmless)."""
+    asked = [k for k in SHAPE_FLAGS if k in explicit]
+    if not cfg.init_drafter or not asked:
+        return
+    theirs = shape(load_config(cfg.init_drafter, "--init-drafter"))
+    bad = [f"{flag(k)} {getattr(cfg, k)} (the drafter's: {theirs[k]})" for k in asked if getattr(cfg, k) != theirs[k]]
+    if bad:
+        raise UsageError(f"--init-drafter {cfg.init_drafter} fixes the drafter's shape, and {', '.join(bad)} differ "
+                         "from it: drop these flags (or match them), or leave out --init-drafter")
+
+
+def shape(saved: DFlashConfig) -> dict:
+    """A drafter config's values of SHAPE_FLAGS."""
+    sliding = sum(t == SLIDING_ATTENTION for t in saved.layer_types)
+    return {"num_layers": saved.num_hidden_layers, "block_size": saved.block_size,
+            "num_features": len(saved.target_layer_ids), "sliding_layers": sliding,
+            "sliding_window": saved.sliding_window if sliding else None,
+            "intermediate_size": saved.intermediate_size}
+
+
 def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashDrafter:
+    # Each source names its own flag when it does not fit the target (--target against it).
     if resume_ckpt is not None:
-        drafter = load_drafter(resume_ckpt / "drafter", dtype=torch.float32)
+        drafter = load_drafter(resume_ckpt / "drafter", dtype=torch.float32, flag="--resume")
+        where = f"--resume {resume_ckpt} with --target {cfg.target}"
     elif cfg.init_drafter:
         drafter = load_drafter(cfg.init_drafter, dtype=torch.float32, flag="--init-drafter")
+        where = f"--init-drafter {cfg.init_drafter} with --target {cfg.target}"
     else:
         drafter = new_drafter(drafter_config(cfg, target), cfg.seed, target.device)
+        where = f"--target {cfg.target}"
         if cfg.init_from_target:
             init_from_target(drafter, target)
-    check_compatible(drafter, target)
+    check_compatible(drafter, target, where)
     return drafter.to(device=target.device, dtype=torch.float32)  # fp32 master weights
 
 

@@ -24,7 +24,7 @@ import torch
 from dflash_train.app.dataset import feature_layers, open_prepared
 from dflash_train.app.drafter import drafter_config, make_drafter
 from dflash_train.app.local import feature_cache, features_here, flop_counter, total_steps
-from dflash_train.app.run_dir import export_drafter, run_dir_lock
+from dflash_train.app.run_dir import export_drafter, run_dir_lock, write_config
 from dflash_train.app.validation import Validation
 from dflash_train.data.label_columns import feature_width
 from dflash_train.data.validation_split import split_validation
@@ -131,7 +131,7 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
                          resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state),
                          total_steps=total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state), progress=progress)
         if writer:
-            (run_dir / "config.toml").write_text(cfg.to_toml())
+            write_config(run_dir, cfg)
         drafter = run_rank(work, spec, Peers.unwatched(len(devices)))
         if drafter is not None and writer:
             export = export_drafter(drafter, run_dir, cfg)

@@ -4,6 +4,7 @@
     RUN_DIR/checkpoints/      training/checkpoint.py
     RUN_DIR/drafter/          the exported drafter (reference format, --export-dtype)
     RUN_DIR/data-*, regenerated-*.jsonl   the data caches (app/dataset.py), kept by --overwrite
+    RUN_DIR/.dflash-train.json   what the tool wrote there (app/owned.py): all it may write over or delete
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflash_train.app.owned import TOP_LEFTOVERS, check_removable, check_run_dir, claim, settle
 from dflash_train.app.validation import VALIDATION_FILE
 from dflash_train.errors import UsageError, say
-from dflash_train.files import DirectoryLock
+from dflash_train.files import DirectoryLock, write_atomic
 from dflash_train.models.checkpoint import check_replaceable, load_config, parse_dtype, save_drafter
 from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
@@ -28,7 +30,9 @@ _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.js
 @contextmanager
 def run_dir_lock(run_dir: Path):
     """One train job per run directory: a second one would interleave metrics.jsonl and overwrite
-    the first one's checkpoints and drafter. Held for the whole job; the OS drops it when we exit."""
+    the first one's checkpoints and drafter. Held for the whole job; the OS drops it when we exit.
+    A directory the tool did not create is refused before the lock file is written into it."""
+    check_run_dir(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = DirectoryLock(run_dir)
@@ -40,9 +44,20 @@ def run_dir_lock(run_dir: Path):
         raise UsageError(f"--run-dir {run_dir} is in use by another train run{pid}; "
                          "wait for it to end or choose another --run-dir")
     try:
-        yield
+        claim(run_dir, check_run_dir(run_dir))  # checked again under the lock: the first look raced other jobs
+        try:
+            yield
+        finally:
+            _settle(run_dir)
     finally:
         lock.release()
+
+
+def _settle(run_dir: Path) -> None:
+    try:
+        settle(run_dir)
+    except (OSError, UsageError):  # the job's own error, if any, is the one to report; the next claim redoes it
+        pass
 
 
 def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Path, Path | None]:
@@ -52,10 +67,9 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Pa
         if not overwrite:
             raise UsageError(f"--run-dir {run_dir} holds another run's checkpoints; pass --resume to continue it "
                              "or --overwrite to start over")
-        for name in _RUN_OUTPUTS:  # keep the data caches: they are keyed by their settings
-            path = run_dir / name
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    removed = sweep_temporaries(run_dir)  # we hold the run directory's lock: nobody else is writing them
+        for path in check_removable(run_dir, _RUN_OUTPUTS):  # keep the data caches: keyed by their inputs, still valid
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    removed = sweep_temporaries(run_dir, TOP_LEFTOVERS)  # we hold the run directory's lock: nobody else writes them
     (run_dir / VALIDATION_FILE).unlink(missing_ok=True)  # a killed multi-process run's held-out packs
     if removed:
         say(f"removed {len(removed)} leftover(s) of interrupted writes: {', '.join(removed[:3])}"
@@ -69,9 +83,14 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Pa
         check_resume_split(cfg, run_dir / "config.toml")
     for name in ("drafter", "init_drafter"):  # refused now rather than after the training
         check_replaceable(run_dir / name, "--run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
+    write_config(run_dir, cfg)
     return run_dir, ckpt
+
+
+def write_config(run_dir: Path, cfg: TrainConfig) -> None:
+    """RUN_DIR/config.toml, the resolved settings, written whole or not at all (never through a symlink)."""
+    toml = cfg.to_toml().encode()
+    write_atomic(run_dir / "config.toml", lambda f: f.write(toml))
 
 
 def check_resume_shape(cfg: TrainConfig, saved) -> None:

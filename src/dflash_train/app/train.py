@@ -1,7 +1,7 @@
 """`dflash-train train`: from conversations to an exported, evaluated drafter in one command.
 
     1. data     conversations (train split) -> target-regenerated replies -> tokenized dataset,
-                each stage cached in the run directory under a key of its settings (app/dataset.py)
+                each stage cached in the run directory under a key of its inputs' content (app/dataset.py)
     2. drafter  a fresh drafter shaped for the target (or --init-drafter, or the checkpoint on --resume)
     3. tau      of the drafter before training, when it starts trained (--eval-before)
     4. train    one device (app/local.py) or one process per device (app/ranks.py):
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.app.dataset import build_dataset, feature_layers
-from dflash_train.app.drafter import check_mask_token_absent, make_drafter
+from dflash_train.app.drafter import check_mask_token_absent, check_num_features, make_drafter
 from dflash_train.app.local import total_steps, train_local
 from dflash_train.app.phases import Phases
 from dflash_train.app.ranks import launch_workers, run_torchrun_rank, under_torchrun, worker_roles
@@ -88,6 +88,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     with phases.time("load target"):
         target = load_target(cfg.target, device=device)
     say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
+    if not (cfg.init_drafter or ckpt):  # a starting drafter or checkpoint fixes the features itself
+        check_num_features(target, cfg.num_features)  # before the data work
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
                if cfg.eval_limit else [])
     dataset = build_dataset(cfg, target, run_dir, progress, phases)

@@ -14,7 +14,8 @@ memory-maps instead of loading:
 
 The directory is written atomically: everything goes to a temporary sibling that is renamed
 into place at the end, so an interrupted run never leaves a half-written dataset that looks
-complete. An existing non-empty directory is only replaced when asked to.
+complete. An existing non-empty directory is only replaced when asked to, and only when it is a
+prepared dataset the tool wrote (recorded in its .dflash-train.json, files.py's manifest).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from itertools import islice
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from dflash_train.data.parallel import map_tokenized
 from dflash_train.data.sources import ON_BAD, Conversation
 from dflash_train.data.tokenize import encode_chats, end_of_turn_ids, template_ids, truncate
 from dflash_train.errors import UsageError
-from dflash_train.files import AtomicDirectory
+from dflash_train.files import MANIFEST, AtomicDirectory, leftovers, manifest_bytes, read_manifest, refuse_symlink
 
 FORMAT = "dflash-train-prepared"
 FORMAT_VERSION = 1
@@ -71,10 +73,11 @@ class PrepareReport:
 def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: str | os.PathLike, *,
                     max_length: int, on_bad: str = "error", target_spec: str = "",
                     source_summary: Callable[[], str] | None = None, overwrite: bool = False,
-                    workers: int = 1) -> PrepareReport:
+                    workers: int = 1, out_flag: str = "--out") -> PrepareReport:
     """Tokenize `conversations` and write the prepared dataset to `out_dir` (see module docstring).
 
     workers: processes to tokenize in (data/parallel.py; the commands pass default_workers()).
+    out_flag: the flag that chose `out_dir`, for messages (the train job's data lives in its --run-dir).
 
     source_summary is called after the conversations are consumed, so it can report on a lazy
     source (e.g. `SourceReport.summary`) that only knows its counts once iteration is done.
@@ -84,7 +87,7 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
     if on_bad not in ON_BAD:
         raise UsageError(f"--on-bad must be one of {ON_BAD}, got {on_bad!r}")
     out = Path(out_dir)
-    _check_writable(out, overwrite)  # fail before the slow part
+    _check_writable(out, overwrite, out_flag)  # fail before the slow part
 
     report = PrepareReport()
     stops = end_of_turn_ids(tokenizer)
@@ -128,7 +131,7 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
         "skipped": report.skipped,
         "source": source_summary() if source_summary is not None else "",
     }
-    write_sequences(out, seq_ids, seq_masks, conv_ids, meta, overwrite)
+    write_sequences(out, seq_ids, seq_masks, conv_ids, meta, overwrite, out_flag)
     return report
 
 
@@ -150,7 +153,7 @@ def _encode_batch(tokenizer, job: tuple[list[Conversation], list[int]]) -> list:
 
 
 def write_sequences(out: Path, ids: list[np.ndarray], masks: list[np.ndarray], conv_ids: list[str], meta: dict,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False, out_flag: str = "--out") -> None:
     """Store token sequences and their loss masks as a prepared dataset (`meta` adds to the format fields)."""
     lengths = np.array([len(a) for a in ids], dtype=np.int64)
     arrays = {
@@ -159,7 +162,7 @@ def write_sequences(out: Path, ids: list[np.ndarray], masks: list[np.ndarray], c
         "offsets.npy": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
     }
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "sequences": len(conv_ids), **meta}
-    _write_atomically(Path(out), arrays, conv_ids, meta, overwrite)
+    _write_atomically(Path(out), arrays, conv_ids, meta, overwrite, out_flag)
 
 
 def _check_matches_template(tokenizer, conv: Conversation, ids: list[int], target_spec: str) -> None:
@@ -175,29 +178,75 @@ def _check_matches_template(tokenizer, conv: Conversation, ids: list[int], targe
 
 # --- writing -------------------------------------------------------------------------------
 
-def _check_writable(out: Path, overwrite: bool) -> None:
+def _check_writable(out: Path, overwrite: bool, flag: str) -> None:
+    """`out` may be written when it is absent or empty, and replaced (--overwrite) only when it is a
+    prepared dataset the tool wrote: replacing deletes the old directory whole."""
+    refuse_symlink(out, f"{flag}: ")
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out: {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"--out: {out} already exists and is not empty; choose a new directory or remove it")
+        raise UsageError(f"{flag}: {out} exists and is not a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    foreign = foreign_dataset_entry(out)
+    if foreign is not None:
+        raise UsageError(f"{flag}: {foreign} was not written by dflash-train prepare; refusing to replace "
+                         f"{out} (choose a new or empty directory)")
+    if not overwrite:
+        raise UsageError(f"{flag}: {out} already holds a prepared dataset; --overwrite replaces it, or choose "
+                         "a new directory")
+
+
+# Written later beside the dataset's files, atomically: relabel's labels, the train job's record of the
+# inputs its data cache was prepared from (app/dataset.py)
+_ADDED = (LABELS, "inputs.json")
+_ADDED_LEFTOVERS = tuple(p for name in _ADDED for p in leftovers(name))
+
+
+def foreign_dataset_entry(path: Path) -> Path | None:
+    """The first entry of directory `path` that is not part of a prepared dataset the tool wrote; None
+    when all are. With a manifest its files must keep their recorded sizes; a dataset written before
+    the manifest is recognized by its file names and meta.json's format."""
+    recorded = read_manifest(path)
+    known = {*_ARRAYS, "ids.json", "meta.json", *_ADDED, MANIFEST}
+    entries = sorted(path.iterdir())
+    for entry in entries:
+        if entry.is_symlink() or not entry.is_file():
+            return entry
+        if recorded is not None and entry.name in recorded:
+            if entry.stat().st_size != recorded[entry.name].get("size"):
+                return entry  # rewritten since: no longer what the tool wrote
+        elif entry.name not in known and not any(fnmatch(entry.name, p) for p in _ADDED_LEFTOVERS):
+            return entry
+    if recorded is None and not _is_dataset_meta(path / "meta.json"):
+        return entries[0]
+    return None
+
+
+def _is_dataset_meta(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
 
 
 def _write_atomically(out: Path, arrays: dict[str, np.ndarray], conv_ids: list[str], meta: dict,
-                      overwrite: bool) -> None:
+                      overwrite: bool, flag: str) -> None:
     """Fill a temporary sibling of `out`, then rename it into place (a previous dataset is replaced last)."""
     try:
         staged = AtomicDirectory(out)
     except OSError as e:
-        raise UsageError(f"--out: cannot create {out}: {e.strerror}") from None
+        raise UsageError(f"{flag}: cannot create {out}: {e.strerror}") from None
     try:
         with staged as tmp:
             for name, arr in arrays.items():
                 np.save(tmp / name, arr)
             (tmp / "ids.json").write_text(json.dumps(conv_ids, ensure_ascii=False))
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-            _check_writable(out, overwrite)  # again: something may have appeared while we tokenized
+            # what --overwrite may replace later: these files, at these sizes
+            (tmp / MANIFEST).write_bytes(manifest_bytes("prepared-dataset", {
+                p.name: {"size": p.stat().st_size} for p in sorted(tmp.iterdir())}))
+            _check_writable(out, overwrite, flag)  # again: something may have appeared while we tokenized
     except OSError as e:
-        raise UsageError(f"--out: cannot write {out}: {e.strerror or e}") from None
+        raise UsageError(f"{flag}: cannot write {out}: {e.strerror or e}") from None
 
 
 # --- reading -------------------------------------------------------------------------------

@@ -20,6 +20,12 @@ written. During the run, timeouts, dropped connections, 429 and 5xx are retried 
 backoff (`retries` times); a request that still fails, or gets another 4xx, fails its
 conversation: not written (a rerun retries it), counted. `max_failures` failures in a row stop
 the run with one line (ServerUnavailable, exit 1); every conversation finished before is on disk.
+A run whose every conversation failed (fewer than `max_failures`) ends the same way (NothingWritten,
+exit 1), naming the count and the first error.
+
+Secrets: the API key and a URL's user:password are never printed or written. The URL in records and
+messages is stripped of its credentials (sent as basic auth instead), and every message, a server's
+error body included (some echo the request's headers), has the key and the password redacted.
 
 Sampling: temperature as given, with top_p 1, top_k and min_p off: the target's own tempered
 distribution, as in-process (llama.cpp's defaults, top_k 40, top_p 0.95, min_p 0.05, would cut
@@ -39,6 +45,7 @@ depend on the server's parser; `drop` writes the answer alone.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
@@ -46,9 +53,9 @@ import random
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 try:
     import httpx2 as httpx  # the maintained httpx line (same API); huggingface_hub depends on it too
@@ -60,7 +67,7 @@ except ImportError:  # older huggingface_hub stacks ship httpx; train imports th
 from tqdm import tqdm
 
 from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, append, pending, reply_segments,
-                                            resume, with_samples)
+                                            resume, with_samples, without_credentials)
 from dflash_train.data.sources import Conversation
 from dflash_train.data.tokenize import template_ids
 from dflash_train.errors import UsageError
@@ -76,6 +83,11 @@ class ServerUnavailable(UsageError):
     command was right, and rerunning it once the server is back continues where it stopped."""
 
     exit_code = 1
+
+
+class NothingWritten(ServerUnavailable):
+    """Every conversation the run tried failed (fewer than the breaker's count): exit 1, not a
+    success that wrote nothing."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,13 +112,17 @@ class ServerConfig:
     """Requests failed for good in a row that stop the run: the circuit breaker (--max-failures)."""
     backoff: float = 0.5
     """Seconds before the first retry; doubled at each, jittered, at most 30 s."""
+    credentials: tuple[str, str] | None = field(default=None, init=False, repr=False)
+    """user and password of a URL http://user:password@host, sent as basic auth; `url` is kept without them."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UsageError(f"--server must be an http:// or https:// URL such as http://127.0.0.1:8000, "
-                             f"got {self.url!r}")
-        self.url = self.url.rstrip("/").removesuffix("/v1").rstrip("/")
+                             f"got {without_credentials(self.url)!r}")
+        if "@" in parts.netloc:
+            self.credentials = (unquote(parts.username or ""), unquote(parts.password or ""))
+        self.url = without_credentials(self.url).rstrip("/").removesuffix("/v1").rstrip("/")
         if self.concurrency < 1:
             raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.reasoning not in REASONING:
@@ -127,6 +143,21 @@ class ServerConfig:
         if not key:
             raise UsageError(f"--api-key-env {self.api_key_env}: the environment variable is not set")
         return key
+
+    def redact(self, text: str) -> str:
+        """`text` with the key and the URL's password replaced: a server may echo a request's headers
+        in its error body, and what we print ends up in logs."""
+        for secret in sorted(self._secrets(), key=len, reverse=True):
+            text = text.replace(secret, "<redacted>")
+        return text
+
+    def _secrets(self) -> list[str]:
+        found = [os.environ.get(self.api_key_env) or ""] if self.api_key_env else []
+        if self.credentials is not None:
+            user, password = self.credentials
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()  # the Authorization: Basic header
+            found += [password, quote(password, safe=""), token]
+        return [s for s in found if s]
 
 
 def parse_template_kwargs(text: str | None) -> dict | None:
@@ -153,7 +184,10 @@ def regenerate_via_server(conversations: Iterable[Conversation], out_path: Path,
     """
     if cfg.max_context is not None and tokenizer is None:
         raise UsageError("--max-context with --server needs --target: its tokenizer counts each prompt's tokens")
-    return asyncio.run(_Run(conversations, Path(out_path), cfg, server, tokenizer, tokenizer_name, progress).main())
+    try:
+        return asyncio.run(_Run(conversations, Path(out_path), cfg, server, tokenizer, tokenizer_name, progress).main())
+    except UsageError as e:  # every message we print, whichever part of the run wrote it
+        raise type(e)(server.redact(str(e))) from None
 
 
 @dataclass
@@ -171,6 +205,7 @@ class _Run:
         self.tokenizer, self.tokenizer_name, self.progress = tokenizer, tokenizer_name, progress
         self.report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
         self.failures_in_row = 0
+        self.first_error: str | None = None  # of a conversation that failed for good
         self.model = server.model or ""  # then the name /v1/models confirms
         self.header: dict = {}
         self.client: httpx.AsyncClient | None = None  # set while main() runs, with the file and the bar
@@ -186,7 +221,8 @@ class _Run:
         timeout = httpx.Timeout(self.server.request_timeout, connect=min(10.0, self.server.request_timeout))
         limits = httpx.Limits(max_connections=self.server.concurrency,
                               max_keepalive_connections=self.server.concurrency)
-        async with httpx.AsyncClient(base_url=self.server.url, headers=headers, timeout=timeout,
+        auth = httpx.BasicAuth(*self.server.credentials) if self.server.credentials else None
+        async with httpx.AsyncClient(base_url=self.server.url, headers=headers, auth=auth, timeout=timeout,
                                      limits=limits) as client:
             self.client = client
             self.model = await self._preflight()
@@ -203,7 +239,14 @@ class _Run:
                     await self._run_all(todo)
                 finally:
                     self.report.seconds = time.perf_counter() - t0
+        self._check_any_written()
         return self.report
+
+    def _check_any_written(self) -> None:
+        rep = self.report
+        if rep.failed and not rep.written:
+            raise NothingWritten(f"--server {self.server.url}: all {rep.failed} conversations this run tried failed "
+                                 f"(none written), the first with: {self.first_error}")
 
     # --- before any work: is this the server and the model we think? ---------------------------
 
@@ -344,6 +387,8 @@ class _Run:
         return None
 
     def _failed(self, error: str) -> None:
+        error = self.server.redact(error)
+        self.first_error = self.first_error or error
         self.report.failed += 1
         self.failures_in_row += 1
         if self.failures_in_row >= self.server.max_failures:

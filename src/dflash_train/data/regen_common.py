@@ -23,6 +23,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from tqdm import tqdm
 
@@ -253,10 +254,20 @@ def check_same_run(path: Path, lineno: int, record: dict, header: dict) -> None:
     """Refuse to mix outputs of different targets, servers or settings in one file."""
     ours = {k: v for k, v in {"server": None, **header}.items() if k in record or k not in UNKNOWN_BEFORE}
     theirs = {k: record.get(k, HEADER_DEFAULTS.get(k)) for k in ours}
+    if isinstance(theirs["server"], str):  # files written before URLs lost their credentials: same server
+        theirs["server"] = without_credentials(theirs["server"])
     if theirs != ours:
         diff = ", ".join(f"{k} {theirs[k]!r} (this run: {ours[k]!r})" for k in ours if theirs[k] != ours[k])
         raise UsageError(f"{path}:{lineno}: was regenerated with {diff}; write to a new file or rerun with "
                          "the same settings")
+
+
+def without_credentials(url: str) -> str:
+    """`url` without its user:password@ part: records and messages are read by others, and kept."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def append(out, records: list[dict]) -> None:

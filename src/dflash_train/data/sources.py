@@ -119,7 +119,9 @@ def _raw_records(source: str, report: SourceReport, on_bad: str, flag: str) -> I
     path = Path(source)
     if not path.is_file():
         raise UsageError(f"{flag}: {source} is neither 'sharegpt' nor an existing .json/.jsonl file")
-    if path.suffix == ".json":
+    if path.suffix.lower() not in (".json", ".jsonl"):  # any other file would be read as JSONL, bytes and all
+        raise UsageError(f"{flag}: {source} is not a .json or .jsonl file (JSON array or one conversation a line)")
+    if path.suffix.lower() == ".json":
         try:
             data = json.loads(path.read_bytes().decode("utf-8"))
         except UnicodeDecodeError as e:

@@ -84,15 +84,17 @@ def has_checkpoints(run_dir: Path) -> bool:
 _ATOMIC_WRITES = {"checkpoints": ("step_*", LATEST), ".": ("drafter", "init_drafter")}
 
 
-def sweep_temporaries(run_dir: Path) -> list[str]:
-    """Remove the leftovers of interrupted writes; called by the run that holds the run directory's lock."""
+def sweep_temporaries(run_dir: Path, top: tuple[str, ...] = ()) -> list[str]:
+    """Remove the leftovers of interrupted writes; called by the run that holds the run directory's lock.
+    top: glob patterns of more such temporaries in the run directory itself (the run's other writes)."""
+    patterns = {sub: [p for name in names for p in leftovers(name)] for sub, names in _ATOMIC_WRITES.items()}
+    patterns["."] += top
     removed = []
-    for sub, names in _ATOMIC_WRITES.items():
+    for sub, globs in patterns.items():
         root = Path(run_dir) / sub
-        for pattern in [p for name in names for p in leftovers(name)] if root.is_dir() else ():
-            for path in root.glob(pattern):
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-                removed.append(str(path.relative_to(run_dir)))
+        for path in sorted({path for g in globs for path in root.glob(g)} if root.is_dir() else ()):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink()
+            removed.append(str(path.relative_to(run_dir)))
     return removed
 
 

@@ -18,10 +18,12 @@ from typing import Any, Literal
 
 from dflash_train import config
 from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, GAMMA, INTERMEDIATE_SIZE, KD_WEIGHT,
-                                 LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_LAYERS, PROFILE_INTERVAL_ENV, REGEN_MAX_NEW_TOKENS,
-                                 SEED, AttentionBackend, field_types, flag, knob_field, opt, validate)
+                                 LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_FEATURES, NUM_LAYERS, PROFILE_INTERVAL_ENV,
+                                 REGEN_MAX_NEW_TOKENS, SEED, AttentionBackend, field_types, flag, knob_field, opt,
+                                 validate)
 from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
+from dflash_train.eval.prompts import DATASETS
 from dflash_train.objective.objective import ObjectiveConfig
 from dflash_train.profiling.session import ProfilingConfig
 from dflash_train.profiling.tools import parse_steps
@@ -62,7 +64,7 @@ class TrainConfig:
     # --- drafter ---------------------------------------------------------------------
     num_layers: int = knob_field(NUM_LAYERS)
     block_size: int = knob_field(BLOCK_SIZE)
-    num_features: int | None = opt(None, "target feature layers (default 5, fewer for shallow targets)")
+    num_features: int | None = knob_field(NUM_FEATURES)
     init_drafter: str | None = opt(None, "start from this drafter directory instead of a fresh init")
     init_from_target: bool = opt(True, "initialise the draft layers from the target's last layers and final norm "
                                  "(else random); needs matching shapes")
@@ -179,6 +181,8 @@ class TrainConfig:
             raise UsageError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_steps == 0 and not self.epochs > 0:
             raise UsageError("--epochs must be > 0 when --max-steps is 0")
+        if self.eval_limit:
+            _check_eval_dataset(self.eval_dataset)
 
     def torch_profile_steps(self) -> tuple[int, int]:
         return parse_steps(self.torch_profile or "", "--torch-profile")
@@ -258,6 +262,15 @@ def sections() -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+def _check_eval_dataset(name: str) -> None:
+    """Before the target loads; the eval reader's own messages name eval's --dataset."""
+    if name in DATASETS or Path(name).is_file():
+        return
+    if name.endswith((".jsonl", ".json")):
+        raise UsageError(f"--eval-dataset: file {name} not found")
+    raise UsageError(f"--eval-dataset: unknown dataset {name!r} (choose {', '.join(DATASETS)} or a .jsonl file)")
+
+
 def _flag(name: str) -> str:
     return flag(name)[2:]
 
@@ -283,6 +296,8 @@ def _field_types() -> dict[str, tuple[type, ...]]:
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Keys of a flat TOML file, each checked against TrainConfig's fields and types."""
     path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--config {path}: is a directory, not a TOML file")
     if not path.is_file():
         raise UsageError(f"--config: {path} not found")
     try:
@@ -315,8 +330,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser, TrainConfig, suppress=True)
 
 
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given on the command line (add_arguments leaves the others unset)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
 def from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults < base (a TOML's values) < flags given on the command line."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    given = {k: v for k, v in vars(args).items() if k in names}
-    return TrainConfig(**((base or {}) | given))
+    return TrainConfig(**((base or {}) | given(args)))
