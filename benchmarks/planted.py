@@ -1,4 +1,4 @@
-"""`dflash-train` with a planted regression: the proof that `profile-report --compare` finds it (issue #19).
+"""`dflash-train` with a planted regression: the proof that `profile-report --compare` finds it.
 
     PLANT=sync:drafter.lm_head_loss  python3 benchmarks/planted.py train ARGS   # + torch.cuda.synchronize()
     PLANT=churn:drafter.lm_head_loss python3 benchmarks/planted.py train ARGS   # + allocator churn

@@ -1,4 +1,4 @@
-"""The reports and the summary of benchmarks/profile_h200.sh (issue #19's H200 measurements).
+"""The reports and the summary of benchmarks/profile_h200.sh (the H200 measurements of docs/profiling.md, "Overhead").
 
     python3 benchmarks/profile_h200.py reports OUT_DIR   # profile-report of a, b, c; --compare a->b, a->c (+ views)
     python3 benchmarks/profile_h200.py summary OUT_DIR   # OUT_DIR/summary.txt: verdicts, compares, bench

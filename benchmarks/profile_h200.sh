@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #19's measurements on one H200 in one go (docs/profiling.md, the TODO under "## Overhead"):
+# The profiler's measurements on one H200 in one go (docs/profiling.md, "## Overhead"):
 #   bash benchmarks/profile_h200.sh OUT_DIR      # on the lent GPU machine: OUT_DIR under $OUT (a few MB)
 # Needs the SmolLM2 GGUF target (smollm2-135m) in the dflash-train cache; ShareGPT is embedded.
 # Steps, each logged to OUT_DIR/<step>.log (rc and seconds in OUT_DIR/steps.tsv; a failing step

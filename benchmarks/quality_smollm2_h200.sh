@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #14's record run: configs/smollm2-h200.toml end to end on one GPU, timed as a user runs it
+# The quality record run: configs/smollm2-h200.toml end to end on one GPU, timed as a user runs it
 # (data, regeneration, training, export and the config's own HumanEval eval, with the target-only
 # baseline), then tau on MT-Bench (all 80 first turns, 10 per category: the file is sorted by category,
 # so its first 40 hold 4 of the 8) and held-out ShareGPT (40 prompts); T=0, 128 new tokens.
