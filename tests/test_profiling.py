@@ -77,7 +77,7 @@ def test_jsonl_schema_and_log_lines(tmp_path):
     assert set(rec["loops"]["target"]) == {"stages", "counters", "rates", "gauges", "cumulative"}
     assert set(rec["loops"]["target"]["stages"]["target_forward"]) == {
         "count", "mean_ms", "p50_ms", "p95_ms", "max_ms", "total_s", "share"} | {
-        "min_ms", "wall_s", "cpu_s", "host_busy"}  # #19 added the min and a span's clocks (no CUDA: no device)
+        "min_ms", "wall_s", "cpu_s", "host_busy"}  # the min and a span's clocks (no CUDA: no device)
     assert rec["verdict"]["kind"] == "drafter-bound"
     text = lines[0]
     assert "target_forward" in text and "p95 ms" in text and "max ms" in text and "verdict: drafter-bound" in text
@@ -264,7 +264,7 @@ def test_memory_history_runs_around_the_oom_snapshot_on_cuda_only(tmp_path, monk
         TrainConfig(memory_history=-1)
 
 
-# --- #19: three clocks per span, allocator telemetry, launch-/sync-bound and allocator-churn verdicts
+# --- three clocks per span, allocator telemetry, launch-/sync-bound and allocator-churn verdicts
 
 
 class CountingClock(Clock):
@@ -582,7 +582,7 @@ def test_compiled_layers_are_timed_whole(make_drafter):
     assert all("forward" not in vars(layer) for layer in drafter.layers)  # eager again
 
 
-# --- #19: does each event span start find its stream drained (the GPU waiting for the host)?
+# --- does each event span start find its stream drained (the GPU waiting for the host)?
 
 
 class SimStream:

@@ -1,4 +1,4 @@
-"""Reliability and safety (issue 16): nothing a user owns is deleted, one run per run directory,
+"""Reliability and safety: nothing a user owns is deleted, one run per run directory,
 trainer states that cannot run code, a diverged run stops without exporting, errors before the work."""
 
 import json

@@ -41,7 +41,7 @@ def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 # The share of the GPU's free memory (read before training) the feature cache may take; the rest is the
-# run's working memory. The shipped H200 config's 87 GB cache peaked at 127.1 GB of 139 (session 19):
+# run's working memory. The shipped H200 config's 87 GB cache peaked at 127.1 GB of 139 (H200, 2026-12-02):
 # ~40 GB beside it, so 0.65 of ~135 GB free (~88 GB) is what has been seen to fit; a cache that does
 # not fit keeps that much, so it must be a share that works when filled
 CACHE_HEADROOM = 0.65

@@ -3,7 +3,7 @@
 Preparing a dataset is mostly Python: rendering each chat template (twice: once with placeholders
 to find the turns), turning offsets into loss masks, converting the tokenizer's output to lists.
 Only the BPE itself runs on every core. Profiled on 2 cores, half of preparing 3,000 ShareGPT
-conversations was such Python (7.4 of 15.8 s); on the H200 machine (16 cores) preparing S2T's
+conversations was such Python (7.4 of 15.8 s); on the H200 machine (16 cores) preparing the two-sample recipe's
 24,760 sequences took 46 s. Worker processes share the Python out.
 
 Workers start with the spawn method (a fresh interpreter): the train job has CUDA, threads and

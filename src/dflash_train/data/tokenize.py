@@ -103,7 +103,7 @@ def decode_rows(tokenizer, rows: list[list[int]]) -> list[str]:
     transformers' batch_decode decodes one row at a time in Python; a fast tokenizer's own backend
     decodes the batch on every core. Same text when the tokenizer cleans up no spaces after decoding
     (`clean_up_tokenization_spaces`, which only the Python side does): 11.6M generated tokens cost
-    6.3 s of the H200 recipe's regeneration (2026-12-02, session 22) through batch_decode; on a 2-core
+    6.3 s of the H200 recipe's regeneration (2026-12-02) through batch_decode; on a 2-core
     machine 2,048 rows of 256 tokens took 0.28 s against 0.13 s (test_decode_rows_is_batch_decode).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -12,7 +12,7 @@ a compile and wakes up at the next one. A training run recompiles now and then (
 length crosses a size guard, the eval's no-grad forwards), minutes apart, so it crosses that
 shutdown/wakeup cycle again and again; upstream reports races in it (pytorch#176968, #186136:
 executor threads left behind across quiesce cycles), and an 8-layer H200 run stopped for good
-at the first recompile that came 60+ s after the previous one (docs/quality.md, session 10-11).
+at the first recompile that came 60+ s after the previous one (docs/pipeline.md, "Measured").
 `compile_serialized` keeps the pool up for the process's life instead, unless the environment
 says otherwise (TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL).
 
@@ -89,7 +89,7 @@ def size_free_options(dynamic: Mapping[int, int] | bool | None, compile_kwargs: 
     fuses only when rows x columns >= 5 * 2**20 and guards on that, so a dynamic token count gets
     specialized there: 9,102 tokens at the drafter's width 576, and a smaller pack (the epoch's
     leftover) compiled the draft layers and norms again (the H200 recipe's epoch boundary, 17-38 s
-    on a fresh machine; docs/quality.md, session 24). With the fusion off, token counts 4K-16K
+    on a fresh machine; docs/performance.md). With the fusion off, token counts 4K-16K
     compiled one graph on the H200 (2026-12-03) where the default compiled two; forward + backward
     at 16K tokens x 576: RMSNorm 1.15 -> 0.88 ms, RMSNorm + MLP 1.71 -> 1.79 ms
     (benchmarks/results/mix-order-guard-h200-2026-12-03.json)."""

@@ -236,7 +236,7 @@ class DFlashDrafter(nn.Module):
 
         Eagerly a layer is ~20 operators and 5 compiled calls (the fused chains, FlexAttention), each
         a launch and a guard check on the host, and autograd records each; on the H200 the 12-layer
-        B=8 drafter's step was half host time (docs/quality.md, session 16). Compiled, a layer is one
+        B=8 drafter's step was half host time (docs/performance.md). Compiled, a layer is one
         call whose graph holds the norms, projections, RoPE and FlexAttention (traced in, with its
         block mask as an input), and one compiled backward. All layers share the graph (the sliding
         window layers' mask predicate gets its own). Every size is dynamic from the first call: token

@@ -414,7 +414,7 @@ def compiled_document_flex(backend: str = "inductor"):
     thread may compile while the drafter runs. Every size dynamic from the first call: packed rows
     change length (by multiples of 128) from pack to pack, and the block mask's tile counts with
     them. Under automatic dynamic shapes it compiled static on the first row and again on the first
-    other length; a fresh H200 spent ~40 s of its first minute on the target's compiles (session 22).
+    other length; a fresh H200 spent ~40 s of its first minute on the target's compiles (2026-12-02).
     Now once (counted on the CPU, test_the_document_flex_compiles_once_for_every_row_length), and
     again only for a row of one 128-token tile (torch specializes sizes 0 and 1)."""
     from dflash_train.models.compiled import compile_serialized

@@ -2,7 +2,7 @@
 
 A compile shows up in the profile as one very long call of whatever stage triggered it (a draft
 layer, the target's forward, a validation). On a fresh machine the 12-layer recipe spent ~150 s of
-its 467 s training phase compiling (H200, 2026-12-02, session 22: the first steps, one target
+its 467 s training phase compiling (H200, 2026-12-02: the first steps, one target
 forward, the first validation, the epoch boundary), which the stage tables alone could not tell
 from slow work. Each window's record gets, when something compiled in it:
 

@@ -60,7 +60,7 @@ def _last_cumulative(recs: list[Record], loop: str) -> dict[str, dict[str, float
 
 
 def _window_values(recs: list[Record], loop: str, stage: str, field: str) -> list[float]:
-    """The field of the stage in every window that has both (records before #19 lack min_ms)."""
+    """The field of the stage in every window that has both (older records lack min_ms)."""
     stages = (rec["loops"].get(loop, {}).get("stages", {}) for rec in recs)
     return [s[stage][field] for s in stages if field in s.get(stage, {})]
 
