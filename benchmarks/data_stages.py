@@ -2,6 +2,7 @@
 
     python3 benchmarks/data_stages.py --json OUT.json
     python3 benchmarks/data_stages.py --prepare 3000 --regen-prompts 3000
+    python3 benchmarks/data_stages.py --target random:tiny --conversations 500 --regen-prompts 20 --prepare 20  # plumbing
 
 Before regeneration the job measures every ShareGPT first prompt against
 --regen-max-prompt-tokens (`data/selection.py`); regeneration renders each turn's prompts
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--regen-prompts", type=int, default=3000, help="turn-3 prompts rendered (regeneration)")
     ap.add_argument("--prepare", type=int, default=3000, help="three-turn conversations prepared")
+    ap.add_argument("--conversations", type=int, default=0,
+                    help="ShareGPT's first N train conversations only (default 0: all; a check of the script)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
     tok = target.tokenizer
     convs = list(iter_conversations("sharegpt", split=default_split("sharegpt"), on_bad="skip", report=SourceReport(),
                                     require_assistant=False))
+    convs = convs[:args.conversations] if args.conversations > 0 else convs
     out: dict[str, object] = {"target": args.target, "cores": os.cpu_count(), "date": date.today().isoformat(),
                               "command": "python3 benchmarks/data_stages.py " + " ".join(sys.argv[1:] if argv is None else argv)}
 

@@ -136,9 +136,17 @@ def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
     med = f"{tps[len(tps) // 2]:,.0f}" if tps else "-"
     lines = [f"  {run} ({plant or ('small packs' if run == 'd' else 'clean')}): verdicts of {len(sr)} steady windows: {hist or '-'} "
              f"(all: {' '.join(kinds)}); drafter tokens/s median {med}"]
-    now = [verdict(r).kind for r in sr]  # a record made by older code, judged by this tree's rules
-    if now != steady_kinds:
-        lines.append("    by this tree's rules: " + ", ".join(f"{k} {now.count(k)}" for k in dict.fromkeys(now)))
+    also = [k for r in sr for k in r["verdict"].get("also", ())]  # rules named in the verdicts' brackets
+    if also:
+        lines.append("    qualifiers (in brackets beside the verdict): "
+                     + ", ".join(f"{k} {also.count(k)}" for k in dict.fromkeys(also)))
+    judged = [verdict(r) for r in sr]  # a record made by older code, judged by this tree's rules
+    now = [v.kind for v in judged]
+    now_also = [k for v in judged for k in v.also]
+    if now != steady_kinds or now_also != also:
+        lines.append("    by this tree's rules: " + ", ".join(f"{k} {now.count(k)}" for k in dict.fromkeys(now))
+                     + ("; qualifiers " + ", ".join(f"{k} {now_also.count(k)}" for k in dict.fromkeys(now_also))
+                        if now_also else ""))
     # each clock rule on its own, whichever rule came first (the verdict is the first match)
     rules = (("allocator-churn", _allocator_churn), ("sync-bound", _sync_bound), ("launch-bound", _launch_bound))
     fired = ", ".join(f"{n} {sum(rule(r) is not None for r in sr)}/{len(sr)}" for n, rule in rules)
@@ -152,7 +160,14 @@ def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
                           f"dev {sum(s['device_s'] for s in gpu) / wall:.0%}")
     lines.append(f"    rules holding (steady windows): {fired}" + ("; " + "; ".join(clocks) if clocks else ""))
     if run == "c":
-        lines.append(f"    allocator-churn verdict in c: {'YES' if 'allocator-churn' in steady_kinds else 'NO'}")
+        # the verdict or a qualifier of it: a run whose drafter limits every window names the churn in brackets
+        def churned(kind: str, qualifiers) -> bool:
+            return kind == "allocator-churn" or "allocator-churn" in qualifiers
+        recorded = sum(churned(r["verdict"]["kind"], r["verdict"].get("also", ())) for r in sr)
+        judged_n = sum(churned(v.kind, v.also) for v in judged)
+        lines.append(f"    allocator-churn verdict in c: {'YES' if recorded or judged_n else 'NO'} (verdict or "
+                     f"qualifier in {recorded}/{len(sr)} steady windows as recorded, {judged_n}/{len(sr)} by this "
+                     "tree's rules)")
     return lines
 
 

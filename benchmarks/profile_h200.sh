@@ -10,11 +10,14 @@
 #   a        the clean run: configs/smollm2-h200.toml's drafter and packs; target not compiled
 #            (--no-compile-target), drafter unfused (DFLASH_FUSED_DRAFTER=0), no CUDA graphs (only
 #            eval and regeneration use them; both off); --profile-cuda-events every INTERVAL s;
-#            TRAIN_SECONDS of training after the first step, then stop. Expected: launch-bound  ~50 s
+#            TRAIN_SECONDS of training after the first step, then stop. Expected: drafter-bound
+#            (the target waits on a full queue: 6 of 6 steady windows on 2026-12-04, the launch
+#            rule holding in 1)                                                                 ~50 s
 #   b        a + PLANT_B: 15 ms of host time at the end of drafter.lm_head_loss (a real
 #            regression: 2026-12-01's planted sync cost nothing in a GPU-bound run)          ~50 s
 #   c        a + PLANT_C: allocator churn there (a buffer of a new size each step, freed, then
-#            torch.cuda.empty_cache()). Expected: allocator-churn                                ~50 s
+#            torch.cuda.empty_cache()). Expected: allocator-churn, as the verdict or, where a role
+#            limits the window, in brackets beside it: `drafter-bound (allocator-churn: ...)`     ~50 s
 #   d        a with small packs (--token-budget SMALL_BUDGET, 2048): few tokens per kernel, so the
 #            launches, not the GPU, should set the pace. Expected: launch-bound (2026-12-01: at
 #            16K-token packs run a read balanced, its GPU stages ~105% device-busy)           ~50 s
@@ -30,11 +33,12 @@
 # FlexAttention is a CPU reference). The plants: benchmarks/planted.py (patched in-process).
 # Knobs (environment): DEVICE TARGET CONFIG CONVS TRAIN_SECONDS WARM_SECONDS INTERVAL MAX_STEPS
 # TRAIN_FLAGS (appended to every train) PLANT_B PLANT_C BENCH_FLAGS SKIP_BENCH=1 RUNS (default 'a b c d'). The plumbing on a
-# CPU (2 minutes; without CUDA the sync plant is a 20 ms sleep; OMP_NUM_THREADS=1 on a busy host):
+# CPU (2 minutes; without CUDA the sync plant is a 20 ms sleep and there is no allocator telemetry, so
+# c cannot churn; OMP_NUM_THREADS=1 on a busy host; tests/test_benchmarks.py runs a shorter one):
 #   OMP_NUM_THREADS=1 DEVICE=cpu TARGET=random:tiny CONVS=200 TRAIN_SECONDS=15 WARM_SECONDS=1 INTERVAL=2 \
-#   TRAIN_FLAGS="--token-budget 512 --max-length 128 --num-anchors 8 --num-layers 1" \
+#   TRAIN_FLAGS="--token-budget 512 --max-length 128 --num-anchors 8 --num-layers 1 --intermediate-size 128" \
 #   BENCH_FLAGS="--target random:tiny --device cpu --num-layers 1 --block-size 4 --num-anchors 8 --seq-len 64 \
-#   --steps 2" bash benchmarks/profile_h200.sh /tmp/h19-smoke
+#   --steps 2" bash benchmarks/profile_h200.sh /tmp/profile-smoke
 set -uo pipefail
 out=${1:?usage: profile_h200.sh OUT_DIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -72,9 +76,11 @@ step env 60 bash -c 'git -C "$0" log -1 --format="commit %H %s"; nvidia-smi 2>&1
 train() {  # run dir, extra flags...
   local dir=$1 rc
   shift
+  # --regen-samples 1: the raw replies are one chain per conversation, whatever the config samples
+  # (--no-regenerate refuses a config's regen_samples > 1); TRAIN_FLAGS come last and win
   # shellcheck disable=SC2086
   DFLASH_FUSED_DRAFTER=0 python3 benchmarks/planted.py train --config "$CONFIG" --run-dir "$dir" --target "$TARGET" \
-    --device "$DEVICE" --no-regenerate --num-conversations "$CONVS" --no-compile-target --max-steps "$MAX_STEPS" \
+    --device "$DEVICE" --no-regenerate --regen-samples 1 --num-conversations "$CONVS" --no-compile-target --max-steps "$MAX_STEPS" \
     --eval-limit 0 --checkpoint-every 0 --log-every 50 --profile-interval "$INTERVAL" --profile-cuda-events --val-conversations 0 \
     --quiet --overwrite $TRAIN_FLAGS "$@"
   rc=$?

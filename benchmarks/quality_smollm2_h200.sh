@@ -9,10 +9,10 @@
 # command), the job's seconds per phase (phases_s, from RUN_DIR/phases.json) and the GPU's peak memory
 # (peak_gpu_memory_gb, from nvidia-smi every 5 s: RUN_DIR/gpu.log). Longer than one
 # device call (~15 min on an H200): start it with setsid nohup and poll.
-# The plumbing on a CPU (a few minutes):
+# The plumbing on a CPU (~15 s; tests/test_benchmarks.py runs it):
 #   EVAL_LIMIT=2 MTBENCH_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/quality_smollm2_h200.sh /tmp/q --device cpu --target random:tiny \
-#   --num-conversations 40 --no-regenerate --regen-samples 1 --no-compile-drafter --num-layers 2 --max-steps 4 --max-length 128 --token-budget 512 \
-#   --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0
+#   --num-conversations 40 --no-regenerate --regen-samples 1 --no-compile-drafter --num-layers 2 --intermediate-size 128 \
+#   --max-steps 4 --max-length 128 --token-budget 512 --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0
 set -uo pipefail
 run=${1:?usage: quality_smollm2_h200.sh RUN_DIR [train flags]}
 shift
@@ -22,22 +22,27 @@ limit=${EVAL_LIMIT:-40} mt_limit=${MTBENCH_LIMIT:-80} tokens=${EVAL_TOKENS:-128}
 for ((i = 1; i < $#; i++)); do [ "${!i}" = --target ] && { j=$((i + 1)); target=${!j}; }; done
 dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
 mkdir -p "$run"
+# The train job refuses a run directory that holds files it did not write, so this script's own logs are
+# written beside RUN_DIR while the job runs (RUN_DIR.train.log, RUN_DIR.gpu.log) and moved in once it succeeded.
+logs=("$run.train.log" "$run.gpu.log")
+rm -f "${logs[@]}"
 # the GPU's memory every 5 s through the train job (quality.json's peak_gpu_memory_gb)
 smi=""
 if command -v nvidia-smi > /dev/null; then
-  nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -l 5 > "$run/gpu.log" 2>/dev/null &
+  nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -l 5 > "$run.gpu.log" 2>/dev/null &
   smi=$!
 fi
 # why each torch.compile graph compiled again, in train.log: on a fresh H200 the draft layers compiled anew at
 # the epoch boundary (38 s) and the target once in the first epoch (31 s), for reasons not yet known
 export TORCH_LOGS="${TORCH_LOGS-recompiles}"
 start=$(date +%s)
-dft train --config "$repo/configs/smollm2-h200.toml" --run-dir "$run" --quiet "$@" > "$run/train.log" 2>&1
+dft train --config "$repo/configs/smollm2-h200.toml" --run-dir "$run" --quiet "$@" > "$run.train.log" 2>&1
 rc=$?
 wall=$(( $(date +%s) - start ))
 [ -n "$smi" ] && kill "$smi" 2>/dev/null
+[ $rc -eq 0 ] || { echo "train: rc $rc in $wall s (log $run.train.log)"; exit $rc; }
+for f in "${logs[@]}"; do [ -f "$f" ] && mv -f "$f" "$run/${f#"$run."}"; done
 echo "train: rc $rc in $wall s (log $run/train.log)"
-[ $rc -eq 0 ] || exit $rc
 for d in mtbench sharegpt; do
   n=$limit; [ $d = mtbench ] && n=$mt_limit
   dft eval --target "$target" --drafter "$run/drafter" --dataset $d --limit "$n" --max-new-tokens "$tokens" \

@@ -1,6 +1,7 @@
 """What regeneration's decode steps read: KV slots per step, batches in selection order or sorted per turn.
 
     python3 benchmarks/regen_widths.py [--batch-size 2048 --max-turns 3 --max-new-tokens 256 --json OUT.json]
+    python3 benchmarks/regen_widths.py --target random:tiny --limit 200 --batch-size 16   # a check of the script
 
 A regeneration batch decodes every row over its widest prompt: each step's attention reads
 rows x (width + tokens so far) KV slots, and at 2,048 rows of SmolLM2 those reads, not the weights,
@@ -76,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=1, help="reply chains per conversation (--regen-samples)")
     ap.add_argument("--pool-batches", type=int, nargs="+", default=[POOL_BATCHES],
                     help="batches sorted together per turn (data/regenerate.py's POOL_BATCHES): one count each")
+    ap.add_argument("--target", default="smollm2-135m", help="whose tokenizer counts the tokens")
+    ap.add_argument("--limit", type=int, default=0, help="the first N conversations selected (default 0: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    target = load_target("smollm2-135m", device="cpu")
+    target = load_target(args.target, device="cpu")
     report = SourceReport()
     convs = select_conversations(iter_conversations("sharegpt", split="train", on_bad="skip", report=report), report,
-                                 topic="any", limit=0, target=target, max_prompt_tokens=args.max_prompt_tokens)
+                                 topic="any", limit=args.limit, target=target, max_prompt_tokens=args.max_prompt_tokens)
     prompts, replies = turn_lengths(target.tokenizer, convs, args.max_turns, args.max_new_tokens)
     # sampled chains of one conversation share its prompts; their lengths stand in as equal
     prompts, replies = ([x for x in xs for _ in range(args.samples)] for xs in (prompts, replies))

@@ -1,5 +1,6 @@
 import random
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -46,11 +47,13 @@ def _same(a, b) -> bool:
 
 def restore_torch_state(before: dict) -> None:
     """Put back what `_torch_state` saw: only the settings that differ now, or that a test deleted."""
-    for config, saved in zip(_CONFIGS, before["configs"]):
-        for key, value in saved.items():  # key by key: a deleted setting makes torch's whole-config copy raise
-            now = getattr(config, key, _DELETED)
-            if now is _DELETED or not _same(now, value):
-                setattr(config, key, value)
+    with warnings.catch_warnings():  # reading every setting reads the deprecated ones too
+        warnings.simplefilter("ignore")
+        for config, saved in zip(_CONFIGS, before["configs"]):
+            for key, value in saved.items():  # key by key: a deleted setting makes torch's whole-config copy raise
+                now = getattr(config, key, _DELETED)
+                if now is _DELETED or not _same(now, value):
+                    setattr(config, key, value)
     if torch.get_num_threads() != before["threads"]:
         torch.set_num_threads(before["threads"])
     torch.set_default_dtype(before["dtype"])

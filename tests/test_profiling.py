@@ -506,6 +506,85 @@ def test_allocator_churn_verdict(window, allocs, frees, retries, kind):
         assert "expandable_segments" in v.message
 
 
+CHURN = {"window": 4, "device_allocs": 12, "device_frees": 12, "alloc_retries": 0}  # steady state, cycling
+
+
+def test_churn_while_the_drafter_limits_is_a_qualifier_of_the_role_verdict():
+    """The target waits on a full queue (drafter-bound) and the allocator churns: the role verdict
+    comes first and carries the churn in brackets, with its counts and advice; the record lists it."""
+    rec = attach_verdict(_clock_record(allocator=CHURN, target__hs_queue_full_wait={"share": 0.33},
+                                       drafter__backward=_stage(2.0, 1.9)))
+    v = rec["verdict"]
+    assert v["kind"] == "drafter-bound"
+    assert v["message"].startswith("drafter-bound (allocator-churn: after warm-up the CUDA allocator still cycles "
+                                   "memory (this window: 12 mallocs/maps, 12 frees/unmaps, 0 retries")
+    assert "expandable_segments" in v["message"]
+    assert "): target workers wait 33% on a full hs_queue — add drafter devices" in v["message"]
+    assert v["also"] == ["allocator-churn"]
+    # without churn: no brackets, no `also`
+    plain = attach_verdict(_clock_record(target__hs_queue_full_wait={"share": 0.33}))["verdict"]
+    assert plain["message"].startswith("drafter-bound: target workers") and "also" not in plain
+
+
+def test_churn_and_a_launch_bound_role_share_the_brackets():
+    v = verdict(_clock_record(allocator=CHURN, **STARVED_TARGET, drafter__hs_queue_wait={"share": 0.3},
+                              drafter__backward=_ev(1.0, 0.9, 1.0, 100, 0)))
+    assert v.kind == "launch-bound" and v.also == ("target-bound", "allocator-churn")
+    assert v.message.startswith("launch-bound (target-bound: drafters wait 30% on an empty hs_queue; "
+                                "allocator-churn: after warm-up")
+    assert "): target GPU spans found the stream drained" in v.message
+
+
+def test_sync_bound_beside_churn_and_beside_a_role():
+    sync = {"drafter__drafter_forward": _stage(2.0, 1.9, 2.0), "drafter__metrics": _stage(5.0, 0.1, sync="loss .item()")}
+    v = verdict(_clock_record(allocator=CHURN, **sync))
+    assert v.kind == "allocator-churn" and v.also == ("sync-bound",)
+    assert v.message.startswith("allocator-churn (sync-bound: drafter metrics is blocked 50% of the window")
+    v = verdict(_clock_record(**sync, target__hs_queue_full_wait={"share": 0.3}))
+    assert v.kind == "drafter-bound" and v.also == ("sync-bound",)
+
+
+def test_churn_plant_through_profile_stats_while_the_drafter_limits():
+    """The churn plant's pattern (a buffer of a new size each step, freed, the cache emptied: a malloc
+    and a free per step) in the allocator counters of a run whose target waits on a full queue."""
+    steps = iter(range(100))
+
+    def memory_stats():  # cumulative counters as torch.cuda.memory_stats() reports them
+        n = next(steps)
+        return _snapshot(allocs=10 + 3 * n, frees=3 * n)
+
+    clock = Clock()
+    stats = ProfileStats("main/cuda:0", clock=clock, memory_stats=memory_stats)
+    target, drafter = stats.loop("target"), stats.loop("drafter")
+    kinds = []
+    for _ in range(5):
+        _timed(drafter, clock, "backward", 1.0)
+        target.add("hs_queue_full_wait", 4.0)
+        clock.t += 9.0
+        rec = attach_verdict(window_record(stats, stats.take_window()))
+        kinds.append((rec["verdict"]["kind"], tuple(rec["verdict"].get("also", ()))))
+    assert "verdict: drafter-bound (allocator-churn: " in format_record(rec)  # the summary's verdict line
+    # the first windows are the allocator's warm-up; after them every window churns while the drafter limits
+    assert kinds[-2:] == [("drafter-bound", ("allocator-churn",))] * 2
+    assert all(k == ("drafter-bound", ()) for k in kinds[:2]), kinds
+
+
+def test_profile_report_shows_the_churn_beside_the_role_verdict():
+    """profile-report's verdict history of a drafter-bound run that churns names the churn."""
+    from dflash_train.profiling.report import summarize
+
+    records = []
+    for i in range(5):
+        rec = _clock_record(allocator={**CHURN, "window": i}, target__hs_queue_full_wait={"share": 0.33},
+                            drafter__backward=_stage(2.0, 1.9))
+        rec.update(type="profile", process="main/cuda:0", elapsed_s=10.0 * (i + 1))
+        records.append(attach_verdict(rec))
+    text = summarize(records)
+    # the warm-up windows come without the qualifier, the steady ones with it: two lines, the churn kept visible
+    assert "drafter-bound (x2 windows): drafter-bound: target workers" in text, text
+    assert "drafter-bound (x3 windows): drafter-bound (allocator-churn: after warm-up" in text, text
+
+
 def test_allocator_telemetry_per_window_through_profile_stats():
     snapshots = iter([{}, _snapshot(5, 0), _snapshot(9, 0), _snapshot(12, 3, 1)])  # {}: CUDA not started yet
     clock = Clock()

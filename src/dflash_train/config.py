@@ -37,6 +37,14 @@ def above(n: int | float) -> Check:
     return lambda v: None if v is None or v > n else f"must be > {n}, got {v}"
 
 
+def at_most(n: int | float) -> Check:
+    return lambda v: None if v is None or v <= n else f"must be <= {n}, got {v}"
+
+
+def between(lo: int | float, hi: int | float) -> Check:
+    return lambda v: at_least(lo)(v) or at_most(hi)(v)
+
+
 def in_range(lo: float, hi: float) -> Check:
     return lambda v: None if lo <= v <= hi else f"must be in [{lo}, {hi}], got {v}"
 
@@ -53,12 +61,22 @@ class Knob:
 
 
 # --- the drafter -------------------------------------------------------------------------
-BLOCK_SIZE = Knob(4, "block size B", at_least(2))
-NUM_LAYERS = Knob(1, "draft layers", at_least(1))
+# Released DFlash drafters use B=16. Acceptance falls with each slot, so slots past a few dozen never
+# commit a token, while every step still pays for B-wide draft and verify forwards and B-row masks:
+# a larger B is a mistyped number, refused before it sizes an allocation.
+MAX_BLOCK_SIZE = 64
+BLOCK_SIZE = Knob(4, f"block size B (2..{MAX_BLOCK_SIZE})", between(2, MAX_BLOCK_SIZE))
+NUM_LAYERS = Knob(1, "draft layers (at most the target's)", at_least(1))
 NUM_FEATURES = Knob(None, "target feature layers (default 5, fewer for shallow targets; at most the target's layers "
                           "1..N-3, over which they are spread)", at_least(1))
-INTERMEDIATE_SIZE = Knob(None, "the draft layers' MLP width (default: the target's); wider adds capacity and training "
-                               "FLOPs, while at batch-1 decode its small matmuls are latency-bound", at_least(1))
+# Released models' MLPs are 2.7x (Llama 2) to 8x (Gemma) their hidden size; a drafter widened past
+# 16x spends its FLOPs where the target has nothing to teach. A wider one is a mistyped number,
+# refused (models/config.py) before it sizes the draft layers' weights.
+MAX_MLP_RATIO = 16
+INTERMEDIATE_SIZE = Knob(None, f"the draft layers' MLP width (default: the target's; at most {MAX_MLP_RATIO} x its "
+                               "hidden size); "
+                               "wider adds capacity and training FLOPs, while at batch-1 decode its small matmuls are "
+                               "latency-bound", at_least(1))
 # --- the objective -----------------------------------------------------------------------
 NUM_ANCHORS = Knob(32, "anchors drawn per sequence each time it is seen", at_least(1))
 LOSS_CHUNK_ROWS = Knob(4096, "block tokens per LM-head + loss chunk", at_least(1))
@@ -68,7 +86,8 @@ KD_WEIGHT = Knob(0.0, "distillation: share of the target's own next-token distri
 AttentionBackend = Literal["auto", "flex", "dense"]
 ATTENTION = Knob("auto", "flex | dense | auto (flex on CUDA, dense elsewhere)")
 # --- decoding ----------------------------------------------------------------------------
-EVAL_MAX_NEW_TOKENS = Knob(128, "tokens generated per eval prompt", at_least(1))
+EVAL_MAX_NEW_TOKENS = Knob(128, "tokens generated per eval prompt (with the prompt, at most the target's "
+                                "max_position_embeddings)", at_least(1))
 REGEN_MAX_NEW_TOKENS = Knob(128, "max tokens per regenerated assistant turn", at_least(1))
 SEED = Knob(0, "seed", at_least(0))
 

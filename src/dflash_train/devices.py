@@ -1,6 +1,8 @@
-"""Device selection shared by every command."""
+"""Device selection and free device memory, shared by every command."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -18,3 +20,31 @@ def resolve_device(name: str, flag: str = "--device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"{flag} {name}: CUDA is not available on this machine")
     return device
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation on `device` can have now: CUDA's free memory, or the host's MemAvailable
+    (what the kernel can hand out without swapping or killing); None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # no /proc (macOS): free pages, which undercounts what reclaimable caches could give
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """A UsageError, before the allocation, when `what` (its nbytes) would not fit `device`'s free memory."""
+    free = available_memory(device)
+    if free is not None and nbytes > free:
+        raise UsageError(f"{what} needs {nbytes / 1e9:.1f} GB on {device}, more than the {free / 1e9:.1f} GB "
+                         "available there")

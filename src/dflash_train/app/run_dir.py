@@ -124,4 +124,4 @@ def check_resume_split(cfg: TrainConfig, saved_config: Path) -> None:
 
 def export_drafter(drafter: DFlashDrafter, run_dir: Path, cfg: TrainConfig) -> Path:
     """RUN_DIR/drafter in --export-dtype (save_drafter refuses non-finite weights)."""
-    return save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"))
+    return save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"), "--run-dir")

@@ -64,7 +64,7 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     drafter.eval()
     rep = evaluate(target, drafter, prompts, EvalConfig(max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed,
                                                         baseline=baseline), progress=progress)
-    rep.to_json(run_dir / f"eval_{name}.json")
+    rep.to_json(run_dir / f"eval_{name}.json", "--run-dir")
     return rep
 
 
@@ -111,7 +111,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
     with phases.time("train"):
         if roles:
-            init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32)
+            init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32,
+                                                                  "--run-dir")
             try:
                 validation = save_validation(cfg, target, drafter, dataset, held_out, run_dir)  # the workers' held-out packs
                 static_lm.release(target.model)

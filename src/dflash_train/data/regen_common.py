@@ -271,10 +271,23 @@ def without_credentials(url: str) -> str:
 
 
 def append(out, records: list[dict]) -> None:
-    """Write whole lines and make them durable before the next batch starts."""
-    out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
-    out.flush()
-    os.fsync(out.fileno())
+    """Write whole lines and make them durable before the next batch starts. A failed write (a full disk)
+    is a UsageError naming the file; the lines before it stay, and a rerun continues after them."""
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    try:
+        _write_all(out.fileno(), data)
+        os.fsync(out.fileno())
+    except OSError as e:
+        raise UsageError(f"--out {out.name}: cannot write it ({e.strerror or e}); the conversations written "
+                         "before are kept, and a rerun continues after them") from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until all of `data` is written. Past the file object's buffer: a write it kept back after a
+    failure would fail again when the file closes, with an error that names no file."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def read_regenerated(path: Path, ids: list[str]) -> list[Conversation]:

@@ -103,8 +103,12 @@ class EvalReport:
     tau_by_category: dict[str, float] | None = None
     """tau over each category's prompts (by_category), where the eval set names them."""
 
-    def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+    def to_json(self, path: str | Path, flag: str = "--json") -> None:
+        """Written in place, not atomically: `path` may be a device or a pipe, never renamed over."""
+        try:
+            Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: cannot write the report ({e.strerror or e})") from None
 
     def summary(self) -> str:
         acc = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -49,10 +50,34 @@ def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.
     An old drafter (or an empty directory) at `out_dir` is replaced; anything else there is
     refused (UsageError naming `flag`), so a mistyped path never deletes a user's files.
     Non-finite weights are refused too: such a drafter is useless and would hide a divergence.
+    A failed write (a full disk) is a UsageError too, and leaves what was at `out_dir` as it was.
     """
     out = Path(out_dir)
     where = f"{flag} {out}" if flag else str(out)
     check_replaceable(out, flag)
+    cfg, state = _drafter_files(model, dtype, where)
+    try:
+        staged = AtomicDirectory(out)  # check_replaceable above decided that an existing `out` may go
+    except OSError as e:
+        raise UsageError(f"{where}: cannot create it ({e.strerror or e})") from None
+    try:
+        with staged as tmp:
+            _write_drafter_files(tmp, cfg, state)
+    except OSError as e:
+        raise UsageError(f"{where}: cannot write it ({e.strerror or e})") from None
+    return out
+
+
+def write_drafter(model: DFlashDrafter, out_dir: Path, dtype: torch.dtype) -> None:
+    """The drafter's files into the new directory `out_dir`, for a caller that makes the whole write
+    atomic itself (a training checkpoint); a failed write raises OSError."""
+    cfg, state = _drafter_files(model, dtype, str(out_dir))
+    out_dir.mkdir()
+    _write_drafter_files(out_dir, cfg, state)
+
+
+def _drafter_files(model: DFlashDrafter, dtype: torch.dtype | None, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json's content and the weights in `dtype`; UsageError when a weight is not finite."""
     dtype = dtype or next(model.parameters()).dtype
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
     cfg = model.config.to_reference_dict() | {"torch_dtype": dtype_name, "auto_map": AUTO_MAP}
@@ -60,15 +85,31 @@ def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.
     bad = next((name for name, t in state.items() if not torch.isfinite(t).all()), None)
     if bad is not None:
         raise UsageError(f"{where}: not written: the drafter's weights are not finite ({bad}, in {dtype_name})")
+    return cfg, state
+
+
+def _write_drafter_files(out: Path, cfg: dict, state: dict[str, torch.Tensor]) -> None:
+    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+    save_weights(state, out / WEIGHTS_NAME)
+    shutil.copyfile(_MODELING_SOURCE, out / MODELING_NAME)
+
+
+# safetensors reports a failed write as a SafetensorError, not an OSError: "... I/O error: No space
+# left on device (os error 28)". The errno in it makes it the OSError it is, so callers handle one kind.
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file; its I/O failures raised as OSError naming `path`. `path` must be new: save_file
+    writes a temporary file beside it and renames it over `path`."""
     try:
-        staged = AtomicDirectory(out)  # check_replaceable above decided that an existing `out` may go
-    except OSError as e:
-        raise UsageError(f"{where}: cannot create it ({e.strerror or e})") from None
-    with staged as tmp:
-        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        shutil.copyfile(_MODELING_SOURCE, tmp / MODELING_NAME)
-    return out
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        found = _OS_ERROR.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def check_replaceable(out: Path, flag: str | None = None) -> None:

@@ -8,14 +8,23 @@ vLLM read: `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_laye
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_train.config import BLOCK_SIZE, RELEASED
+import torch
+
+from dflash_train.config import BLOCK_SIZE, MAX_MLP_RATIO, RELEASED
+from dflash_train.devices import check_fits
 from dflash_train.errors import UsageError
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+# Sizes that shape a tensor: whole numbers >= 1, and what init-drafter and train call them.
+_SIZES = {"hidden_size": None, "intermediate_size": "--intermediate-size", "num_hidden_layers": "--num-layers",
+          "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None, "vocab_size": None,
+          "block_size": "--block-size", "num_target_layers": None, "max_position_embeddings": None}
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -68,39 +77,80 @@ class DFlashConfig:
     spare embedding row, which has no text."""
 
     def __post_init__(self) -> None:
+        self._check_sizes()  # before num_hidden_layers sizes the default layer_types
         if not self.layer_types:
             self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.validate()
 
     def validate(self) -> None:
-        def need(cond: bool, name: str, msg: str) -> None:
-            if not cond:
-                raise UsageError(f"{name}: {msg}")
-
-        need(not (why := BLOCK_SIZE.complaint(self.block_size)), "block_size", why or "")
-        need(self.num_hidden_layers >= 1, "num_hidden_layers", f"must be >= 1, got {self.num_hidden_layers}")
-        need(self.hidden_size > 0, "hidden_size", f"must be > 0, got {self.hidden_size}")
-        need(self.num_attention_heads % max(self.num_key_value_heads, 1) == 0, "num_key_value_heads",
-             f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}")
-        need(len(self.target_layer_ids) >= 1, "target_layer_ids", "must name at least one target layer")
+        self._check_sizes()
+        self._check_floats()
+        _need(self.num_attention_heads % max(self.num_key_value_heads, 1) == 0, "num_key_value_heads",
+              f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}")
+        _need(len(self.target_layer_ids) >= 1, "target_layer_ids", "must name at least one target layer")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        need(not bad, "target_layer_ids",
-             f"{bad} out of range for a target of {self.num_target_layers} layers (valid 0..{self.num_target_layers - 2})")
+        _need(not bad, "target_layer_ids",
+              f"{bad} out of range for a target of {self.num_target_layers} layers (valid 0..{self.num_target_layers - 2})")
         # vLLM and SGLang capture layer L's output as the input of layer L+1, which never runs for N-1
         last = [i for i in self.target_layer_ids if i == self.num_target_layers - 1]
-        need(not last, "target_layer_ids", f"{last} is the target's last layer; serving engines capture a layer's "
-             f"output before the next layer, so ids go up to N-2 = {self.num_target_layers - 2}")
-        need(self.hidden_act == "silu", "hidden_act", f"{self.hidden_act!r} is not supported (the draft MLP is SwiGLU: silu)")
-        need(0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
-             f"{self.mask_token_id} is not a row of the target's embedding (vocab_size={self.vocab_size})")
-        need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
-             f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        _need(not last, "target_layer_ids", f"{last} is the target's last layer; serving engines capture a layer's "
+              f"output before the next layer, so ids go up to N-2 = {self.num_target_layers - 2}")
+        _need(self.hidden_act == "silu", "hidden_act", f"{self.hidden_act!r} is not supported (the draft MLP is SwiGLU: silu)")
+        _need(0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
+              f"{self.mask_token_id} is not a row of the target's embedding (vocab_size={self.vocab_size})")
+        _need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+              f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
-        need(not unknown, "layer_types", f"unknown layer type(s) {sorted(unknown)}")
+        _need(not unknown, "layer_types", f"unknown layer type(s) {sorted(unknown)}")
         if SLIDING_ATTENTION in self.layer_types:
-            need(bool(self.sliding_window) and self.sliding_window > 0, "sliding_window",
-                 "must be a positive integer when layer_types has sliding_attention layers")
+            _need(bool(self.sliding_window) and self.sliding_window > 0, "sliding_window",
+                  "must be a positive integer when layer_types has sliding_attention layers")
+
+    def _check_sizes(self) -> None:
+        """Whole numbers >= 1 within the bounds that keep a typo from sizing a huge allocation."""
+        for name in _SIZES:
+            value = getattr(self, name)
+            _need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                  f"must be a whole number >= 1, got {value!r}")
+        _need(not (why := BLOCK_SIZE.complaint(self.block_size)), "block_size", why or "")
+        cap = MAX_MLP_RATIO * self.hidden_size
+        _need(self.intermediate_size <= cap, "intermediate_size",
+              f"must be <= {cap} ({MAX_MLP_RATIO} x hidden_size {self.hidden_size}), got {self.intermediate_size}")
+        # a drafter as deep as its target costs as much as the target's own forward: nothing to gain
+        _need(self.num_hidden_layers <= self.num_target_layers, "num_hidden_layers",
+              f"must be <= the target's {self.num_target_layers} layers, got {self.num_hidden_layers}")
+
+    def _check_floats(self) -> None:
+        """NaN passes every comparison's `not`, and a zero or negative eps divides by zero in RMSNorm."""
+        for name, value in (("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)):
+            _need(_finite(value) and value > 0, name, f"must be a finite number > 0, got {value!r}")
+        _need(_finite(self.initializer_range) and self.initializer_range >= 0, "initializer_range",
+              f"must be a finite number >= 0, got {self.initializer_range!r}")
+
+    @classmethod
+    def from_flags(cls, **kwargs: Any) -> DFlashConfig:
+        """A config shaped by init-drafter's or train's flags: an error names the flag, not the config field."""
+        try:
+            return cls(**kwargs)
+        except UsageError as e:
+            name, _, why = str(e).partition(":")
+            raise UsageError(f"{_SIZES[name]}{why}" if _SIZES.get(name) else str(e)) from None
+
+    def num_parameters(self) -> int:
+        """The drafter's parameters (models/drafter.py), from the shapes alone: before building it."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * (q + 2 * kv) + q * h + 2 * d + ((q + 2 * kv + h) if self.attention_bias else 0)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h  # + MLP and the two norms
+        return self.num_hidden_layers * layer + len(self.target_layer_ids) * h * h + 2 * h  # + fc, two norms
+
+    def check_fits(self, device: torch.device | str, bytes_per_parameter: int = 4) -> None:
+        """The drafter's weights must fit `device`'s free memory; checked before they are allocated."""
+        n = self.num_parameters()
+        check_fits(n * bytes_per_parameter, torch.device(device),
+                   f"a drafter of {self.num_hidden_layers} layers of MLP width {self.intermediate_size} "
+                   f"({n / 1e6:.0f}M parameters; --num-layers, --intermediate-size)")
 
     @property
     def rope_theta(self) -> float:
@@ -219,6 +269,15 @@ def _refuse_unsupported(d: dict[str, Any], dflash: dict[str, Any], source: str) 
             if key in where and where[key] not in ok:
                 raise UsageError(f"{source}: {prefix}{key} = {where[key]!r} is not supported (the drafter here "
                                  f"computes {prefix}{key} = {ok[0]!r}); refusing to load it as a different model")
+
+
+def _need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise UsageError(f"{name}: {msg}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _field(d: dict[str, Any], name: str, source: str) -> Any:

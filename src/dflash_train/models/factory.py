@@ -35,9 +35,11 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         mask_token_id = target.default_mask_token_id()
     target.check_mask_token(mask_token_id, "--mask-token-id")
     heads = c.num_attention_heads
+    if num_layers > n:  # before it sizes layer_types (DFlashConfig holds a config.json to the same bound)
+        raise UsageError(f"--num-layers must be <= the target's {n} layers, got {num_layers}")
     # Sliding-window layers come first, full-attention layers last (the deepest layers see everything).
     layer_types = [SLIDING_ATTENTION] * num_sliding_layers + [FULL_ATTENTION] * (num_layers - num_sliding_layers)
-    return DFlashConfig(
+    return DFlashConfig.from_flags(
         hidden_size=c.hidden_size,
         intermediate_size=intermediate_size or c.intermediate_size,
         num_hidden_layers=num_layers,
@@ -66,6 +68,7 @@ def new_drafter(cfg: DFlashConfig, seed: int = 0, device: str | torch.device = "
     draw on an H200 machine's 16 cores; on the GPU it is instant. One seed gives the same
     weights on every device of a type (the CPU, or any CUDA GPU), not across types.
     """
+    cfg.check_fits(device)  # float32 weights, before they are allocated
     with torch.device(device):
         model = DFlashDrafter(cfg)
     model.init_weights(seed)

@@ -141,11 +141,12 @@ def _extras(recs: list[Record], loop: str) -> list[str]:
 
 
 def _verdict_runs(recs: list[Record]) -> list[str]:
-    """Consecutive windows with the same verdict kind, collapsed into one line each."""
+    """Consecutive windows with the same verdict kind and qualifiers, collapsed into one line each (a qualifier
+    such as allocator churn that holds in some windows only stays visible)."""
     lines: list[str] = []
     run: list[Record] = []
     for rec in [r for r in recs if "verdict" in r] + [None]:
-        if run and (rec is None or rec["verdict"]["kind"] != run[0]["verdict"]["kind"]):
+        if run and (rec is None or _verdict_key(rec) != _verdict_key(run[0])):
             first, last = run[0], run[-1]
             windows = f"x{len(run)} window" + ("s" if len(run) > 1 else "")
             lines.append(f"    t={first.get('elapsed_s', 0):.0f}s..{last.get('elapsed_s', 0):.0f}s  "
@@ -154,6 +155,10 @@ def _verdict_runs(recs: list[Record]) -> list[str]:
         if rec is not None:
             run.append(rec)
     return lines
+
+
+def _verdict_key(rec: Record) -> tuple:
+    return rec["verdict"]["kind"], tuple(rec["verdict"].get("also", ()))
 
 
 def summarize(records: list[Record]) -> str:
@@ -259,15 +264,29 @@ def read_run(run_dir: str | Path) -> list[Record]:
 
 def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[str, Path]:
     """Summarize RUN_DIR/profile.jsonl; write the figure to out (default RUN_DIR/profile.png)."""
+    if out is not None:
+        check_png_path(out)  # before the work
     records = read_run(run_dir)
     png = plot(records, out if out is not None else Path(run_dir) / "profile.png")
     return summarize(records), png
 
 
+def check_png_path(out: str | Path) -> None:
+    """--out must end in .png: given another name, matplotlib would write NAME.png instead (a path the
+    user never gave, and never told), and a name is the user's to choose, not ours to change."""
+    if Path(out).suffix.lower() != ".png":
+        raise UsageError(f"--out {out}: the figure is a PNG; give a path ending in .png")
+
+
 def save_figure(fig, out_png: str | Path) -> Path:
-    """Lay out `fig` and write it as a PNG (creating the folder); the caller closes the figure."""
+    """Lay out `fig` and write it as a PNG to exactly `out_png` (creating the folder); the caller closes the
+    figure. A failed write is a UsageError naming the path."""
+    check_png_path(out_png)
     fig.tight_layout()
     out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100, bbox_inches="tight")
+    try:
+        out_png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_png, format="png", dpi=100, bbox_inches="tight")
+    except OSError as e:
+        raise UsageError(f"{out_png}: cannot write the figure ({e.strerror or e})") from None
     return out_png

@@ -21,7 +21,8 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
      "compiles": {"graphs", "seconds"},  # when torch.compile compiled in the window: compiles.py
      "verdict": {"kind": "compiling" | "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound" | "allocator-churn"
                          | "sync-bound" | "launch-bound" | "balanced" | "idle",
-                 "message": <one line>}}
+                 "message": <one line>,
+                 "also": [<kind>, ...]}}  # only when other rules hold too: named in the message's brackets
 
 `share` is the stage's total time over the window's wall time. Stages nested inside others
 (the drafter's internals inside `drafter_forward`) and overlapping threads mean shares of one

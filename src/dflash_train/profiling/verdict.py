@@ -25,6 +25,13 @@ A loop that waits is not the bottleneck; the role it waits on is. The rules, che
     balanced       none of the above: both roles are busy computing.
     idle           the window holds no timed stages.
 
+The wait rules name the role that limits the pipeline; the allocator-churn and sync-bound rules
+name a cost that makes every step slower whichever role limits it. So when one of those two holds
+in a window that a wait rule (or allocator-churn) judged first, it is kept as a qualifier in
+brackets beside the verdict, `drafter-bound (allocator-churn: ...): target workers wait ...`,
+and listed in `Verdict.also` (the record's `verdict.also`): the first match alone would hide
+the churn in every window whose drafter or target limits the run.
+
 sync-bound and launch-bound need the device clock (--profile-cuda-events on CUDA): without it a
 host blocked on the GPU's own queued work looks the same as a harmful sync, so neither is
 claimed on CPU-only or wall-mode records. CUDA spin-waits in a sync by default, which counts as
@@ -52,8 +59,9 @@ STARVED = 0.5  # share of a loop's event-span starts that found the stream drain
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str
-    message: str
+    kind: str  # the first rule that matched
+    message: str  # one line: the kind, its qualifiers in brackets, the reason and the advice
+    also: tuple[str, ...] = ()  # the kinds of the other rules named in the message's brackets
 
 
 def _share(record: dict[str, Any], loop: str, stage: str) -> float:
@@ -164,6 +172,18 @@ def _launch_bound(record: dict[str, Any], only: str | None = None) -> Verdict | 
     return None
 
 
+# Rules that hold beside a verdict that matched before them: kept as its qualifiers (see the docstring).
+def _qualifiers(record: dict[str, Any], kind: str) -> list[Verdict]:
+    found = (rule(record) for rule in (_allocator_churn, _sync_bound))
+    return [v for v in found if v is not None and v.kind != kind]
+
+
+def _qualified(kind: str, brackets: list[Verdict], body: str) -> Verdict:
+    """`kind (q1: ...; q2: ...): body` for the qualifying verdicts `brackets` (just `kind: body` without any)."""
+    head = f"{kind} ({'; '.join(b.message for b in brackets)})" if brackets else kind
+    return Verdict(kind, f"{head}: {body}", tuple(b.kind for b in brackets))
+
+
 def _allocator_churn(record: dict[str, Any]) -> Verdict | None:
     counts = churn(record.get("allocator", {}))
     if counts is None:
@@ -182,8 +202,10 @@ def _role(record: dict[str, Any], kind: str, loop: str, reason: str, advice: str
     its spans started on a drained stream at 100% of their starts)."""
     found = _launch_bound(record, only=loop)
     if found is None:
-        return Verdict(kind, f"{kind}: {reason} — {advice}")
-    return Verdict("launch-bound", f"launch-bound ({kind}: {reason}): {found.message.removeprefix('launch-bound: ')}")
+        return _qualified(kind, _qualifiers(record, kind), f"{reason} — {advice}")
+    role = Verdict(kind, f"{kind}: {reason}")
+    return _qualified("launch-bound", [role, *_qualifiers(record, "launch-bound")],
+                      found.message.removeprefix("launch-bound: "))
 
 
 def verdict(record: dict[str, Any]) -> Verdict:
@@ -199,8 +221,9 @@ def verdict(record: dict[str, Any]) -> Verdict:
     waits_empty = _share(record, "drafter", "hs_queue_wait")
     handoff = max(_share(record, "target", "handoff"), _share(record, "drafter", "handoff"))
     if waits_in >= WAIT:
-        return Verdict("input-bound", f"input-bound: target workers wait {waits_in:.0%} for batches "
-                                      "— raise --queue-depth or use shorter packing (--token-budget)")
+        return _qualified("input-bound", _qualifiers(record, "input-bound"),
+                          f"target workers wait {waits_in:.0%} for batches "
+                          "— raise --queue-depth or use shorter packing (--token-budget)")
     if waits_full >= WAIT:
         return _role(record, "drafter-bound", "drafter", f"target workers wait {waits_full:.0%} on a full hs_queue",
                      "add drafter devices or cut anchors (--num-anchors)")
@@ -208,9 +231,14 @@ def verdict(record: dict[str, Any]) -> Verdict:
         return _role(record, "target-bound", "target", f"drafters wait {waits_empty:.0%} on an empty hs_queue",
                      "add target devices or shorten --token-budget")
     if handoff >= HANDOFF:
-        return Verdict("handoff-bound", f"handoff-bound: moving features takes {handoff:.0%} of a loop "
-                                        "— put target and drafter on one host/GPU or cut --num-features")
-    for rule in (_allocator_churn, _sync_bound, _launch_bound):
+        return _qualified("handoff-bound", _qualifiers(record, "handoff-bound"),
+                          f"moving features takes {handoff:.0%} of a loop "
+                          "— put target and drafter on one host/GPU or cut --num-features")
+    churning = _allocator_churn(record)
+    if churning is not None:  # a sync-bound stage may be where the churn's cudaFree calls block: named beside it
+        return _qualified(churning.kind, _qualifiers(record, churning.kind),
+                          churning.message.removeprefix(f"{churning.kind}: "))
+    for rule in (_sync_bound, _launch_bound):
         found = rule(record)
         if found is not None:
             return found
@@ -221,4 +249,6 @@ def verdict(record: dict[str, Any]) -> Verdict:
 def attach_verdict(record: dict[str, Any]) -> dict[str, Any]:
     v = verdict(record)
     record["verdict"] = {"kind": v.kind, "message": v.message}
+    if v.also:
+        record["verdict"]["also"] = list(v.also)
     return record

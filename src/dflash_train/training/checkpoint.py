@@ -19,7 +19,7 @@ import torch
 
 from dflash_train.errors import UsageError
 from dflash_train.files import AtomicDirectory, leftovers, write_atomic
-from dflash_train.models.checkpoint import save_drafter
+from dflash_train.models.checkpoint import write_drafter
 from dflash_train.models.drafter import DFlashDrafter
 
 LATEST = "latest"
@@ -29,16 +29,38 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:07d}"
+
+
 def save_checkpoint(run_dir: Path, step: int, drafter: DFlashDrafter, state: dict[str, Any], keep: int) -> Path:
-    root = checkpoints_dir(run_dir)
-    name = f"step_{step:07d}"
-    final = root / name
+    """A failed write (a full disk, a deleted run directory) raises OSError and leaves the checkpoints
+    as they were: the new one is renamed into place, and `latest` moved to it, only once it is whole."""
+    final = checkpoint_path(run_dir, step)
+    root = final.parent
+    root.mkdir(exist_ok=True)  # not parents=True: a run directory deleted during the run must stay gone
     with AtomicDirectory(final) as tmp:  # replaces a step directory of ours (a resumed run reaching it again)
-        save_drafter(drafter, tmp / "drafter", torch.float32)  # fp32 master weights: resume is exact
-        torch.save(state, tmp / "trainer_state.pt")
-    _write_atomic(root / LATEST, name + "\n")
+        write_drafter(drafter, tmp / "drafter", torch.float32)  # fp32 master weights: resume is exact
+        _save_state(state, tmp / "trainer_state.pt")
+    _write_atomic(root / LATEST, final.name + "\n")
     _prune(root, keep)
     return final
+
+
+def _save_state(state: dict[str, Any], path: Path) -> None:
+    """torch.save, its failed write raised as the OSError it is. Given a path, torch's own writer reports a full
+    disk as a RuntimeError without the errno ("unexpected pos ..."); through a Python file the write raises the
+    OSError, but closing the zip archive then fails too, and its RuntimeError hides that OSError."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+    except RuntimeError as e:
+        cause = e.__context__
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

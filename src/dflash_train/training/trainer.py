@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from dflash_train.pipeline.stream import StreamState
 from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
-from dflash_train.training.checkpoint import save_checkpoint
+from dflash_train.training.checkpoint import checkpoint_path, save_checkpoint
 from dflash_train.training.config import TrainerConfig
 from dflash_train.training.metrics import MetricsLogger
 from dflash_train.training.update import Update, cosine_schedule, make_optimizer
@@ -154,8 +155,10 @@ class Trainer:
         self.update = Update(objective, self.optimizer, self.scheduler, cfg.grad_clip, self._parallel(objective),
                              self.prof)
         self.step, self.stream_state = 0, StreamState()
+        self.checkpointed: int | None = None  # the step of the newest checkpoint on disk, when there is one
         if resume_state is not None:
             self._restore(resume_state)
+            self.checkpointed = self.step
 
     def _parallel(self, objective: nn.Module) -> nn.Module:
         """The module that runs the forward: the objective, or its DDP wrapper with several training ranks."""
@@ -202,8 +205,27 @@ class Trainer:
         if not (self.writer and self.checkpoints):
             return None
         self._check_weights()  # the last good checkpoint stays `latest`
-        with self.prof.span("checkpoint"):
-            return save_checkpoint(self.run_dir, self.step, self.model, self.state(), self.cfg.keep_checkpoints)
+        with self.prof.span("checkpoint"), self._writing(f"checkpoint {checkpoint_path(self.run_dir, self.step)}"):
+            path = save_checkpoint(self.run_dir, self.step, self.model, self.state(), self.cfg.keep_checkpoints)
+        self.checkpointed = self.step
+        return path
+
+    @contextlib.contextmanager
+    def _writing(self, what: str | None):
+        """Stop with one line when a write of the run's outputs fails (a full disk, the run directory deleted):
+        a traceback from deep in torch or a writer thread says less, and the last checkpoint stays usable.
+        what: the output, for the message (None: the path the OSError names)."""
+        try:
+            yield
+        except OSError as e:
+            raise self._write_failed(what or os.fsdecode(e.filename or self.run_dir), e) from None
+
+    def _write_failed(self, what: str, e: OSError) -> UsageError:
+        if not self.run_dir.is_dir():  # writes into it would fail from now on, or make it anew
+            return UsageError(f"--run-dir: {self.run_dir} disappeared during the run; stopped at step {self.step}")
+        kept = (f"the checkpoint of step {self.checkpointed} is kept (--resume continues from it)"
+                if self.checkpointed is not None else "no checkpoint was written before it")
+        return UsageError(f"--run-dir: cannot write {what}: {e.strerror or e}; {kept}")
 
     def _diverged(self, what: str) -> Diverged:
         return Diverged(f"training diverged: {what}; lower --lr (now {self.cfg.lr:g}) and start over with --overwrite")
@@ -229,19 +251,31 @@ class Trainer:
         """Run steps until total_steps, taking `grad_accum` packs per step from `source`."""
         t_start = time.perf_counter()
         self.model.train()
-        metrics = MetricsLogger(self.run_dir, self.total_steps, self.step, self.progress) if self.writer else None
+        metrics = None
+        if self.writer:
+            with self._writing(None):
+                metrics = MetricsLogger(self.run_dir, self.total_steps, self.step, self.progress)
         try:
-            try:
-                last = self._steps(source, metrics)
-            except (KeyboardInterrupt, GracefulStop):
-                self.checkpoint()
-                raise
-            self.checkpoint()  # raises Diverged if the last update broke the weights
-        finally:
+            last = self._train(source, metrics)
+        except BaseException:
             if metrics is not None:
+                metrics.close(quiet=True)  # the run's own error is the one to report
+            raise
+        if metrics is not None:
+            with self._writing(None):
                 metrics.close()
         self.model.eval()
         return TrainResult(self.step, time.perf_counter() - t_start, last)
+
+    def _train(self, source, metrics: MetricsLogger | None) -> dict[str, Any] | None:
+        """The steps, then the last checkpoint (also after a stop request); the last metrics record."""
+        try:
+            last = self._steps(source, metrics)
+        except (KeyboardInterrupt, GracefulStop):
+            self.checkpoint()
+            raise
+        self.checkpoint()  # raises Diverged if the last update broke the weights
+        return last
 
     def _steps(self, source, metrics: MetricsLogger | None) -> dict[str, Any] | None:
         """The optimizer steps up to total_steps; the last metrics record."""
@@ -260,7 +294,8 @@ class Trainer:
                 with self.prof.span("metrics", sync="the logging step's read-back (sums.cpu())"):
                     last = {**self._record(window), **validated}  # a validation step writes a record of its own
                 if metrics is not None:
-                    metrics.log(last)  # a non-finite record too: the diagnostic of the stop below
+                    with self._writing(None):
+                        metrics.log(last)  # a non-finite record too: the diagnostic of the stop below
                 self._check_record(last, window.steps)  # every training rank: the sums are all-reduced
                 window = _Window(self.objective.metric_width, self.device)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < self.total_steps:

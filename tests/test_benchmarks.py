@@ -1,0 +1,305 @@
+"""Every script under benchmarks/ runs its CPU plumbing here: tiny shapes, a few steps, seconds each.
+
+A flag or config change that breaks a benchmark script (a flag renamed, a config value that a
+script's fixed flags now contradict) fails here instead of on a lent GPU. Each test runs the
+script as its header says, in a subprocess with this tree's sources, and checks that it exits 0
+and writes what it promises (JSON keys, logs, summaries). The figures themselves mean nothing
+on a CPU. The subprocess tests are `slow`; the in-process checks of the scripts' helpers are not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+TINY = "random:tiny"
+# train flags that shrink configs/smollm2-h200.toml to the tiny target on a CPU (raw replies: no regeneration)
+TINY_TRAIN = ("--device cpu --target random:tiny --num-conversations 40 --no-regenerate --regen-samples 1 "
+              "--no-compile-drafter --num-layers 1 --intermediate-size 128 --max-steps 2 --max-length 128 "
+              "--token-budget 512 --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0")
+QUICK_EVAL = {"EVAL_LIMIT": "2", "MTBENCH_LIMIT": "2", "EVAL_TOKENS": "8"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # the scripts' python3
+    env["OMP_NUM_THREADS"] = "1"  # a busy CI host: one thread per process
+    env.pop("TRITON_INTERPRET", None)
+    env.update(extra)
+    return env
+
+
+def _run(args: list[str], tmp_path: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """Run a script from the repository root; fail with its output unless it exits 0."""
+    proc = subprocess.run(args, cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    assert proc.returncode == 0, f"{' '.join(args)}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _py(script: str, *args: str) -> list[str]:
+    return [sys.executable, str(BENCH / script), *args]
+
+
+def _json(path: Path, *keys: str) -> dict:
+    data = json.loads(path.read_text())
+    missing = [k for k in keys if k not in data]
+    assert not missing, f"{path}: no {missing} in {sorted(data)}"
+    return data
+
+
+def _load(script: str):
+    """A benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))  # sibling imports (decode_speed, recipe_summary)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_every_benchmark_script_has_a_test_here():
+    """A new script under benchmarks/ needs its CPU plumbing run in this file (or a named reason not to)."""
+    text = Path(__file__).read_text()
+    scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
+    assert scripts, BENCH
+    untested = [s for s in scripts if f'"{s}"' not in text]
+    assert not untested, f"no plumbing test in tests/test_benchmarks.py for {untested}"
+
+
+# --- Python scripts: one process each -------------------------------------------------------------
+
+@pytest.mark.slow
+def test_data_stages(tmp_path):
+    out = tmp_path / "stages.json"
+    _run(_py("data_stages.py", "--target", TINY, "--conversations", "300", "--regen-prompts", "10",
+             "--prepare", "10", "--json", str(out)), tmp_path)
+    data = _json(out, "select_batched_s", "select_one_at_a_time_s", "regen_render_batched_s",
+                 "prepare_encode_batched_s", "prepare_dataset_s", "prepare")
+    assert data["select_conversations"].endswith("of 300")
+
+
+@pytest.mark.slow
+def test_decode_attention_under_the_triton_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "attention.json"
+    _run(_py("decode_attention.py", "--device", "cpu", "--target", TINY, "--rows", "4", "--min-len", "8",
+             "--max-len", "24", "--regen-rows", "4", "--new-tokens", "2", "--reps", "1", "--no-compiled",
+             "--json", str(out)), tmp_path, TRITON_INTERPRET="1")
+    data = _json(out, "attention", "regen_batched", "regen_kernel", "regen_kernel_fused")
+    kernels = [k for k in data["attention"] if k.startswith("kernel_")]
+    assert len(kernels) == 6 and all(data["attention"][k]["max_abs_diff"] < 1e-3 for k in kernels), data["attention"]
+
+
+@pytest.mark.slow
+def test_decode_parts(tmp_path):
+    out = tmp_path / "parts.json"
+    _run(_py("decode_parts.py", "--device", "cpu", "--target", TINY, "--draft-layers", "1", "--block-size", "4",
+             "--context", "32", "--reps", "2", "--json", str(out)), tmp_path)
+    assert "device" in _json(out, "target", "device", "date")
+
+
+@pytest.mark.slow
+def test_decode_speed(tmp_path):
+    out = tmp_path / "decode.json"
+    _run(_py("decode_speed.py", "--device", "cpu", "--target", TINY, "--regen-rows", "4", "--regen-hf-rows", "2",
+             "--new-tokens", "4", "--prompt-min", "8", "--prompt-max", "16", "--batch1-prompts", "2",
+             "--block-size", "4", "--draft-layers", "1", "--json", str(out)), tmp_path)
+    _json(out, "regen_static", "batch1_static", "dflash_static", "dflash_static_host_loop", "dflash_static_gpu_only",
+          "regen_hf", "batch1_hf", "dflash_hf", "break_even_tau_static", "break_even_tau_hf")
+
+
+@pytest.mark.slow
+def test_eval_overhead(tmp_path):
+    out = tmp_path / "overhead.json"
+    _run(_py("eval_overhead.py", "--device", "cpu", "--target", TINY, "--draft-layers", "1", "--block-size", "4",
+             "--prompts", "2", "--prompt-min", "8", "--prompt-max", "16", "--new-tokens", "4", "--json", str(out)),
+         tmp_path)
+    _json(out, "eval_ms_per_step", "back_to_back_ms_per_step", "per_prompt_ms", "first_step_ms", "steps", "tau")
+
+
+@pytest.mark.slow
+def test_mix_order_guard_runs_its_path_on_the_cpu(tmp_path):
+    """The Inductor fusion it measures is CUDA's: on a CPU (aot_eager) only the script's path runs."""
+    out = tmp_path / "mix.json"
+    _run(_py("mix_order_guard.py", "--device", "cpu", "--backend", "aot_eager", "--sizes", "64", "32",
+             "--reps", "1", "--json", str(out)), tmp_path)
+    data = _json(out, "graphs_after_each_size", "first_calls_s", "fwd_bwd_ms", "sizes")
+    assert set(data["graphs_after_each_size"]) == {"default", "non_strict", "mix_off"}
+    assert all(len(g) == 2 for v in data["graphs_after_each_size"].values() for g in v.values())
+
+
+@pytest.mark.slow
+def test_regen_widths(tmp_path):
+    out = tmp_path / "widths.json"
+    _run(_py("regen_widths.py", "--target", TINY, "--limit", "150", "--batch-size", "16", "--pool-batches", "1", "4",
+             "--json", str(out)), tmp_path)
+    data = _json(out, "conversations", "selection_order", "sorted_per_turn_pool_1", "sorted_per_turn_pool_4")
+    assert data["conversations"] == 150
+    assert 0 < data["selection_order"]["useful_share"] <= data["sorted_per_turn_pool_4"]["useful_share"] <= 1
+
+
+@pytest.mark.slow
+def test_relabel_speed(tmp_path, prepared):
+    out = tmp_path / "relabel.json"
+    _run(_py("relabel_speed.py", "--data", prepared, "--target", TINY, "--device", "cpu", "--json", str(out)),
+         tmp_path)
+    figures = _json(out, "tokens", "labels_equal_share")
+    assert figures["labels_equal_share"] == 1.0  # float32 on a CPU: both ways give the same labels
+    ways = [k for k in figures if k.startswith(("padded-", "packed-"))]
+    assert len(ways) == 2 and all(figures[k]["tokens_per_s"] > 0 for k in ways), figures
+
+
+@pytest.mark.slow
+def test_reply_loops(tmp_path):
+    proc = _run(_py("reply_loops.py", "--device", "cpu", "--target", TINY, "--limit", "2", "--new-tokens", "8",
+                    "--split", "4", "--ngram", "2"), tmp_path)
+    assert "sharegpt: 2 replies" in proc.stdout and "copy-predictable" in proc.stdout
+
+
+@pytest.mark.slow
+def test_target_features(tmp_path):
+    out = tmp_path / "features.json"
+    _run(_py("target_features.py", "--device", "cpu", "--target", TINY, "--steps", "2", "--warmup", "1",
+             "--token-budget", "256", "--max-length", "64", "--median-length", "32", "--json", str(out)), tmp_path)
+    assert "padded" in out.read_text() and "auto" in out.read_text()
+
+
+@pytest.mark.slow
+def test_planted_sync_on_the_cpu_slows_its_stage(tmp_path):
+    """Without CUDA the sync plant is a 20 ms sleep: the stage it names shows it, and the TRAIN_SECONDS
+    stop ends `train` with 0."""
+    run = tmp_path / "run"
+    proc = _run(_py("planted.py", "train", "--config", "configs/smollm2-h200.toml", "--run-dir", str(run),
+                    *TINY_TRAIN.split(), "--max-steps", "50", "--eval-limit", "0", "--checkpoint-every", "0",
+                    "--profile-interval", "1", "--quiet"),
+                tmp_path, PLANT="sync:drafter.masks", TRAIN_SECONDS="2")
+    assert "the planted sync is a 20 ms sleep" in proc.stderr and "sync planted in drafter.masks" in proc.stderr
+    assert "stopped at step" in proc.stderr
+    last = [json.loads(x) for x in (run / "profile.jsonl").read_text().splitlines()][-1]
+    masks = last["loops"]["drafter"]["cumulative"]["stages"]["drafter.masks"]
+    assert masks["total_s"] / masks["count"] >= 0.02
+
+
+def test_planted_stages_resolve(monkeypatch):
+    """Each stage planted.py knows still names a function the pipeline calls (a rename fails here)."""
+    planted = _load("planted.py")
+    for stage, (where, attr) in planted.STAGES.items():
+        module, _, cls = where.partition(":")
+        owner = getattr(__import__(module, fromlist=["_"]), cls) if cls else __import__(module, fromlist=["_"])
+        monkeypatch.setattr(owner, attr, getattr(owner, attr))  # restored after the test
+        planted.plant(f"sleep:{stage}:0")
+        assert getattr(owner, attr).__wrapped__ is not None
+
+
+# --- shell scripts ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_profile_h200_plumbing_with_the_shipped_config(tmp_path):
+    """The shipped config as it is (its regen_samples included) under the script's fixed flags: every
+    step exits 0, the runs write profile records, the reports and the summary are made."""
+    out = tmp_path / "prof"
+    _run(["bash", str(BENCH / "profile_h200.sh"), str(out)], tmp_path, timeout=240,
+         DEVICE="cpu", TARGET=TINY, CONVS="40", TRAIN_SECONDS="2", WARM_SECONDS="1", INTERVAL="1", RUNS="a c",
+         TRAIN_FLAGS="--token-budget 256 --max-length 64 --num-anchors 4 --num-layers 1 --intermediate-size 128 "
+                     "--no-compile-drafter",
+         BENCH_FLAGS="--target random:tiny --device cpu --num-layers 1 --block-size 4 --num-anchors 8 --seq-len 64 "
+                     "--steps 2")
+    steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
+    assert steps == {"env": "0", "warm": "0", "a": "0", "c": "0", "reports": "0", "bench": "0"}, steps
+    for run in ("a", "c"):
+        assert (out / run / "profile.jsonl").stat().st_size > 0
+        assert "verdicts" in (out / f"report-{run}.log").read_text()
+    summary = (out / "summary.txt").read_text()
+    assert "allocator-churn verdict in c: NO" in summary  # no allocator telemetry on a CPU
+    assert "compare-ac: rank 1" in summary and "bench overlap+cuda" in summary
+    _json(out / "bench-8b.json", "variants")
+
+
+@pytest.mark.slow
+def test_quality_pair_runs_two_quality_runs(tmp_path):
+    """quality_pair.sh runs benchmarks/quality_smollm2_h200.sh twice (B on A's copied data): both
+    scripts' plumbing, with each run's quality.json."""
+    a, b = tmp_path / "qa", tmp_path / "qb"
+    _run(["bash", str(BENCH / "quality_pair.sh"), str(a), str(b), TINY_TRAIN, TINY_TRAIN + " --lr 2e-3"],
+         tmp_path, timeout=240, **QUICK_EVAL)
+    assert (tmp_path / "qa.pair.done").is_file()
+    log = (tmp_path / "qa.pair.log").read_text()
+    assert "A done: rc 0" in log and "B done: rc 0" in log, log
+    for run in (a, b):
+        q = _json(run / "quality.json", "tau_humaneval", "tau_mtbench", "tau_sharegpt", "speedup", "train_tokens",
+                  "steps", "wall_s", "phases_s", "device", "command")
+        assert q["steps"] == 2 and q["device"] == "cpu"
+        assert (run / "train.log").is_file()  # moved in once the job ended
+    assert "quality_smollm2_h200.sh" in json.loads((b / "quality.json").read_text())["command"]
+
+
+@pytest.mark.slow
+def test_recipe_sweep_and_its_summary(tmp_path):
+    """recipe_sweep.sh with two variants, the second on the first's prepared data (the same data flags),
+    then the script's "recipe_summary.py": the table, summary.json and the curve."""
+    out = tmp_path / "sweep"
+    proc = _run(["bash", str(BENCH / "recipe_sweep.sh"), str(out), f"base|{TINY_TRAIN}", f"lr|{TINY_TRAIN} --lr 2e-3"],
+                tmp_path, timeout=240, TARGET=TINY, EVAL_FLAGS="--no-baseline", **QUICK_EVAL)
+    rows = json.loads((out / "summary.json").read_text())
+    assert [r["name"] for r in rows] == ["base", "lr"], rows
+    assert all(r.get("tau_humaneval") for r in rows), rows
+    assert (out / "curve.png").is_file() and "variant" in proc.stdout
+    for name in ("base", "lr"):
+        assert (out / name / "train.status").read_text().split()[0] == "0"
+        assert all((out / name / f"eval-{d}.json").is_file() for d in ("humaneval", "mtbench", "sharegpt"))
+    assert not list((out / "lr").glob("data-*")), "the second variant prepared its own data"
+
+
+# --- the scripts' helpers, in process ---------------------------------------------------------------
+
+def _window(kind: str, also: tuple[str, ...] = (), churning: bool = True, index: int = 0) -> dict:
+    """A steady drafter-bound window of a CUDA run whose allocator churns, as recorded."""
+    verdict = {"kind": kind, "message": kind}
+    if also:
+        verdict["also"] = list(also)
+    return {"type": "profile", "process": "main/cuda:0", "elapsed_s": 10.0 * (index + 1), "window_s": 10.0,
+            "loops": {"target": {"stages": {"hs_queue_full_wait": {"share": 0.4}}, "counters": {"tokens": 1}},
+                      "drafter": {"stages": {"backward": {"share": 0.5}}, "counters": {"tokens": 1},
+                                  "rates": {"tokens_per_s": 1000.0}}},
+            "allocator": {"window": index, "device_allocs": 8 if churning else 0, "device_frees": 8 if churning else 0,
+                          "alloc_retries": 0},
+            "verdict": verdict}
+
+
+@pytest.mark.parametrize("recorded", ["before qualifiers", "with qualifiers"])
+def test_profile_h200_summary_finds_churn_beside_a_role_verdict(tmp_path, recorded):
+    """Run c's churn held in every steady window while the drafter limited them all: the summary says YES,
+    from the records' qualifiers, and from this tree's rules for records written before them."""
+    script = _load("profile_h200.py")
+    also = ("allocator-churn",) if recorded == "with qualifiers" else ()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "profile.jsonl").write_text(
+        "".join(json.dumps(_window("drafter-bound", also, index=i)) + "\n" for i in range(8)))
+    text = "\n".join(script._run_lines(tmp_path, "c", "churn:drafter.lm_head_loss"))
+    assert "verdicts of 6 steady windows: drafter-bound 6" in text
+    assert "allocator-churn verdict in c: YES" in text, text
+    assert "allocator-churn 6/6" in text  # the rule held in every steady window
+    if also:
+        assert "qualifiers (in brackets beside the verdict): allocator-churn 6" in text
+    else:
+        assert "by this tree's rules: drafter-bound 6; qualifiers allocator-churn 6" in text
+
+
+def test_profile_h200_summary_says_no_without_churn(tmp_path):
+    script = _load("profile_h200.py")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "profile.jsonl").write_text(
+        "".join(json.dumps(_window("drafter-bound", churning=False, index=i)) + "\n" for i in range(5)))
+    assert "allocator-churn verdict in c: NO" in "\n".join(script._run_lines(tmp_path, "c", "churn:x"))
