@@ -85,8 +85,8 @@ def test_a_real_divergence_is_a_mismatch_and_fails_require_lossless(tiny_drafter
     monkeypatch.setattr(ev, "speculative_generate", broken)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "word " * (30 + i)}) + "\n" for i in range(2)))
-    argv = ["eval", "--target", "random:tiny", "--drafter", str(tiny_drafter_dir), "--dataset", str(prompts),
-            "--limit", "2", "--max-new-tokens", "6", "--quiet", "--json", str(tmp_path / "r.json")]
+    argv = ["eval", "--target", "random:tiny", "--device", "cpu", "--drafter", str(tiny_drafter_dir), "--dataset",
+            str(prompts), "--limit", "2", "--max-new-tokens", "6", "--quiet", "--json", str(tmp_path / "r.json")]
     assert main(argv) == 0  # reported, not fatal, unless asked
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["lossless"] == "mismatch" and rep["mismatched_prompts"] == [0, 1]

@@ -89,7 +89,8 @@ def test_train_with_target_labels_computes_them_in_the_feature_forward(tiny_targ
     from dflash_train.cli import main
 
     def train(run, labels):
-        argv = ["train", "--target", "random:tiny", "--data", str(data_dir), "--labels", labels, "--max-length", "96",
+        argv = ["train", "--target", "random:tiny", "--device", "cpu", "--data", str(data_dir), "--labels", labels,
+                "--max-length", "96",
                 "--token-budget", "192", "--max-steps", "3", "--log-every", "1", "--eval-limit", "0",
                 "--run-dir", str(tmp_path / run), "--quiet"]
         assert main(argv) == 0

@@ -185,7 +185,8 @@ def test_train_command_end_to_end_on_tiny(tmp_path, capsys):
     data.write_text("".join(json.dumps({"id": f"x{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
                             for i, p in enumerate(PROMPTS)))
     run = tmp_path / "run"
-    argv = ["train", "--target", "random:tiny", "--run-dir", str(run), "--data", str(data), "--num-conversations", "0",
+    argv = ["train", "--target", "random:tiny", "--device", "cpu", "--run-dir", str(run), "--data", str(data),
+            "--num-conversations", "0",
             "--regen-max-new-tokens", "24", "--max-length", "96", "--token-budget", "192", "--block-size", "4",
             "--max-steps", "4", "--eval-limit", "1", "--eval-max-new-tokens", "8", "--eval-dataset", str(data), "--quiet"]
     assert main(argv + ["--eval-before", "yes"]) == 0
