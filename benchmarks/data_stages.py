@@ -2,7 +2,8 @@
 
     python3 benchmarks/data_stages.py --json OUT.json
     python3 benchmarks/data_stages.py --prepare 3000 --regen-prompts 3000
-    python3 benchmarks/data_stages.py --target random:tiny --conversations 500 --regen-prompts 20 --prepare 20  # plumbing
+    # plumbing:
+    python3 benchmarks/data_stages.py --target random:tiny --conversations 500 --regen-prompts 20 --prepare 20
 
 Before regeneration the job measures every ShareGPT first prompt against
 --regen-max-prompt-tokens (`data/selection.py`); regeneration renders each turn's prompts
@@ -71,12 +72,14 @@ def main(argv=None) -> int:
     convs = list(iter_conversations("sharegpt", split=default_split("sharegpt"), on_bad="skip", report=SourceReport(),
                                     require_assistant=False))
     convs = convs[:args.conversations] if args.conversations > 0 else convs
+    command = "python3 benchmarks/data_stages.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out: dict[str, object] = {"target": args.target, "cores": os.cpu_count(), "date": date.today().isoformat(),
-                              "command": "python3 benchmarks/data_stages.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+                              "command": command}
 
     picked, out["select_batched_s"] = _timed(lambda: select_conversations(
         iter(convs), SourceReport(), topic="any", limit=0, target=target, max_prompt_tokens=args.max_prompt_tokens))
-    _, out["select_one_at_a_time_s"] = _timed(lambda: [len(template_ids(tok, first_prompt(c.messages), True)) for c in convs])
+    _, out["select_one_at_a_time_s"] = _timed(
+        lambda: [len(template_ids(tok, first_prompt(c.messages), True)) for c in convs])
     out["select_conversations"] = f"{len(picked)} of {len(convs)}"
 
     prompts = _histories(convs, 5, 4000)[:args.regen_prompts]  # user, assistant, user, assistant, user

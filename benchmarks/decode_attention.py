@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from datetime import date
+from functools import partial
 
 import torch
 
@@ -83,7 +84,7 @@ def attention_layer(rows: int, lo: int, hi: int, heads: int = 9, kv_heads: int =
     out["batched"] = {"ms": round(ms, 4), "own_tb_s": round(own_bytes / ms / 1e9, 2),
                       "read_tb_s": round(read_bytes / ms / 1e9, 2)}
     for block, warps, stages in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3)):
-        fn = lambda: da.decode_attention(q, k, v, lens, 0.125, block, warps, stages)  # noqa: E731
+        fn = partial(da.decode_attention, q, k, v, lens, 0.125, block, warps, stages)
         err = (fn().float() - want).abs().max().item()
         ms = _time_ms(fn, reps)
         out[f"kernel_b{block}_w{warps}_s{stages}"] = {"ms": round(ms, 4), "own_tb_s": round(own_bytes / ms / 1e9, 2),
@@ -134,8 +135,10 @@ def main(argv=None) -> int:
     if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("decode_attention.py: --device cpu runs the kernel under Triton's interpreter: "
                          "set TRITON_INTERPRET=1")
-    out: dict = {"device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu", "date": date.today().isoformat(), "torch": torch.__version__,
-                 "command": "python3 benchmarks/decode_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    out: dict = {"device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
+                 "date": date.today().isoformat(), "torch": torch.__version__,
+                 "command": "python3 benchmarks/decode_attention.py "
+                            + " ".join(sys.argv[1:] if argv is None else argv)}
     out["attention"] = attention_layer(args.rows, args.min_len, args.max_len, reps=args.reps)
     print("attention", json.dumps(out["attention"]), flush=True)
     if not args.no_regen:

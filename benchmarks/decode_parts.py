@@ -132,7 +132,8 @@ def main(argv=None) -> int:
         out["step_over_token"] = round(out["dflash_step"]["ms"] / out["target_token"]["ms"], 3)
         return out
 
-    res = {"target": args.target, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "date": date.today().isoformat(),
+    res = {"target": args.target, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "date": date.today().isoformat(),
            "torch": torch.__version__, "draft_layers": args.draft_layers, "block_size": B, "context": args.context,
            "command": "python3 benchmarks/decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv),
            }

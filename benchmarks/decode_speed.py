@@ -84,7 +84,8 @@ def dflash_rate(target, drafter, prompts, new_tokens, hf: bool, monkey=None, dev
     steps = sum(len(r.committed) for r in runs)
     secs = sum(r.decode_s for r in runs)
     taus = [sum(r.committed) / len(r.committed) for r in runs]
-    return {"prompts": len(prompts), "ms_per_step": round(1e3 * secs / steps, 3), "tau": round(statistics.mean(taus), 3)}
+    return {"prompts": len(prompts), "ms_per_step": round(1e3 * secs / steps, 3),
+            "tau": round(statistics.mean(taus), 3)}
 
 
 def device_steps(target, drafter, prompt, steps: int = 64) -> dict:
@@ -111,7 +112,8 @@ def _profile(target, drafter, rows, prompt, path):
     spec.speculative_generate(target, drafter, prompt, 32)
     with open(path, "w") as f:
         for name, fn in (("regen", lambda: regen_rate(target, rows, 32, hf=False)),
-                         ("dflash", lambda: spec.speculative_generate(target, drafter, prompt, 16 * drafter.block_size))):
+                         ("dflash", lambda: spec.speculative_generate(target, drafter, prompt,
+                                                                      16 * drafter.block_size))):
             with profile(activities=acts) as prof:
                 fn()
             for key in ("self_cuda_time_total", "self_cpu_time_total"):
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="measure the StaticLM path only")
     ap.add_argument("--compile", action="store_true", help="also measure batch-1 decoding with compiled steps")
-    ap.add_argument("--profile", default=None, help="write torch.profiler tables of a regen batch and DFlash steps here")
+    ap.add_argument("--profile", default=None,
+                    help="write torch.profiler tables of a regen batch and DFlash steps here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 

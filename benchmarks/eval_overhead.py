@@ -27,18 +27,19 @@ from datetime import date
 from pathlib import Path
 
 import torch
-
 from decode_speed import _sync, device_steps  # a sibling script: benchmarks/ is sys.path[0]
+
 from dflash_train.eval import greedy_loop
-from dflash_train.files import write_atomic
 from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.files import write_atomic
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.targets import load_target
 
 
 def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi + 1, (n,), generator=g)]
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in lengths]
 
 
 def first_step_ms(target, drafter, prompts: list[list[int]], new_tokens: int) -> float:

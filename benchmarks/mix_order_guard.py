@@ -1,7 +1,7 @@
 """Inductor's mix-order reduction and the size guard it puts on dynamic token counts (CUDA only).
 
     python3 benchmarks/mix_order_guard.py [--json OUT.json]
-    python3 benchmarks/mix_order_guard.py --device cpu --backend aot_eager --sizes 64 32 --reps 1   # a check of the script
+    python3 benchmarks/mix_order_guard.py --device cpu --backend aot_eager --sizes 64 32 --reps 1  # check the script
 
 An RMSNorm (float32, as the drafter computes it) and an RMSNorm + SiLU MLP + residual at the drafter's
 width 576, compiled with every size dynamic, forward and backward over token counts 16,384, 6,000,
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cpu: a check of the script (see above)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: the CPU check)")
-    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="token counts, in order; the first is timed")
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
+                    help="token counts, in order; the first is timed")
     ap.add_argument("--reps", type=int, default=50, help="timed forward + backward calls at the first size")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)

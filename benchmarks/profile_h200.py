@@ -134,7 +134,8 @@ def _run_lines(out: Path, run: str, plant: str | None) -> list[str]:
     tps = sorted(r["loops"]["drafter"]["rates"].get("tokens_per_s", 0) for r in sr if "drafter" in r["loops"])
     hist = ", ".join(f"{k} {steady_kinds.count(k)}" for k in dict.fromkeys(steady_kinds))
     med = f"{tps[len(tps) // 2]:,.0f}" if tps else "-"
-    lines = [f"  {run} ({plant or ('small packs' if run == 'd' else 'clean')}): verdicts of {len(sr)} steady windows: {hist or '-'} "
+    label = plant or ("small packs" if run == "d" else "clean")
+    lines = [f"  {run} ({label}): verdicts of {len(sr)} steady windows: {hist or '-'} "
              f"(all: {' '.join(kinds)}); drafter tokens/s median {med}"]
     also = [k for r in sr for k in r["verdict"].get("also", ())]  # rules named in the verdicts' brackets
     if also:
@@ -192,7 +193,8 @@ def _bench_lines(out: Path) -> list[str]:
     b = json.loads(path.read_text())
     lines = []
     for v, r in b["variants"].items():
-        extra = f"  verdict {r['verdict']['kind']} (windows: {' '.join(r.get('verdicts', []))})" if "verdict" in r else ""
+        extra = (f"  verdict {r['verdict']['kind']} (windows: {' '.join(r.get('verdicts', []))})"
+                 if "verdict" in r else "")
         lines.append(f"  bench {v:<13} {r['tokens_per_s']:>10,.0f} tokens/s  MFU {r.get('mfu') or 0:.3f}{extra}")
     ref = json.loads(REFERENCE.read_text())["variants"]["overlap"]["tokens_per_s"]
     overlap = b["variants"].get("overlap", {}).get("tokens_per_s")
@@ -203,7 +205,8 @@ def _bench_lines(out: Path) -> list[str]:
             lines.append(f"  bench {k} {b[k]:+.2%} (<= 1%?)")
     for v in ("overlap+wall", "overlap+cuda"):
         for loop, stages in b["variants"].get(v, {}).get("profile", {}).items():
-            busy = ", ".join(f"{n} host {s['host_busy']:.0%}" + (f" dev {s['device_busy']:.0%}" if "device_busy" in s else "")
+            busy = ", ".join(f"{n} host {s['host_busy']:.0%}"
+                             + (f" dev {s['device_busy']:.0%}" if "device_busy" in s else "")
                              for n, s in stages.items() if "." not in n and "host_busy" in s)
             if busy:
                 lines.append(f"  bench {v} [{loop}] last window: {busy}")
@@ -215,7 +218,8 @@ def summary(out: Path) -> int:
     steps = out / "steps.tsv"
     for line in steps.read_text().splitlines() if steps.is_file() else []:
         name, rc, secs = line.split("\t")
-        lines.append(f"  step {name:<8} rc {rc:>3}  {secs:>4} s" + ("" if rc == "0" else f"   <-- FAILED: {out / name}.log"))
+        lines.append(f"  step {name:<8} rc {rc:>3}  {secs:>4} s"
+                     + ("" if rc == "0" else f"   <-- FAILED: {out / name}.log"))
     plants = {"a": None, "b": os.environ.get("PLANT_B", ""), "c": os.environ.get("PLANT_C", ""), "d": None}
     for run, plant in plants.items():
         lines += _run_lines(out, run, plant) if (out / run).is_dir() else [f"  {run}: not run (RUNS)"]

@@ -58,8 +58,8 @@ def label(r: dict) -> str:
     samples = (f", {rec['regen_samples']} replies at T={rec.get('regen_temperature')}"
                if rec.get("regen_samples", 1) > 1 else "")
     labels = ", target labels" if rec.get("labels") == "target" else ""
-    return (f"{r['name']}: {rec.get('num_layers')} layers{mlp}, B={rec.get('block_size', 16)}, {rec.get('num_anchors')} anchors, "
-            f"{length}, lr {rec.get('lr')}{turns}{samples}{labels}")
+    return (f"{r['name']}: {rec.get('num_layers')} layers{mlp}, B={rec.get('block_size', 16)}, "
+            f"{rec.get('num_anchors')} anchors, {length}, lr {rec.get('lr')}{turns}{samples}{labels}")
 
 
 def run_config(path: Path) -> dict:
@@ -89,8 +89,9 @@ def variant_summary(d: Path) -> dict:
     out = {
         "name": d.name, "exit_code": int(code), "wall_s": int(wall),
         "recipe": {k: cfg.get(k) for k in ("num_layers", "block_size", "num_anchors", "token_budget", "lr",
-                                           "epochs", "max_steps", "gamma", "labels", "sliding_layers", "regen_max_turns",
-                                           "intermediate_size", "regen_samples", "regen_temperature") if k in cfg},
+                                           "epochs", "max_steps", "gamma", "labels", "sliding_layers",
+                                           "regen_max_turns", "intermediate_size", "regen_samples",
+                                           "regen_temperature") if k in cfg},
         "steps": steps, "train_s": int(m.group(2)) if m else None,
         "train_tokens": round(seen[-1]) if seen else round(tokens * cfg.get("epochs", 0)) if tokens else None,
         "train_tau_estimate": records[-1]["expected_tau"] if records else None,
@@ -98,7 +99,8 @@ def variant_summary(d: Path) -> dict:
         "curve": [(x, r["expected_tau"]) for x, r in zip(seen, records, strict=True)] if seen else
                  [(r["step"] * per_step if per_step else r["step"], r["expected_tau"]) for r in records],
         # the held-out estimate (--val-conversations), at the records that carry one
-        "val_curve": [(x, r["val_expected_tau"]) for x, r in zip(seen, records, strict=True) if "val_expected_tau" in r],
+        "val_curve": [(x, r["val_expected_tau"]) for x, r in zip(seen, records, strict=True)
+                      if "val_expected_tau" in r],
     }
     for name in DATASETS:
         f = d / f"eval-{name}.json"
@@ -132,7 +134,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         taus = "".join(f"{r.get('tau_' + n, float('nan')):>12.3f}" for n in DATASETS)
         lines.append(f"{r['name']:<10}{r['steps']:>7}{r['train_s'] or 0:>9}{r['wall_s']:>8}"
-                     f"{r['train_tau_estimate'] or float('nan'):>10.3f}{taus}{r.get('speedup_humaneval') or float('nan'):>12.2f}")
+                     f"{r['train_tau_estimate'] or float('nan'):>10.3f}{taus}"
+                     f"{r.get('speedup_humaneval') or float('nan'):>12.2f}")
     return "\n".join(lines)
 
 

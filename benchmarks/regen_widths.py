@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts, replies = turn_lengths(target.tokenizer, convs, args.max_turns, args.max_new_tokens)
     # sampled chains of one conversation share its prompts; their lengths stand in as equal
     prompts, replies = ([x for x in xs for _ in range(args.samples)] for xs in (prompts, replies))
-    out = {"conversations": len(convs), "samples": args.samples, "batch_size": args.batch_size, "max_turns": args.max_turns,
-           "max_new_tokens": args.max_new_tokens, "date": date.today().isoformat(),
+    out = {"conversations": len(convs), "samples": args.samples, "batch_size": args.batch_size,
+           "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens, "date": date.today().isoformat(),
            "note": "counted on the CPU, not timed: KV slots the decode steps' attention reads (reply lengths from "
                    "the original replies, capped), batches in selection order against sorted per turn",
            "command": "python3 benchmarks/regen_widths.py " + " ".join(argv if argv is not None else sys.argv[1:])}

@@ -49,7 +49,7 @@ def restore_torch_state(before: dict) -> None:
     """Put back what `_torch_state` saw: only the settings that differ now, or that a test deleted."""
     with warnings.catch_warnings():  # reading every setting reads the deprecated ones too
         warnings.simplefilter("ignore")
-        for config, saved in zip(_CONFIGS, before["configs"]):
+        for config, saved in zip(_CONFIGS, before["configs"], strict=True):
             for key, value in saved.items():  # key by key: a deleted setting makes torch's whole-config copy raise
                 now = getattr(config, key, _DELETED)
                 if now is _DELETED or not _same(now, value):

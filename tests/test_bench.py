@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.profiling.flops import Shape, drafter_flops, target_flops
 from dflash_train.cli import main
 from dflash_train.data.packing import PackedBatch
 from dflash_train.objective.blocks import build_blocks
 from dflash_train.objective.masks import MaskSpec, dense_mask
+from dflash_train.profiling.flops import Shape, drafter_flops, target_flops
 
 
 def test_attention_pairs_are_the_masks_allowed_entries():

@@ -90,7 +90,8 @@ def test_a_block_size_past_the_cap_is_refused(work, tmp_path, capsys, where):
     """eval --block-size 100000 asked for an 80 GB attention mask."""
     big = "100000"
     argv = {"train": [*T, "--data", str(work / "good.jsonl"), "--run-dir", str(tmp_path / "r"), "--block-size", big],
-            "init-drafter": ["init-drafter", "--target", "random:tiny", "--block-size", big, "--out", str(tmp_path / "d")],
+            "init-drafter": ["init-drafter", "--target", "random:tiny", "--block-size", big,
+                             "--out", str(tmp_path / "d")],
             "eval": _eval(work, None, "--block-size", big)}[where]
     assert _error(argv, capsys) == f"--block-size must be <= {MAX_BLOCK_SIZE}, got {big}"
 
@@ -186,7 +187,8 @@ class _SpyTokenizer:
 
 
 def _chat(i, reply):
-    return Conversation(f"c{i}", [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": reply}])
+    return Conversation(f"c{i}", [{"role": "user", "content": f"question {i}"},
+                                  {"role": "assistant", "content": reply}])
 
 
 def test_a_10_mb_record_is_clipped_before_it_is_rendered_or_tokenized(tiny_target, tmp_path):
@@ -206,4 +208,4 @@ def test_clipping_keeps_the_same_tokens(tiny_target, tmp_path, monkeypatch):
     a, b = PreparedDataset.open(tmp_path / "clipped"), PreparedDataset.open(tmp_path / "whole")
     assert len(a) == len(b) == 2
     for i in range(2):
-        assert all(np.array_equal(x, y) for x, y in zip(a[i], b[i]))
+        assert all(np.array_equal(x, y) for x, y in zip(a[i], b[i], strict=True))

@@ -120,7 +120,8 @@ def test_bad_inputs_give_one_line_and_exit_2(tiny_drafter_dir, tmp_path, capsys)
     assert "--max-new-tokens" in _error(ev + ["--drafter", str(tiny_drafter_dir), "--max-new-tokens", "0"], capsys)
     assert "--dataset" in _error(ev[:4] + ["--dataset", "nope", "--drafter", str(tiny_drafter_dir)], capsys)
     assert "invalid int" in _error(["eval", "--drafter", "x", "--limit", "many"], capsys)
-    assert "--regen-samples 2 needs" in _error(["train", "--run-dir", str(tmp_path / "r"), "--regen-samples", "2"], capsys)
+    assert "--regen-samples 2 needs" in _error(["train", "--run-dir", str(tmp_path / "r"), "--regen-samples", "2"],
+                                               capsys)
 
 
 def _edit_config(src, dst, **changes):

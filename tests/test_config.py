@@ -71,7 +71,8 @@ def test_toml_sections_and_flat_keys(tmp_path):
     assert TrainConfig(**read_toml(flat)) == cfg
     wrong = tmp_path / "wrong.toml"
     wrong.write_text("[drafter]\nnum_anchors = 64\n")
-    with pytest.raises(UsageError, match=r"wrong.toml: \[drafter\] has no option 'num_anchors' \(it is in \[objective\]\)"):
+    with pytest.raises(UsageError,
+                       match=r"wrong.toml: \[drafter\] has no option 'num_anchors' \(it is in \[objective\]\)"):
         read_toml(wrong)
     assert list(sections()) == ["run", "data", "drafter", "objective", "optim", "pipeline", "profiling", "eval"]
 

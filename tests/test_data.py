@@ -89,7 +89,8 @@ def test_mtbench_prompts_come_with_their_categories():
 
 def test_a_prompts_files_categories_count_only_when_every_record_has_one(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "a", "category": "x"}\n\n{"prompt": "b", "category": "y"}\n{"prompt": "c", "category": "x"}\n')
+    path.write_text('{"prompt": "a", "category": "x"}\n\n'
+                    '{"prompt": "b", "category": "y"}\n{"prompt": "c", "category": "x"}\n')
     assert load_eval_set(str(path), 2).categories == ["x", "y"]
     path.write_text('{"prompt": "a", "category": "x"}\n{"prompt": "b"}\n')
     assert load_eval_set(str(path), None).categories is None

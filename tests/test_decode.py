@@ -225,7 +225,8 @@ def test_the_device_loop_stops_at_a_stop_token(tiny_target, make_drafter):
     stop = base[9]
     want = base[:base.index(stop) + 1]
     for device_loop in (True, False):
-        assert speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop], device_loop=device_loop).tokens == want
+        got = speculative_generate(tiny_target, drafter, prompt, 30, stop_ids=[stop], device_loop=device_loop)
+        assert got.tokens == want
     loop = greedy_loop.for_pair(tiny_target, drafter)
     loop.lag = 2  # a stop is seen two steps late: at most two steps run past it, and change nothing
     try:

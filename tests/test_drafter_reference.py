@@ -55,7 +55,8 @@ def test_we_load_reference_checkpoint(make_drafter, tmp_path):
     ours = load_drafter(tmp_path / "b")
     feats, emb, pos = _inputs(ours, gen_seed=3)
     with torch.no_grad():
-        torch.testing.assert_close(ours(emb, feats, pos), ref(position_ids=pos, noise_embedding=emb, target_hidden=feats),
+        torch.testing.assert_close(ours(emb, feats, pos),
+                                   ref(position_ids=pos, noise_embedding=emb, target_hidden=feats),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -63,10 +64,11 @@ def test_sliding_window_layers_match_reference(make_drafter, perturb_norms, tmp_
     ours = perturb_norms(make_drafter(num_layers=3, block_size=6, num_sliding_layers=2, sliding_window=4))
     save_drafter(ours, tmp_path, torch.float32)
     ref, _ = _load_reference(tmp_path, torch.float32)
-    assert [l.self_attn.sliding_window for l in ref.layers] == [4, 4, None]
+    assert [layer.self_attn.sliding_window for layer in ref.layers] == [4, 4, None]
     feats, emb, pos = _inputs(ours, ctx_len=9)
     with torch.no_grad():
-        torch.testing.assert_close(ours(emb, feats, pos), ref(position_ids=pos, noise_embedding=emb, target_hidden=feats),
+        torch.testing.assert_close(ours(emb, feats, pos),
+                                   ref(position_ids=pos, noise_embedding=emb, target_hidden=feats),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -85,7 +87,8 @@ def test_context_cache_matches_reference_over_steps(make_drafter, perturb_norms,
         pos = torch.arange(start, start + new_ctx + cfg.block_size)[None]
         with torch.no_grad():
             a = ours(emb, feats, pos, cache=cache)
-            b = ref(position_ids=pos, noise_embedding=emb, target_hidden=feats, past_key_values=ref_cache, use_cache=True)
+            b = ref(position_ids=pos, noise_embedding=emb, target_hidden=feats, past_key_values=ref_cache,
+                    use_cache=True)
         ref_cache.crop(start + new_ctx)
         start += new_ctx
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -28,5 +28,5 @@ def test_compiled_chains_match_eager_values_and_gradients(monkeypatch):
     monkeypatch.setenv("DFLASH_FUSED_DRAFTER", "1")
     compiled = run()
     assert set(fused._COMPILED) == {"_rms_norm", "_norm_rope", "_swiglu"}
-    for a, b in zip(compiled[0] + list(compiled[1]), eager[0] + list(eager[1])):
+    for a, b in zip(compiled[0] + list(compiled[1]), eager[0] + list(eager[1]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -42,7 +42,8 @@ def test_anchor_sampling_is_sorted_unique_and_bounded():
 def test_packed_anchors_stay_inside_their_sequence():
     b = _packed()
     anchors = sample_packed_anchors(b, 100, torch.Generator().manual_seed(0))
-    expect = [i for i in range(b.num_tokens - 1) if b.loss_mask[i] and b.loss_mask[i + 1] and b.seq_ids[i] == b.seq_ids[i + 1]]
+    expect = [i for i in range(b.num_tokens - 1)
+              if b.loss_mask[i] and b.loss_mask[i + 1] and b.seq_ids[i] == b.seq_ids[i + 1]]
     assert anchors.tolist() == expect
 
 
@@ -208,7 +209,8 @@ def test_compiled_flex_compiles_once():
         k, v = (torch.randn(1, 2, spec.context_len + spec.num_queries, 8, generator=gen) for _ in range(2))
         args = (q, k, v)
         kw = {"block_mask": structured_block_mask(spec, 16), "enable_gqa": True}
-        cases.append((args, kw, flex_attention(*args, **kw)))  # eager FlexAttention compiles a wrapper of its own: first
+        # eager FlexAttention compiles a wrapper of its own: first
+        cases.append((args, kw, flex_attention(*args, **kw)))
     flex = compiled_flex(backend="eager")  # the plumbing; inductor is what runs on the GPU
     torch._dynamo.reset()
     counters.clear()
@@ -288,7 +290,7 @@ def test_flex_and_dense_give_the_same_gradients_on_cuda():
         loss.backward()
         grads[backend] = (loss.detach(), [p.grad for p in drafter.parameters()])
     torch.testing.assert_close(grads["dense"][0], grads["flex"][0], rtol=1e-4, atol=1e-4)
-    for gd, gf in zip(grads["dense"][1], grads["flex"][1]):
+    for gd, gf in zip(grads["dense"][1], grads["flex"][1], strict=True):
         torch.testing.assert_close(gd, gf, rtol=1e-3, atol=1e-4)
 
 
@@ -383,7 +385,7 @@ def test_fused_chunk_math_equals_the_in_place_chunk():
     from dflash_train.objective.loss import _chunk_ce, _eager_chunk_ce
 
     args = _chunk_inputs()
-    for a, b in zip(_chunk_ce(*args), _eager_chunk_ce(*args, need_grad=True)):
+    for a, b in zip(_chunk_ce(*args), _eager_chunk_ce(*args, need_grad=True), strict=True):
         torch.testing.assert_close(a, b)
 
 

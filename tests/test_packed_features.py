@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from dflash_train.data.packing import pack
-from dflash_train.models.targets import (FLEX_TILE, document_block_mask, document_dense_mask, document_starts,
-                                        load_target)
+from dflash_train.models.targets import (
+    FLEX_TILE,
+    document_block_mask,
+    document_dense_mask,
+    document_starts,
+    load_target,
+)
 from dflash_train.pipeline.features import feature_mode, packed_features, sequence_lengths
 
 LAYERS = [0, 2, 5]  # random:tiny has 6 layers; 5 is the last (its output gets the final norm)
@@ -127,7 +132,7 @@ def test_compiled_layers_run_the_document_mask_with_one_dynamic_recompile():
     counters.clear()
     with target.compiled_layers(backend="eager"):  # the plumbing; inductor is what runs on the GPU
         got = [packed_features(target, b, LAYERS, mode="flex") for b in batches]  # rows of 256, 384, 256 tokens
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
     assert counters["stats"]["unique_graphs"] <= 2  # static, then dynamic in the row length
     assert target.model.config._attn_implementation == "sdpa"

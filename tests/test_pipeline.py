@@ -63,7 +63,8 @@ def test_distillation_through_three_processes_equals_one_device(prepared, tmp_pa
 
 
 @pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
-def test_cached_features_train_identically_and_skip_the_target_after_epoch_one(prepared, tmp_path, monkeypatch, overlap):
+def test_cached_features_train_identically_and_skip_the_target_after_epoch_one(prepared, tmp_path, monkeypatch,
+                                                                                overlap):
     """--cache-features: later epochs read each sequence's features back instead of running the target,
     inline or on the target thread, and the losses are those of the uncached run."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
@@ -103,7 +104,8 @@ def test_each_gpu_worker_budgets_the_share_of_the_cache_it_will_hold(monkeypatch
     cfg = TrainConfig(run_dir=str(tmp_path), cache_features=True)
     assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27], share=4).budget is None  # 11.1 GB of 24 GB free
     assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27]).budget == int(15.6e9)
-    assert feature_cache(TrainConfig(run_dir=str(tmp_path), cache_features=False), gpu, 7_709_379, [1, 8, 14, 20, 27]) is None
+    off = TrainConfig(run_dir=str(tmp_path), cache_features=False)
+    assert feature_cache(off, gpu, 7_709_379, [1, 8, 14, 20, 27]) is None
 
 
 def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_features(tiny_target, prepared):
@@ -120,9 +122,11 @@ def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_featu
     cache = FeatureCache(budget_bytes=200 * width_bytes)  # about a third of the data's tokens
     calls = []
     for pack in packs:
-        got = cache.features(pack, lambda p, whole=pack.num_tokens: calls.append((p.batch.num_tokens, whole)) or compute(p))
+        got = cache.features(pack,
+                             lambda p, whole=pack.num_tokens: calls.append((p.batch.num_tokens, whole)) or compute(p))
         torch.testing.assert_close(got, compute(pack), rtol=1e-5, atol=1e-6)
-    assert 0 < cache.bytes <= 200 * width_bytes and 0 < len(cache.parts) < len({i for p in packs for i in p.sequence_ids})
+    assert 0 < cache.bytes <= 200 * width_bytes
+    assert 0 < len(cache.parts) < len({i for p in packs for i in p.sequence_ids})
     assert any(0 < ran < whole for ran, whole in calls)  # packs of both kinds: only their uncached sequences ran
     assert sum(ran for ran, _ in calls) < sum(p.batch.num_tokens for p in packs)  # cached tokens did not run again
 

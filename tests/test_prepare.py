@@ -35,11 +35,11 @@ def smollm2_tok():
 
 
 def _masked_text(tokenizer, ids, mask):
-    return tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    return tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
 
 
 def _unmasked_text(tokenizer, ids, mask):
-    return tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    return tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
 
 
 def _conv(i, messages=CHAT):

@@ -94,7 +94,8 @@ def _record(**shares):
 
 @pytest.mark.parametrize("shares, kind", [
     ({"target__batch_queue_wait": 0.4, "target__target_forward": 0.5, "drafter__hs_queue_wait": 0.6}, "input-bound"),
-    ({"target__hs_queue_full_wait": 0.41, "target__target_forward": 0.5, "drafter__drafter_forward": 0.9}, "drafter-bound"),
+    ({"target__hs_queue_full_wait": 0.41, "target__target_forward": 0.5, "drafter__drafter_forward": 0.9},
+     "drafter-bound"),
     ({"target__target_forward": 0.95, "drafter__hs_queue_wait": 0.35, "drafter__backward": 0.4}, "target-bound"),
     ({"target__handoff": 0.3, "target__target_forward": 0.6}, "handoff-bound"),
     ({"target__target_forward": 0.7, "drafter__hs_queue_wait": 0.2, "drafter__backward": 0.6}, "balanced"),
@@ -118,7 +119,8 @@ def test_a_window_that_compiles_says_so_and_its_verdict_is_compiling():
     from dflash_train.profiling.compiles import compile_window
 
     assert compile_window({"graphs": 3, "seconds": 10.0}, {"graphs": 3, "seconds": 10.0}) is None
-    assert compile_window({"graphs": 3, "seconds": 10.0}, {"graphs": 5, "seconds": 48.25}) == {"graphs": 2, "seconds": 38.25}
+    assert compile_window({"graphs": 3, "seconds": 10.0},
+                          {"graphs": 5, "seconds": 48.25}) == {"graphs": 2, "seconds": 38.25}
     clock = Clock()
     stats = ProfileStats("main", clock=clock)
     prof = stats.loop("drafter")
@@ -249,13 +251,15 @@ def test_memory_history_runs_around_the_oom_snapshot_on_cuda_only(tmp_path, monk
     from dflash_train.training.config import TrainConfig
 
     calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda enabled="all", **kw: calls.append((enabled, kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls.append((enabled, kw)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
     cfg = TrainConfig(memory_history=1000, profile_interval=0)
     with profile_session(cfg.profiling(), tmp_path, "main/cpu"):  # CPU: nothing recorded
         pass
     assert calls == []
-    with pytest.raises(UsageError, match="memory snapshot"), oom_snapshot(tmp_path, "main/cuda:0", cfg.profiling().oom_hint, 1000):
+    with pytest.raises(UsageError, match="memory snapshot"), \
+            oom_snapshot(tmp_path, "main/cuda:0", cfg.profiling().oom_hint, 1000):
         raise torch.cuda.OutOfMemoryError("planted")
     assert calls[0] == ("all", {"max_entries": 1000, "stacks": "python"})  # from the start, with stacks
     assert calls[1] == ("dump", str(tmp_path / "oom-main_cuda_0.pickle"))  # the snapshot carries them
@@ -536,7 +540,8 @@ def test_churn_and_a_launch_bound_role_share_the_brackets():
 
 
 def test_sync_bound_beside_churn_and_beside_a_role():
-    sync = {"drafter__drafter_forward": _stage(2.0, 1.9, 2.0), "drafter__metrics": _stage(5.0, 0.1, sync="loss .item()")}
+    sync = {"drafter__drafter_forward": _stage(2.0, 1.9, 2.0),
+            "drafter__metrics": _stage(5.0, 0.1, sync="loss .item()")}
     v = verdict(_clock_record(allocator=CHURN, **sync))
     assert v.kind == "allocator-churn" and v.also == ("sync-bound",)
     assert v.message.startswith("allocator-churn (sync-bound: drafter metrics is blocked 50% of the window")
@@ -640,11 +645,11 @@ def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, i
 
 def test_compiled_layers_are_timed_whole(make_drafter):
     """--compile-drafter: a hook inside a compiled layer would break its graph, so each layer is one span."""
-    from dflash_train.profiling.hooks import drafter_spans
-
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
+
+    from dflash_train.profiling.hooks import drafter_spans
 
     drafter = make_drafter(num_layers=2, block_size=4)
     stats = ProfileStats("test")

@@ -121,7 +121,8 @@ def test_url_credentials_are_sent_but_never_written_or_printed(echo_server, tmp_
 
     # a rerun with the same URL continues that file; an error message shows the URL bare, an echo redacted
     code, out, err = _run(_regenerate(secret_url, tmp_path, 2, "--model", "other"), capsys)
-    assert code == 2 and err == f"dflash-train: error: --model other: not served by {echo_server.url} (it serves: {MODEL})"
+    assert code == 2
+    assert err == f"dflash-train: error: --model other: not served by {echo_server.url} (it serves: {MODEL})"
     echo_server.answer = 400
     (tmp_path / "out.jsonl").unlink()
     code, out, err = _run(_regenerate(secret_url, tmp_path, 1), capsys)

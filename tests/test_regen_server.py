@@ -399,5 +399,6 @@ def test_train_regenerates_through_the_server_and_trains_on_its_replies(server, 
 def test_train_names_its_own_flag_for_a_bad_server_url(tmp_path, capsys):
     from dflash_train.cli import main
 
-    assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"), "--regen-server", "ftp://x"]) == 2
+    assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"),
+                 "--regen-server", "ftp://x"]) == 2
     assert "--regen-server must be an http:// or https:// URL" in capsys.readouterr().err

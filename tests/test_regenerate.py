@@ -101,7 +101,8 @@ def test_reply_points():
 # --- generation ---------------------------------------------------------------------------------
 
 def test_batched_greedy_equals_unbatched(tiny_target):
-    histories = [[user("hi")], [sys_("a much longer system prompt"), user("and a question " * 3)], [user("mid length q")]]
+    histories = [[user("hi")], [sys_("a much longer system prompt"), user("and a question " * 3)],
+                 [user("mid length q")]]
     prompts = [tiny_target.render_chat(h) for h in histories]
     assert len({len(p) for p in prompts}) == 3  # distinct lengths: rows are padded differently
     replies = regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=NEW), tiny_target.stop_token_ids())
@@ -249,7 +250,8 @@ def test_several_samples_per_conversation(tiny_target, tmp_path):
     cfg = RegenConfig(max_new_tokens=NEW, temperature=1.0, samples=3, batch_size=4)
     report = regenerate(tiny_target, conversations(2), out, cfg, progress=False)
     records = read_lines(out)
-    assert [r["id"] for r in records] == regen.sample_ids(["c0", "c1"], 3) == [f"c{i}#{k}" for i in (0, 1) for k in range(3)]
+    want = [f"c{i}#{k}" for i in (0, 1) for k in range(3)]
+    assert [r["id"] for r in records] == regen.sample_ids(["c0", "c1"], 3) == want
     assert report.written == 6 and all(r["samples"] == 3 for r in records)
     replies = {r["messages"][-1]["content"] for r in records if r["id"].startswith("c0#")}
     assert len(replies) > 1  # independent draws (a tiny random target samples near-uniformly)

@@ -58,8 +58,12 @@ def test_packed_rows_restart_positions_per_sequence(tiny_target, data_dir, monke
 
     seen = []
     features = type(tiny_target).features
-    monkeypatch.setattr(type(tiny_target), "features",
-                        lambda self, ids, layers, **kw: seen.append(kw["position_ids"]) or features(self, ids, layers, **kw))
+
+    def spy(self, ids, layers, **kw):
+        seen.append(kw["position_ids"])
+        return features(self, ids, layers, **kw)
+
+    monkeypatch.setattr(type(tiny_target), "features", spy)
     relabel(tiny_target, data_dir, batch_tokens=200, progress=False, mode="dense")
     lengths = PreparedDataset.open(data_dir).lengths()
     starts = sum(int((pos[0] == 0).sum()) for pos in seen)

@@ -220,9 +220,9 @@ def test_a_diverging_run_stops_with_one_line_and_exports_nothing(prepared, tmp_p
 
 def test_non_finite_weights_are_never_checkpointed(tiny_target, make_drafter, tmp_path):
     """The last update can break the weights after the last logged loss: checked before each checkpoint."""
+    from dflash_train.training.config import TrainConfig
     from dflash_train.training.drafter_loop import DrafterTrainLoop
     from dflash_train.training.trainer import Diverged
-    from dflash_train.training.config import TrainConfig
 
     cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, block_size=4)
     drafter = make_drafter(num_layers=1, block_size=4)

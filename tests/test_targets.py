@@ -130,7 +130,8 @@ def test_local_hf_directory_round_trip(tiny_target, tmp_path):
     loaded = load_target(str(tmp_path))
     ids = torch.randint(0, 256, (1, 6))
     torch.testing.assert_close(loaded.features(ids, [1, 2]), tiny_target.features(ids, [1, 2]))
-    assert loaded.render_chat([{"role": "user", "content": "x"}]) == tiny_target.render_chat([{"role": "user", "content": "x"}])
+    chat = [{"role": "user", "content": "x"}]
+    assert loaded.render_chat(chat) == tiny_target.render_chat(chat)
 
 
 def test_init_from_target_copies_the_last_layers(tiny_target):
@@ -139,7 +140,7 @@ def test_init_from_target_copies_the_last_layers(tiny_target):
     drafter = new_drafter(drafter_config_for(tiny_target, num_layers=2, block_size=4, dtype="float32")).float()
     init_from_target(drafter, tiny_target)
     src = tiny_target.decoder.layers
-    for dst, s in zip(drafter.layers, list(src)[-2:]):
+    for dst, s in zip(drafter.layers, list(src)[-2:], strict=True):
         torch.testing.assert_close(dst.self_attn.q_proj.weight, s.self_attn.q_proj.weight)
         torch.testing.assert_close(dst.self_attn.k_norm.weight, s.self_attn.k_norm.weight)
         torch.testing.assert_close(dst.mlp.down_proj.weight, s.mlp.down_proj.weight)

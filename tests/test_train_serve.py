@@ -99,8 +99,8 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp
     would (the true prefix's features, the block at the next position, accepted while drafts match the
     sequence). Any offset between training and serving (labels, context mask, positions, layer ids)
     leaves it guessing the wrong tokens; here every block is accepted whole."""
-    from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.app.local import train_local
+    from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.training.config import TrainConfig
 
     g = torch.Generator().manual_seed(0)

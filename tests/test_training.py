@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_train.app.local import train_local
 from dflash_train.cli import main
 from dflash_train.data.dataset import PreparedDataset, prepare_dataset
 from dflash_train.data.regenerate import RegenConfig, regenerate
@@ -17,7 +18,6 @@ from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
 from dflash_train.training.config import TrainConfig
-from dflash_train.app.local import train_local
 
 PROMPTS = ["def add(a, b):", "count to five", "hello there", "sort a list", "what is 2+2", "name a color"]
 
@@ -188,7 +188,8 @@ def test_train_command_end_to_end_on_tiny(tmp_path, capsys):
     argv = ["train", "--target", "random:tiny", "--device", "cpu", "--run-dir", str(run), "--data", str(data),
             "--num-conversations", "0",
             "--regen-max-new-tokens", "24", "--max-length", "96", "--token-budget", "192", "--block-size", "4",
-            "--max-steps", "4", "--eval-limit", "1", "--eval-max-new-tokens", "8", "--eval-dataset", str(data), "--quiet"]
+            "--max-steps", "4", "--eval-limit", "1", "--eval-max-new-tokens", "8", "--eval-dataset", str(data),
+            "--quiet"]
     assert main(argv + ["--eval-before", "yes"]) == 0
     out = capsys.readouterr().out
     assert "note: on a CPU the speedup above says little" in out

@@ -23,8 +23,19 @@ from dflash_train.app.drafter import check_init_drafter_shape, check_num_feature
 from dflash_train.app.train import run as run_train
 from dflash_train.bench.config import BenchConfig
 from dflash_train.bench.run import run_bench
-from dflash_train.config import (BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, INTERMEDIATE_SIZE, NUM_FEATURES, NUM_LAYERS,
-                                 REGEN_MAX_NEW_TOKENS, RELEASED, SEED, TRACEBACK_ENV, add_arguments, check)
+from dflash_train.config import (
+    BLOCK_SIZE,
+    EVAL_MAX_NEW_TOKENS,
+    INTERMEDIATE_SIZE,
+    NUM_FEATURES,
+    NUM_LAYERS,
+    REGEN_MAX_NEW_TOKENS,
+    RELEASED,
+    SEED,
+    TRACEBACK_ENV,
+    add_arguments,
+    check,
+)
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.parallel import default_workers
 from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
@@ -173,7 +184,8 @@ def _train_config(args) -> train_config.TrainConfig:
     base = train_config.read_toml(args.config) if args.config else {}
     explicit = set(base) | set(train_config.given(args))  # the user's own file and flags, not the run's saved one
     if args.resume and not args.config:
-        saved = Path(getattr(args, "run_dir", None) or base.get("run_dir") or train_config.TrainConfig().run_dir) / "config.toml"
+        run_dir = getattr(args, "run_dir", None) or base.get("run_dir") or train_config.TrainConfig().run_dir
+        saved = Path(run_dir) / "config.toml"
         if saved.is_file():
             base = train_config.read_toml(saved)  # resume with the run's own settings unless overridden
     cfg = train_config.from_args(args, base)
@@ -264,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-drafter", help="write an untrained drafter for a target (reference format)")
     _add_target_args(p)
-    p.add_argument("--num-layers", type=int, default=NUM_LAYERS.default, help=f"draft layers (default {NUM_LAYERS.default})")
+    p.add_argument("--num-layers", type=int, default=NUM_LAYERS.default,
+                   help=f"draft layers (default {NUM_LAYERS.default})")
     p.add_argument("--block-size", type=int, default=RELEASED["block_size"],
                    help=f"block size B (default {RELEASED['block_size']}, the released drafters')")
     p.add_argument("--num-features", type=int, default=None, help=NUM_FEATURES.help)
@@ -322,10 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/profile.png; "
                    "with --compare RUN_B/profile-compare.png)")
     p.add_argument("--compare", default=None, metavar="RUN_B",
-                   help="compare RUN_B against RUN_DIR: per-stage deltas ranked by their share of the throughput change")
+                   help="compare RUN_B against RUN_DIR: per-stage deltas ranked by their share of the "
+                        "throughput change")
     p.set_defaults(func=cmd_profile_report)
 
-    p = sub.add_parser("prepare", help="tokenize conversations with the target's chat template (loss on assistant turns)")
+    p = sub.add_parser("prepare",
+                       help="tokenize conversations with the target's chat template (loss on assistant turns)")
     _add_target_args(p)
     _add_source_args(p)
     p.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")

@@ -167,8 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, suppress: bool 
         default = f.default if f.default is not dataclasses.MISSING else None
         shown = "from the environment" if f.default_factory is not dataclasses.MISSING else default
         allowed = choices(hints[f.name])
-        text = f.metadata.get("help", "") + (f" ({_one_of(allowed)})" if allowed and "|" not in f.metadata.get("help", "")
-                                             else "")
+        help_text = f.metadata.get("help", "")
+        text = help_text + (f" ({_one_of(allowed)})" if allowed and "|" not in help_text else "")
         kw: dict[str, Any] = dict(default=argparse.SUPPRESS if suppress else default, help=f"{text} (default: {shown})")
         if kind is bool:  # --x / --no-x (type=bool would take "False" as true)
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kw)
@@ -222,7 +222,8 @@ class EnvKnob:
 
 PROFILE_INTERVAL_ENV = EnvKnob("DFLASH_PROFILE_INTERVAL", "default of train --profile-interval (seconds; 0 = off)")
 FUSED_DRAFTER_ENV = EnvKnob("DFLASH_FUSED_DRAFTER", "0 = the drafter's unfused PyTorch kernels (default 1)")
-DECODE_KERNEL_ENV = EnvKnob("DFLASH_DECODE_KERNEL", "0 = one-token decode attention without the Triton kernel (default 1)")
+DECODE_KERNEL_ENV = EnvKnob("DFLASH_DECODE_KERNEL",
+                            "0 = one-token decode attention without the Triton kernel (default 1)")
 FUSED_TARGET_ENV = EnvKnob("DFLASH_FUSED_TARGET", "0 = the target decode forward's unfused PyTorch kernels (default 1)")
 TRACEBACK_ENV = EnvKnob("DFLASH_TRAIN_TRACEBACK", "1 = show the traceback of an OSError instead of one line")
 DEBUG_STACKS_ENV = EnvKnob("DFLASH_TRAIN_DEBUG_STACKS", "seconds after which each worker dumps its stacks")

@@ -6,15 +6,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.errors import UsageError
 from dflash_train.config import flag
+from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target
 from dflash_train.training.config import TrainConfig
-
 
 # The flags that shape a fresh drafter; a starting drafter (--init-drafter, a checkpoint) has its own.
 SHAPE_FLAGS = ("num_layers", "block_size", "num_features", "sliding_layers", "sliding_window", "intermediate_size")

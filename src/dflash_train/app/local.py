@@ -22,8 +22,8 @@ from dflash_train.errors import say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
 from dflash_train.pipeline.sources import FeatureSource, local_source
-from dflash_train.pipeline.target_loop import FeatureCache
 from dflash_train.pipeline.stream import PackStream
+from dflash_train.pipeline.target_loop import FeatureCache
 from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
@@ -69,7 +69,8 @@ def feature_cache(cfg: TrainConfig, target: Target, tokens: int, layer_ids: list
     if target.device.type != "cuda":
         return FeatureCache()
     width = feature_width(layer_ids, target.hidden_size, target.dtype)
-    return FeatureCache(cache_budget(-(-tokens // share), width, target.dtype, torch.cuda.mem_get_info(target.device)[0]))
+    return FeatureCache(cache_budget(-(-tokens // share), width, target.dtype,
+                                     torch.cuda.mem_get_info(target.device)[0]))
 
 
 def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], cache: FeatureCache | None,

@@ -148,7 +148,8 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
     """Join the process group and run this rank's loop; a drafter rank returns its trained drafter
     (None after the launcher's coordinated stop: the checkpoint of that step is written)."""
     group = join_group(spec, peers)
-    with profile_session(work.cfg.profiling(), Path(work.run_dir), f"rank{spec.rank}/{spec.role}/{spec.device}") as session:
+    label = f"rank{spec.rank}/{spec.role}/{spec.device}"
+    with profile_session(work.cfg.profiling(), Path(work.run_dir), label) as session:
         if spec.role == "target":
             return _serve(work, spec, peers, session)
         try:
@@ -187,7 +188,8 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
     dataset = open_prepared(cfg, work.data_dir)
     layer_ids = feature_layers(cfg, drafter_cfg, dataset)
     stream = _stream(work, dataset, spec, work.stream)
-    cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))  # of the packs it serves
+    # of the packs it serves
+    cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))
     with target.compiled_layers(cfg.compile_target):
         serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.queue_depth, cache=cache,
                        prof=session.stats.loop("target"), trace=session.trace)

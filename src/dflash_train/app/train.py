@@ -114,7 +114,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
             init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32,
                                                                   "--run-dir")
             try:
-                validation = save_validation(cfg, target, drafter, dataset, held_out, run_dir)  # the workers' held-out packs
+                # the workers' held-out packs
+                validation = save_validation(cfg, target, drafter, dataset, held_out, run_dir)
                 static_lm.release(target.model)
                 del target, drafter  # the workers load their own; free this process's device memory
                 if torch.cuda.is_available():

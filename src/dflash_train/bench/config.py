@@ -8,8 +8,20 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.config import (ATTENTION, BLOCK_SIZE, LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_LAYERS, RELEASED, SEED,
-                                 AttentionBackend, flag, knob_field, opt, validate)
+from dflash_train.config import (
+    ATTENTION,
+    BLOCK_SIZE,
+    LOSS_CHUNK_ROWS,
+    NUM_ANCHORS,
+    NUM_LAYERS,
+    RELEASED,
+    SEED,
+    AttentionBackend,
+    flag,
+    knob_field,
+    opt,
+    validate,
+)
 from dflash_train.errors import UsageError
 from dflash_train.training.config import TrainConfig
 

@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from dflash_train.app.ranks import launch_workers, worker_roles
 from dflash_train.bench.config import Split, train_config
-from dflash_train.profiling.flops import PEAK_BF16
 from dflash_train.data.dataset import write_sequences
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.launcher import free_port
 from dflash_train.pipeline.worker import die_with_parent
+from dflash_train.profiling.flops import PEAK_BF16
 
 
 def write_dataset(sequences, out: Path) -> Path:

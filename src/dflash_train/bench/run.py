@@ -286,10 +286,12 @@ def _run_splits(cfg: BenchConfig, splits, kind: str, plan: dict[str, Any], log) 
     if kind == "cuda" and any(not s.colocated for s in splits):
         link = link_bandwidth(plan["width"], cfg.seq_len, depth=4)
         log(f"link GPU0->GPU1: device copy {link['device_copy_bytes_per_s'] / 1e9:.0f} GB/s, NCCL send/recv "
-            f"{link['nccl_send_recv_bytes_per_s'] / 1e9:.0f} GB/s, hand-off {link['handoff_bytes_per_s'] / 1e9:.0f} GB/s "
+            f"{link['nccl_send_recv_bytes_per_s'] / 1e9:.0f} GB/s, "
+            f"hand-off {link['handoff_bytes_per_s'] / 1e9:.0f} GB/s "
             f"({link['handoff_message_bytes'] / 1e6:.0f} MB per pack, {link['handoff_message_ms']:.2f} ms)")
     with tempfile.TemporaryDirectory(prefix="dflash-bench-data-") as tmp:
-        data_dir = write_dataset(SyntheticSequences(cfg.steps, cfg.seq_len, plan["vocab"], cfg.seed), Path(tmp) / "data")
+        data_dir = write_dataset(SyntheticSequences(cfg.steps, cfg.seq_len, plan["vocab"], cfg.seed),
+                                 Path(tmp) / "data")
         results = {s.name: run_split(cfg, s, kind, data_dir, plan["split_flops"][s.name], log) for s in splits}
     return {"splits": results, "link": link}
 
@@ -341,6 +343,7 @@ def _summary(cfg: BenchConfig, plan: dict[str, Any], results: dict) -> dict[str,
     if "overlap" in results:
         for v in ("overlap+wall", "overlap+cuda"):
             if v in results:
-                out[f"profile_overhead_{v.split('+')[1]}"] = 1 - results[v]["tokens_per_s"] / results["overlap"]["tokens_per_s"]
+                out[f"profile_overhead_{v.split('+')[1]}"] = (
+                    1 - results[v]["tokens_per_s"] / results["overlap"]["tokens_per_s"])
     return out
 

@@ -34,8 +34,15 @@ import numpy as np
 from dflash_train.data.conversations import BadRecord
 from dflash_train.data.parallel import map_tokenized
 from dflash_train.data.sources import ON_BAD, Conversation
-from dflash_train.data.tokenize import (CHARS_PER_TOKEN, clip_messages, encode_chats, end_of_turn_ids, max_token_chars,
-                                        template_ids, truncate)
+from dflash_train.data.tokenize import (
+    CHARS_PER_TOKEN,
+    clip_messages,
+    encode_chats,
+    end_of_turn_ids,
+    max_token_chars,
+    template_ids,
+    truncate,
+)
 from dflash_train.errors import UsageError
 from dflash_train.files import MANIFEST, AtomicDirectory, leftovers, manifest_bytes, read_manifest, refuse_symlink
 

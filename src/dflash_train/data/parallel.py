@@ -52,7 +52,8 @@ def default_workers() -> int:
     return TOKENIZE_WORKERS_ENV.count() or max(1, min(MAX_WORKERS, cores - 1))
 
 
-def map_tokenized(fn: Callable[[Any, Any], Any], tokenizer, jobs: Iterable, *, workers: int) -> Iterator[tuple[Any, Any]]:
+def map_tokenized(fn: Callable[[Any, Any], Any], tokenizer, jobs: Iterable, *,
+                  workers: int) -> Iterator[tuple[Any, Any]]:
     """(job, fn(tokenizer, job)) for each job, in order; in worker processes when workers > 1 and there
     are at least MIN_BATCHES jobs, with IN_FLIGHT jobs per worker submitted ahead (a lazy source is
     read as the results are taken). fn must be a module-level function (it is pickled)."""
@@ -64,7 +65,8 @@ def map_tokenized(fn: Callable[[Any, Any], Any], tokenizer, jobs: Iterable, *, w
         return
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as tmp, \
-            ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(_pickled(tokenizer, tmp),)) as pool:
+            ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                                initargs=(_pickled(tokenizer, tmp),)) as pool:
         window: deque = deque()
         for job in chain(first, jobs):
             window.append((job, pool.submit(_call, fn, job)))

@@ -66,8 +66,17 @@ except ImportError:  # older huggingface_hub stacks ship httpx; train imports th
         httpx = None  # only --server needs it (checked when the client starts)
 from tqdm import tqdm
 
-from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, append, pending, reply_segments,
-                                            resume, with_samples, without_credentials)
+from dflash_train.data.regen_common import (
+    Message,
+    RegenConfig,
+    RegenReport,
+    append,
+    pending,
+    reply_segments,
+    resume,
+    with_samples,
+    without_credentials,
+)
 from dflash_train.data.sources import Conversation
 from dflash_train.data.tokenize import template_ids
 from dflash_train.errors import UsageError
@@ -257,7 +266,8 @@ class _Run:
         except httpx.ConnectError as e:
             raise UsageError(f"--server {url}: cannot connect ({_reason(e)}); is the server running there?") from None
         except httpx.TimeoutException:
-            raise UsageError(f"--server {url}: no answer to GET /v1/models within {PREFLIGHT_TIMEOUT_S:.0f} s") from None
+            raise UsageError(f"--server {url}: no answer to GET /v1/models within "
+                             f"{PREFLIGHT_TIMEOUT_S:.0f} s") from None
         except httpx.HTTPError as e:
             raise UsageError(f"--server {url}: GET /v1/models failed ({_reason(e)})") from None
         if resp.status_code in (401, 403):
@@ -284,7 +294,8 @@ class _Run:
     def _auth_error(self, resp) -> str:
         code = resp.status_code
         if self.server.api_key_env is None:
-            return f"--server {self.server.url}: HTTP {code}: the server wants an API key; give it with --api-key-env VAR"
+            return (f"--server {self.server.url}: HTTP {code}: the server wants an API key; "
+                    "give it with --api-key-env VAR")
         return f"--api-key-env {self.server.api_key_env}: the server refused that key (HTTP {code})"
 
     # --- the run ---------------------------------------------------------------------------------

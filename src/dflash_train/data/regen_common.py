@@ -27,8 +27,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tqdm import tqdm
 
-from dflash_train.data.sources import Conversation
 from dflash_train.config import REGEN_MAX_NEW_TOKENS, knob_field, validate
+from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
 
 Message = dict[str, str]
@@ -133,7 +133,8 @@ class RegenReport:
                 f"{self.hit_length_limit} turns hit --max-new-tokens")
         if self.prefill_s:
             text += (f"; prefill {self.prefill_s:.1f} s ({self.prompt_tokens} prompt tokens), "
-                     f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions), cache {self.cache_s:.1f} s, "
+                     f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions), "
+                     f"cache {self.cache_s:.1f} s, "
                      f"render {self.render_s:.1f} s, text {self.text_s:.1f} s, write {self.write_s:.1f} s, "
                      f"other {self.other_s():.1f} s")
         if self.requests:

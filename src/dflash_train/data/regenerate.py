@@ -57,8 +57,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dflash_train.data.regen_common import (Message, RegenConfig, RegenReport, append, pending, reply_segments,
-                                            resume, sample_ids, with_samples)
+from dflash_train.data.regen_common import (
+    Message,
+    RegenConfig,
+    RegenReport,
+    append,
+    pending,
+    reply_segments,
+    resume,
+    sample_ids,
+    with_samples,
+)
 from dflash_train.data.sources import Conversation
 from dflash_train.data.tokenize import decode_rows
 from dflash_train.models import static_lm
@@ -245,7 +254,8 @@ def _replies(target: Target, rows: list[list[int]], stops: set[int], max_new_tok
     """Each row's text up to its first stop token (rows that stopped early run on, or are padded, after it).
     One batched decode (tokenize.decode_rows): a fast tokenizer decodes the rows on every core."""
     cuts = [next((i for i, t in enumerate(row) if t in stops), None) for row in rows]
-    texts = decode_rows(target.tokenizer, [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)])
+    texts = decode_rows(target.tokenizer,
+                        [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)])
     return [_Reply(text, row, len(row) >= max_new_tokens) if cut is None else _Reply(text, row[:cut + 1], False)
             for text, row, cut in zip(texts, rows, cuts, strict=True)]
 

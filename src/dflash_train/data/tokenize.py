@@ -32,7 +32,8 @@ from dflash_train.data.conversations import BadRecord
 
 # End-of-turn / end-of-sequence tokens of the common chat formats (ChatML, Llama 3, GPT-2 style,
 # SentencePiece, Gemma, Phi). Only tokens the tokenizer actually has are used.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "</s>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
+                      "</s>")
 
 # Private-use code points: never produced by a template, vanishingly rare in real chats.
 _PLACEHOLDER = "\ue000{}\ue001"

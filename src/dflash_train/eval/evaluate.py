@@ -121,7 +121,8 @@ class EvalReport:
             + (f"   target-only {self.target_tokens_per_s:.1f}   speedup {self.speedup:.2f}x" if self.speedup else ""),
         ]
         if self.tau_by_category:
-            lines.append("tau by category:            " + "  ".join(f"{c} {t:.2f}" for c, t in self.tau_by_category.items()))
+            lines.append("tau by category:            "
+                         + "  ".join(f"{c} {t:.2f}" for c, t in self.tau_by_category.items()))
         if self.lossless is not None:
             lines.append("lossless:                   " + self._lossless_text())
         return "\n".join(lines)
@@ -174,7 +175,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     cuda = target.device.type == "cuda"
     warm, new = (warm_prompts(prompts), cfg.max_new_tokens) if cuda else ([prompts[0][:32]], 2 * B)
     if cfg.compile and not compile_decode(target, drafter):
-        raise UsageError(f"--compile: {target.config.model_type} targets decode through HF's forward, which is not compiled")
+        raise UsageError(f"--compile: {target.config.model_type} targets decode through HF's forward, "
+                         "which is not compiled")
     for prompt in warm:
         speculative_generate(target, drafter, prompt, new, cfg.temperature, B, [], gen)
         if cfg.baseline:
@@ -183,7 +185,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     spec_runs: list[DecodeResult] = []
     base_runs: list[DecodeResult] = []
     for prompt in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
-        spec_runs.append(speculative_generate(target, drafter, prompt, cfg.max_new_tokens, cfg.temperature, B, stops, gen))
+        spec_runs.append(speculative_generate(target, drafter, prompt, cfg.max_new_tokens, cfg.temperature, B, stops,
+                                              gen))
         if cfg.baseline:
             base_runs.append(target_generate(target, prompt, cfg.max_new_tokens, cfg.temperature, stops, gen))
     report = _report(spec_runs, base_runs, B, cfg)
@@ -198,7 +201,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 @torch.inference_mode()
 def divergence(target: Target, prompt: list[int], index: int, dflash: list[int], base: list[int]) -> Divergence:
     """Where two outputs first differ, and the target's logit gap between the two tokens there."""
-    pos = next((j for j, (a, b) in enumerate(zip(dflash, base)) if a != b), min(len(dflash), len(base)))
+    pos = next((j for j, (a, b) in enumerate(zip(dflash, base, strict=False)) if a != b), min(len(dflash), len(base)))
     if pos >= min(len(dflash), len(base)):  # one output is a prefix of the other: no shared-prefix tie
         return Divergence(index, pos, base[pos] if pos < len(base) else -1,
                           dflash[pos] if pos < len(dflash) else -1, None, None)
@@ -226,7 +229,8 @@ def _report(spec: list[DecodeResult], base: list[DecodeResult], B: int, cfg: Eva
     per_pos = []
     for k in range(1, B):
         offered = sum(1 for s in slots if s >= k)
-        per_pos.append(sum(1 for a, s in zip(accepted, slots) if s >= k and a >= k) / offered if offered else 0.0)
+        hits = sum(1 for a, s in zip(accepted, slots, strict=True) if s >= k and a >= k)
+        per_pos.append(hits / offered if offered else 0.0)
     # The first token comes from prefill; decode time covers the rest.
     spec_tokens = sum(len(r.tokens) - 1 for r in spec)
     spec_time = sum(r.decode_s for r in spec)
@@ -239,7 +243,7 @@ def _report(spec: list[DecodeResult], base: list[DecodeResult], B: int, cfg: Eva
         target_tps = base_tokens / base_time if base_time > 0 else 0.0
         speedup = spec_tps / target_tps if target_tps else None
         if cfg.temperature == 0:
-            mismatched = [i for i, (s, b) in enumerate(zip(spec, base)) if s.tokens != b.tokens]
+            mismatched = [i for i, (s, b) in enumerate(zip(spec, base, strict=True)) if s.tokens != b.tokens]
             lossless = "exact" if not mismatched else "mismatch"  # evaluate() tells ties apart
     return EvalReport(
         tau=sum(committed) / steps if steps else 1.0,

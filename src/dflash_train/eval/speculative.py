@@ -1,4 +1,5 @@
-"""Speculative decoding with a DFlash drafter (docs/design.md#speculative-decoding-and-tau), and the target-only baseline.
+"""Speculative decoding with a DFlash drafter (docs/design.md#speculative-decoding-and-tau), and the
+target-only baseline.
 
 One step: the drafter sees the features of the newly verified context plus the block
 [last token, MASK x (B-1)] and proposes slots 1..B-1 in ONE forward (its cache keeps only
@@ -254,7 +255,8 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     lm = static_lm.for_model(target.model)
     if lm is not None:  # static: always full blocks
         capacity = len(prompt) + max_new_tokens + 2 * B
-        verifier, drafts = _StaticVerifier(lm, layer_ids, len(prompt), max_new_tokens, B), _StaticDraft(target, drafter, capacity)
+        verifier, drafts = (_StaticVerifier(lm, layer_ids, len(prompt), max_new_tokens, B),
+                            _StaticDraft(target, drafter, capacity))
     else:
         verifier, drafts = _HFVerifier(target, layer_ids), _EagerDraft(target, drafter)
 

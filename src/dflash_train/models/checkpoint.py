@@ -186,7 +186,8 @@ def load_drafter(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                          f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''})")
     for name, p in expected.items():
         if state[name].shape != p.shape:
-            raise UsageError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, config implies {tuple(p.shape)}")
+            raise UsageError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, "
+                             f"config implies {tuple(p.shape)}")
     model.load_state_dict(state, strict=False)  # strict on parameters above; RoPE buffers are derived
     dtype = dtype or state[next(iter(expected))].dtype
     return model.to(device=device, dtype=dtype).eval()

@@ -91,12 +91,14 @@ class DFlashConfig:
         _need(len(self.target_layer_ids) >= 1, "target_layer_ids", "must name at least one target layer")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         _need(not bad, "target_layer_ids",
-              f"{bad} out of range for a target of {self.num_target_layers} layers (valid 0..{self.num_target_layers - 2})")
+              f"{bad} out of range for a target of {self.num_target_layers} layers "
+              f"(valid 0..{self.num_target_layers - 2})")
         # vLLM and SGLang capture layer L's output as the input of layer L+1, which never runs for N-1
         last = [i for i in self.target_layer_ids if i == self.num_target_layers - 1]
         _need(not last, "target_layer_ids", f"{last} is the target's last layer; serving engines capture a layer's "
               f"output before the next layer, so ids go up to N-2 = {self.num_target_layers - 2}")
-        _need(self.hidden_act == "silu", "hidden_act", f"{self.hidden_act!r} is not supported (the draft MLP is SwiGLU: silu)")
+        _need(self.hidden_act == "silu", "hidden_act",
+              f"{self.hidden_act!r} is not supported (the draft MLP is SwiGLU: silu)")
         _need(0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
               f"{self.mask_token_id} is not a row of the target's embedding (vocab_size={self.vocab_size})")
         _need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
@@ -160,7 +162,8 @@ class DFlashConfig:
 
     def to_reference_dict(self) -> dict[str, Any]:
         """The z-lab `config.json` content."""
-        rope_scaling = None if self.rope_parameters.get("rope_type", "default") == "default" else dict(self.rope_parameters)
+        rope_scaling = (None if self.rope_parameters.get("rope_type", "default") == "default"
+                        else dict(self.rope_parameters))
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
                   "block_size": self.block_size}  # SGLang reads dflash_config's block_size first
         if self.mask_token is not None:

@@ -252,7 +252,8 @@ class DFlashDrafter(nn.Module):
         with compiled_forwards(self.layers, backend=backend, dynamic=True):
             yield
 
-    def _inference_masks(self, q_len: int, position_ids: torch.Tensor, cache: ContextCache | None) -> dict[str, AttnMask]:
+    def _inference_masks(self, q_len: int, position_ids: torch.Tensor,
+                         cache: ContextCache | None) -> dict[str, AttnMask]:
         """Full layers see every key. Sliding layers, as in the reference, are causal within a
         window over absolute positions (cached context occupies positions 0..len-1)."""
         masks: dict[str, AttnMask] = {FULL_ATTENTION: None}

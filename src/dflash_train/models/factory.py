@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.models.config import (FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig, check_against_target,
-                                        default_target_layer_ids)
+from dflash_train.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DFlashConfig,
+    check_against_target,
+    default_target_layer_ids,
+)
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
 
@@ -104,7 +109,7 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
     if n > len(layers):
         raise UsageError(f"--init-from-target: the drafter has {n} layers, the target only {len(layers)}")
     with torch.no_grad():
-        for dst, src in zip(drafter.layers, list(layers)[-n:]):
+        for dst, src in zip(drafter.layers, list(layers)[-n:], strict=True):
             pairs = [(dst.self_attn, src.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
                      (dst.mlp, src.mlp, _MLP),
                      (dst, src, ("input_layernorm", "post_attention_layernorm"))]

@@ -32,7 +32,6 @@ from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.static_lm import StaticCache, cached_attention
 
-
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -235,7 +235,8 @@ class Target:
         """Token ids of `messages` through the target's chat template."""
         return self.render_chats([messages], add_generation_prompt)[0]
 
-    def render_chats(self, conversations: list[list[dict[str, str]]], add_generation_prompt: bool = True) -> list[list[int]]:
+    def render_chats(self, conversations: list[list[dict[str, str]]],
+                     add_generation_prompt: bool = True) -> list[list[int]]:
         """render_chat of each conversation, tokenized as one batch: a fast tokenizer encodes a batch on
         every core (16,988 ShareGPT first prompts: 9.1 s one by one, 3.7 s batched on 2 cores)."""
         if not getattr(self.tokenizer, "chat_template", None):
@@ -280,10 +281,12 @@ class Target:
             raise UsageError(f"{name}: {mask_token_id} is outside the target's embedding (0..{self.vocab_size - 1})")
         if mask_token_id >= len(self.tokenizer):
             return
-        specials = {i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+        specials = {i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+                    if getattr(t, "special", False)}
         if mask_token_id not in specials or mask_token_id in self.reserved_token_ids():
             raise UsageError(f"{name}: token {mask_token_id} ({self.token_text(mask_token_id)!r}) "
-                             "is in the target's normal vocabulary of labels; use a spare row or an unused special token")
+                             "is in the target's normal vocabulary of labels; "
+                             "use a spare row or an unused special token")
 
 
 def _capture(store: dict[int, torch.Tensor], idx: int):
@@ -587,7 +590,8 @@ def _load_hf(name: str, dtype: torch.dtype, flag: str, local: bool, cache_only: 
         tok = AutoTokenizer.from_pretrained(name, clean_up_tokenization_spaces=False, local_files_only=cache_only)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=cache_only)
     except (OSError, ValueError) as e:
-        where = "directory" if local else "hub id (is the hub reachable? set HF_HUB_OFFLINE=1 to use the local cache only)"
+        where = ("directory" if local
+                 else "hub id (is the hub reachable? set HF_HUB_OFFLINE=1 to use the local cache only)")
         raise UsageError(f"{flag}: cannot load {name} as an HF {where}: {str(e).splitlines()[0]}") from None
     return model, tok
 

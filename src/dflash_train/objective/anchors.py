@@ -41,7 +41,8 @@ def sample_packed_anchors(batch: PackedBatch, num_anchors: int, gen: torch.Gener
     seq = batch.seq_ids
     bounds = torch.nonzero(seq[1:] != seq[:-1]).flatten() + 1
     starts = [0, *bounds.tolist(), seq.numel()]
-    parts = [sample_anchors(batch.loss_mask[s:e], num_anchors, gen) + s for s, e in zip(starts[:-1], starts[1:])]
+    parts = [sample_anchors(batch.loss_mask[s:e], num_anchors, gen) + s
+             for s, e in zip(starts[:-1], starts[1:], strict=True)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 

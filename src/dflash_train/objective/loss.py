@@ -67,7 +67,8 @@ def _chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Ten
 
 def _chunk_kd(logits: torch.Tensor, teacher: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
               weights: torch.Tensor, kd_weight: float):
-    """_chunk_ce against y = a * softmax(teacher) + (1 - a) * onehot(label): sum w*CE(y), argmax == label, w * (softmax - y)."""
+    """_chunk_ce against y = a * softmax(teacher) + (1 - a) * onehot(label): sum w*CE(y), argmax == label,
+    w * (softmax - y)."""
     x = _fp32_logits(logits, bias)
     y, lse, hard, correct = _ce_and_correct(x, labels, weights)
     p = torch.softmax(_fp32_logits(teacher, bias), dim=-1)

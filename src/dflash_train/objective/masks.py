@@ -79,7 +79,7 @@ def segmented_mask(spec: MaskSpec) -> SegmentedMask:
     anchor_counts = torch.bincount(seq_of_anchor, minlength=int(spec.seq_ids[-1]) + 1).tolist()
     ctx_counts = torch.bincount(spec.seq_ids).tolist()
     segments, a0, c0 = [], 0, 0
-    for n_anchors, n_ctx in zip(anchor_counts, ctx_counts):
+    for n_anchors, n_ctx in zip(anchor_counts, ctx_counts, strict=True):
         if n_anchors:
             q = torch.arange(a0 * B, (a0 + n_anchors) * B, device=dev)[:, None]
             kv = torch.cat([torch.arange(c0, c0 + n_ctx, device=dev), S + q[:, 0]])[None, :]

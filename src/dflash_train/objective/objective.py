@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.config import ATTENTION, GAMMA, KD_WEIGHT, LOSS_CHUNK_ROWS, AttentionBackend, knob_field, validate
 from dflash_train.data.label_columns import TARGET_LABELS, feature_width, split_labels
 from dflash_train.data.packing import PackedBatch
-from dflash_train.config import ATTENTION, GAMMA, KD_WEIGHT, LOSS_CHUNK_ROWS, AttentionBackend, knob_field, validate
 from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
@@ -29,6 +29,7 @@ from dflash_train.objective.blocks import Blocks, build_blocks, gamma_for
 from dflash_train.objective.loss import LossOutput, expected_acceptance_length, weighted_block_loss
 from dflash_train.objective.masks import MaskSpec, segmented_mask, structured_block_mask
 from dflash_train.profiling.stats import NULL_LOOP
+
 
 @dataclass(kw_only=True, slots=True)
 class ObjectiveConfig:
@@ -138,8 +139,8 @@ class DFlashObjective(nn.Module):
     def _inline_labels(self, batch: PackedBatch, features: torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
         """The batch with the target labels its features carry (feature_layer_ids(labels=True)), and the
         features without them; both as given when the features are only hidden states (by their width)."""
-        width = feature_width(feature_layer_ids(self.drafter.config, self.cfg.kd_weight > 0), self.embed_weight.shape[1],
-                              features.dtype)  # the hidden states alone
+        width = feature_width(feature_layer_ids(self.drafter.config, self.cfg.kd_weight > 0),
+                              self.embed_weight.shape[1], features.dtype)  # the hidden states alone
         if features.shape[1] == width:
             return batch, features
         features, labels = split_labels(features)

@@ -126,7 +126,8 @@ class P2PSender:
         self.depth, self.timeout, self.describe = depth, timeout, describe
         self.inflight: collections.deque = collections.deque()
 
-    def send(self, pack_index: int, dst: int, features: torch.Tensor, busy_s: float | torch.Tensor, prof=NULL_LOOP) -> None:
+    def send(self, pack_index: int, dst: int, features: torch.Tensor, busy_s: float | torch.Tensor,
+             prof=NULL_LOOP) -> None:
         t0 = time.perf_counter()
         while len(self.inflight) >= self.depth:  # the bound: wait for the oldest send to be received
             w_dst, works, _ = self.inflight[0]

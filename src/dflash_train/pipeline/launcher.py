@@ -126,7 +126,8 @@ class Launcher:
         if stopped is not None:
             return f"worker {self.specs[stopped].describe(stopped)} is stopped (SIGSTOP or a debugger)"
         stalest = min(range(len(self.specs)), key=lambda i: self.heartbeats[i])
-        return f"stalest worker: {self.specs[stalest].describe(stalest)}, last seen {now - self.heartbeats[stalest]:.0f} s ago"
+        return (f"stalest worker: {self.specs[stalest].describe(stalest)}, "
+                f"last seen {now - self.heartbeats[stalest]:.0f} s ago")
 
     def _watch(self, peer_timeout: float) -> int:
         drafters = [i for i, s in enumerate(self.specs) if s.trains]

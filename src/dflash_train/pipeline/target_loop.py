@@ -119,8 +119,9 @@ class FeatureCache:
 
 
 class TargetForwardLoop:
-    def __init__(self, target: Target, layer_ids: list[int], prof=NULL_LOOP, fault: Callable[[Pack], None] | None = None,
-                 trace=NO_TRACE, cache: FeatureCache | None = None) -> None:
+    def __init__(self, target: Target, layer_ids: list[int], prof=NULL_LOOP,
+                 fault: Callable[[Pack], None] | None = None, trace=NO_TRACE,
+                 cache: FeatureCache | None = None) -> None:
         self.target, self.layer_ids, self.prof, self.trace, self.cache = target, layer_ids, prof, trace, cache
         self.device = target.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

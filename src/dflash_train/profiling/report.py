@@ -92,7 +92,8 @@ def _stage_table(recs: list[Record], loop: str, wall_s: float) -> list[str]:
         mins = _window_values(recs, loop, name, "min_ms")
         lines.append(f"    {name:<{width}}{count:>8}{total:>10.2f}{mean_ms:>10.2f}"
                      + (f"{min(mins):>10.2f}" if mins else f"{'-':>10}")
-                     + f"{_window_max(recs, loop, name, 'p95_ms'):>10.2f}{_window_max(recs, loop, name, 'max_ms'):>10.2f}"
+                     + f"{_window_max(recs, loop, name, 'p95_ms'):>10.2f}"
+                     f"{_window_max(recs, loop, name, 'max_ms'):>10.2f}"
                      f"{_ratio(stages[name], 'cpu_s')}{_ratio(stages[name], 'device_s')}"
                      f"{_ratio(stages[name], 'starved', over='starts')}{share * 100:>7.1f}%")
     return lines

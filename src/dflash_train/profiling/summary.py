@@ -19,8 +19,8 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
                                        "counters": {...}}}},
      "allocator": {...},   # CUDA only: allocator telemetry of the window, schema in allocator.py
      "compiles": {"graphs", "seconds"},  # when torch.compile compiled in the window: compiles.py
-     "verdict": {"kind": "compiling" | "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound" | "allocator-churn"
-                         | "sync-bound" | "launch-bound" | "balanced" | "idle",
+     "verdict": {"kind": "compiling" | "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound"
+                         | "allocator-churn" | "sync-bound" | "launch-bound" | "balanced" | "idle",
                  "message": <one line>,
                  "also": [<kind>, ...]}}  # only when other rules hold too: named in the message's brackets
 

@@ -215,7 +215,8 @@ def verdict(record: dict[str, Any]) -> Verdict:
     compiling = record.get("compiles", {}).get("seconds", 0.0)
     if compiling > 0 and compiling >= WAIT * record.get("window_s", 0.0):
         return Verdict("compiling", f"compiling: torch.compile took {compiling:.1f} s of the window "
-                                    f"({record['compiles']['graphs']} graphs) — its waits and rates are not the steady state's")
+                                    f"({record['compiles']['graphs']} graphs) — "
+                                    "its waits and rates are not the steady state's")
     waits_in = _share(record, "target", "batch_queue_wait")
     waits_full = _share(record, "target", "hs_queue_full_wait")
     waits_empty = _share(record, "drafter", "hs_queue_wait")

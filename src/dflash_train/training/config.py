@@ -17,18 +17,33 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_train import config
-from dflash_train.config import (ATTENTION, BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, GAMMA, INTERMEDIATE_SIZE, KD_WEIGHT,
-                                 LOSS_CHUNK_ROWS, NUM_ANCHORS, NUM_FEATURES, NUM_LAYERS, PROFILE_INTERVAL_ENV,
-                                 REGEN_MAX_NEW_TOKENS, SEED, AttentionBackend, field_types, flag, knob_field, opt,
-                                 validate)
+from dflash_train.config import (
+    ATTENTION,
+    BLOCK_SIZE,
+    EVAL_MAX_NEW_TOKENS,
+    GAMMA,
+    INTERMEDIATE_SIZE,
+    KD_WEIGHT,
+    LOSS_CHUNK_ROWS,
+    NUM_ANCHORS,
+    NUM_FEATURES,
+    NUM_LAYERS,
+    PROFILE_INTERVAL_ENV,
+    REGEN_MAX_NEW_TOKENS,
+    SEED,
+    AttentionBackend,
+    field_types,
+    flag,
+    knob_field,
+    opt,
+    validate,
+)
 from dflash_train.data.regen_client import ServerConfig
 from dflash_train.errors import UsageError
 from dflash_train.eval.prompts import DATASETS
 from dflash_train.objective.objective import ObjectiveConfig
 from dflash_train.profiling.session import ProfilingConfig
 from dflash_train.profiling.tools import parse_steps
-
-
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,10 +72,12 @@ class TrainConfig:
     regen_model: str | None = opt(None, "model name on --regen-server (default: the only one it serves)")
     regen_concurrency: int = opt(64, "requests in flight to --regen-server")
     regen_api_key_env: str | None = opt(None, "environment variable holding --regen-server's API key")
-    labels: Literal["data", "target"] = opt("data", "block labels: data (the text's own tokens) or target (the target's greedy token given "
-                      "the true prefix: computed in training's target forward, or the data's labels.npy from relabel)")
+    labels: Literal["data", "target"] = opt("data", "block labels: data (the text's own tokens) or target (the "
+                                            "target's greedy token given the true prefix: computed in training's "
+                                            "target forward, or the data's labels.npy from relabel)")
     max_length: int = opt(512, "tokens per training sequence (longer ones are truncated)")
-    on_bad: Literal["error", "skip"] = opt("skip", "bad records: skip (counted and reported) or error (stop at file:line)")
+    on_bad: Literal["error", "skip"] = opt("skip", "bad records: skip (counted and reported) or error "
+                                                   "(stop at file:line)")
     # --- drafter ---------------------------------------------------------------------
     num_layers: int = knob_field(NUM_LAYERS)
     block_size: int = knob_field(BLOCK_SIZE)
@@ -101,23 +118,24 @@ class TrainConfig:
     drafter_devices: str | None = opt(None, "devices of the drafter workers, comma-separated (e.g. cuda:1,cuda:2); "
                                       "several = data parallel; the same list as --target-devices = a target and a "
                                       "drafter on every device (whole pipelines, data parallel)")
-    overlap: bool | None = opt(None, "a device holding both roles: run the target on its own thread and CUDA stream so its forwards "
-                               "fill the drafter's gaps (default: on for CUDA, off for CPU)")
+    overlap: bool | None = opt(None, "a device holding both roles: run the target on its own thread and CUDA "
+                               "stream so its forwards fill the drafter's gaps (default: on for CUDA, off for CPU)")
     queue_depth: int = opt(4, "depth of the batch queue and of the feature (hs) queue")
     peer_timeout: float = opt(600.0, "seconds without progress before a worker is reported stuck")
     dist_port: int = opt(0, "TCP port of the torch.distributed rendezvous on this host (0 = a free one)")
     # --- profiling -------------------------------------------------------------------
     profile_interval: float | None = dataclasses.field(  # the environment's default, read when the config is built
         default_factory=PROFILE_INTERVAL_ENV.seconds,
-        metadata={"help": f"seconds between profile summaries, 0 = off (default ${PROFILE_INTERVAL_ENV.name}; unset = off)"})
+        metadata={"help": "seconds between profile summaries, 0 = off "
+                          f"(default ${PROFILE_INTERVAL_ENV.name}; unset = off)"})
     profile_cuda_events: bool = opt(False, "time GPU stages with CUDA events (device time, resolved lazily) "
                                     "instead of host wall clock")
     torch_profile: str | None = opt(None, "START:END steps to record with torch.profiler (a Chrome trace per process "
                                     "in RUN_DIR/traces)")
-    memory_history: int = opt(0, "CUDA: keep the last N allocator events with their Python stacks from the start, so the "
-                              "out-of-memory snapshot (RUN_DIR/oom-<process>.pickle) shows what allocated each block; "
-                              "costs ~2 us of host time per allocation and free and a few KB of host memory per "
-                              "entry (100000: a few hundred MB); 0 = off")
+    memory_history: int = opt(0, "CUDA: keep the last N allocator events with their Python stacks from the start, "
+                              "so the out-of-memory snapshot (RUN_DIR/oom-<process>.pickle) shows what allocated each "
+                              "block; costs ~2 us of host time per allocation and free and a few KB of host memory "
+                              "per entry (100000: a few hundred MB); 0 = off")
     # --- logging and checkpoints -----------------------------------------------------
     log_every: int = opt(10, "steps between metric records")
     checkpoint_every: int = opt(100, "steps between checkpoints (0 = only at the end)")
@@ -153,7 +171,8 @@ class TrainConfig:
                                  + ("--device cpu" if self.device == "cpu" else "--attention dense (its per-sequence "
                                     "segments would recompile for every pack)"))
         if self.sliding_layers < 0 or self.sliding_layers > self.num_layers:
-            raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), got {self.sliding_layers}")
+            raise UsageError(f"--sliding-layers must be in 0..--num-layers ({self.num_layers}), "
+                             f"got {self.sliding_layers}")
         if self.sliding_layers and not (self.sliding_window or 0) >= 1:
             raise UsageError("--sliding-window must be >= 1 when --sliding-layers > 0")
         if self.regen_samples > 1 and not (self.regenerate and self.regen_temperature > 0):
@@ -166,7 +185,8 @@ class TrainConfig:
         if self.max_length < self.block_size:
             raise UsageError(f"--max-length {self.max_length} is shorter than a block (--block-size {self.block_size})")
         if self.token_budget < self.max_length:
-            raise UsageError(f"--token-budget {self.token_budget} must hold one sequence (--max-length {self.max_length})")
+            raise UsageError(f"--token-budget {self.token_budget} must hold one sequence "
+                             f"(--max-length {self.max_length})")
         if not self.peer_timeout > 0:
             raise UsageError(f"--peer-timeout must be > 0 seconds, got {self.peer_timeout}")
         if not 0 <= self.dist_port < 65536:

@@ -90,7 +90,8 @@ class Hooks:
     trace: Any = NO_TRACE  # the torch.profiler window (--torch-profile)
     stop_requested: Callable[[int], bool] = lambda step: False  # a coordinated stop (the launcher's)
     heartbeat: Callable[[int], None] = lambda step: None  # after every step (the launcher's liveness watch)
-    flops: PackFlops | None = None  # a PackFlops (profiling/flops.py): model FLOPs per pack, each record's mfu; None: no mfu
+    # a PackFlops (profiling/flops.py): model FLOPs per pack, each record's mfu; None: no mfu
+    flops: PackFlops | None = None
     # held-out packs (app/validation.py): .due(step, last_step), and called with the objective, the val_* values
     # that join the next metrics record
     validate: Any = None
@@ -151,7 +152,8 @@ class Trainer:
         self.first_step_at: float | None = None  # perf_counter when the first optimizer step had finished
         self.device = next(self.model.parameters()).device
         self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cosine_schedule(total_steps, cfg.warmup_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           cosine_schedule(total_steps, cfg.warmup_ratio))
         self.update = Update(objective, self.optimizer, self.scheduler, cfg.grad_clip, self._parallel(objective),
                              self.prof)
         self.step, self.stream_state = 0, StreamState()
@@ -363,7 +365,8 @@ class Trainer:
             "epoch": self.stream_state.epoch,
             **values,
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm / max(w.steps, 1) / self.dp.size,  # identical on every rank, summed by the all-reduce
+            # identical on every rank, summed by the all-reduce
+            "grad_norm": grad_norm / max(w.steps, 1) / self.dp.size,
             "target_tokens_per_s": t_tok / dt,
             **{f"{k}_per_s": v / dt for k, v in counts.items()},
             # what the target role could deliver if it never waited: tokens per busy second, all target workers
