@@ -1,3 +1,4 @@
+import json
 import random
 import time
 import warnings
@@ -68,6 +69,29 @@ def torch_state_restored():
     before = _torch_state()
     yield
     restore_torch_state(before)
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """Run the CLI: it must exit 2 with one `dflash-train: error:` line (the last, after a run's progress
+    lines) and no traceback. Returns that line without its prefix."""
+    from dflash_train.cli import main
+
+    code = main(argv)
+    out = capsys.readouterr().err.strip()
+    err = (out.splitlines() or [""])[-1]
+    assert code == 2, out
+    assert err.startswith("dflash-train: error:") and "Traceback" not in out, out
+    return err.removeprefix("dflash-train: error: ")
+
+
+@pytest.fixture
+def good(tmp_path):
+    """good.jsonl: six short two-turn conversations."""
+    path = tmp_path / "good.jsonl"
+    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i} " * 6}]}) + "\n"
+        for i in range(6)))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import cli_error
 
 from dflash_train import devices
 from dflash_train.cli import main
@@ -24,13 +25,6 @@ T = ["train", "--target", "random:tiny", "--data-topic", "any", "--no-regenerate
 TINY_HIDDEN, TINY_LAYERS, TINY_CONTEXT = 64, 6, 4096  # presets.py's random:tiny
 
 
-def _error(argv, capsys) -> str:
-    code = main(argv)
-    out = capsys.readouterr().err.strip()
-    err = (out.splitlines() or [""])[-1]
-    assert code == 2, out
-    assert err.startswith("dflash-train: error:") and "Traceback" not in out, out
-    return err.removeprefix("dflash-train: error: ")
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +63,18 @@ def _drafter_with(work, tmp_path, **fields):
 def test_an_mlp_wider_than_the_cap_is_refused_before_its_weights(work, tmp_path, capsys):
     """--intermediate-size 1000000000 on a 64-wide target asked for 256 GB of draft MLP weights."""
     cap = MAX_MLP_RATIO * TINY_HIDDEN
-    err = _error([*T, "--data", str(work / "good.jsonl"), "--run-dir", str(tmp_path / "r"),
+    err = cli_error([*T, "--data", str(work / "good.jsonl"), "--run-dir", str(tmp_path / "r"),
                   "--intermediate-size", "1000000000"], capsys)
     assert err == f"--intermediate-size must be <= {cap} ({MAX_MLP_RATIO} x hidden_size {TINY_HIDDEN}), got 1000000000"
-    assert "--intermediate-size" in _error(["init-drafter", "--target", "random:tiny", "--device", "cpu",
+    assert "--intermediate-size" in cli_error(["init-drafter", "--target", "random:tiny", "--device", "cpu",
                                             "--intermediate-size", str(cap + 1), "--out", str(tmp_path / "d")], capsys)
 
 
 def test_a_drafter_deeper_than_its_target_is_refused(work, tmp_path, capsys):
-    err = _error([*T, "--data", str(work / "good.jsonl"), "--run-dir", str(tmp_path / "r"), "--num-layers",
+    err = cli_error([*T, "--data", str(work / "good.jsonl"), "--run-dir", str(tmp_path / "r"), "--num-layers",
                   str(TINY_LAYERS + 1), "--no-init-from-target"], capsys)
     assert err == f"--num-layers must be <= the target's {TINY_LAYERS} layers, got {TINY_LAYERS + 1}"
-    assert _error(["init-drafter", "--target", "random:tiny", "--device", "cpu", "--num-layers", "1000000000",
+    assert cli_error(["init-drafter", "--target", "random:tiny", "--device", "cpu", "--num-layers", "1000000000",
                    "--out", str(tmp_path / "d")], capsys) == \
         f"--num-layers must be <= the target's {TINY_LAYERS} layers, got 1000000000"  # not an 8 GB list of layer types
 
@@ -93,25 +87,25 @@ def test_a_block_size_past_the_cap_is_refused(work, tmp_path, capsys, where):
             "init-drafter": ["init-drafter", "--target", "random:tiny", "--block-size", big,
                              "--out", str(tmp_path / "d")],
             "eval": _eval(work, None, "--block-size", big)}[where]
-    assert _error(argv, capsys) == f"--block-size must be <= {MAX_BLOCK_SIZE}, got {big}"
+    assert cli_error(argv, capsys) == f"--block-size must be <= {MAX_BLOCK_SIZE}, got {big}"
 
 
 def test_a_config_json_block_size_past_the_cap_names_the_file(work, tmp_path, capsys):
     drafter = _drafter_with(work, tmp_path, block_size=100000)
-    assert _error(_eval(work, drafter), capsys) == \
+    assert cli_error(_eval(work, drafter), capsys) == \
         f"{drafter / 'config.json'}: block_size: must be <= {MAX_BLOCK_SIZE}, got 100000"
 
 
 @pytest.mark.parametrize("eps", [float("nan"), float("inf"), float("-inf"), -1e-6, 0.0])
 def test_a_config_json_eps_that_is_not_a_positive_finite_number_names_the_file(work, tmp_path, capsys, eps):
     drafter = _drafter_with(work, tmp_path, rms_norm_eps=eps)
-    assert _error(_eval(work, drafter), capsys) == \
+    assert cli_error(_eval(work, drafter), capsys) == \
         f"{drafter / 'config.json'}: rms_norm_eps: must be a finite number > 0, got {eps!r}"
 
 
 def test_a_config_json_size_that_is_no_whole_number_names_the_file(work, tmp_path, capsys):
     drafter = _drafter_with(work, tmp_path, intermediate_size=0)
-    assert _error(_eval(work, drafter), capsys) == \
+    assert cli_error(_eval(work, drafter), capsys) == \
         f"{drafter / 'config.json'}: intermediate_size: must be a whole number >= 1, got 0"
 
 
@@ -124,7 +118,7 @@ def test_the_parameter_estimate_is_the_drafters_count(tiny_target):
 
 def test_a_drafter_larger_than_free_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(devices, "available_memory", lambda device: 100_000)  # bytes
-    err = _error(["init-drafter", "--target", "random:tiny", "--device", "cpu", "--num-layers", "2",
+    err = cli_error(["init-drafter", "--target", "random:tiny", "--device", "cpu", "--num-layers", "2",
                   "--out", str(tmp_path / "d")], capsys)
     assert err.startswith("a drafter of 2 layers of MLP width 128 (") and "--num-layers, --intermediate-size" in err
     assert err.endswith("on cpu, more than the 0.0 GB available there") and not (tmp_path / "d").exists()
@@ -134,10 +128,10 @@ def test_a_drafter_larger_than_free_memory_is_refused_before_it_is_built(tmp_pat
 
 def test_max_new_tokens_past_the_targets_context_is_refused(work, capsys):
     """eval --max-new-tokens 100000000 grew to 23.8 GB before the OOM killer stopped it."""
-    err = _error(_eval(work, None, "--max-new-tokens", "100000000"), capsys)
+    err = cli_error(_eval(work, None, "--max-new-tokens", "100000000"), capsys)
     assert err.startswith("--max-new-tokens 100000000: a ") and \
         err.endswith(f"exceed the target's context of {TINY_CONTEXT} positions (max_position_embeddings)")
-    assert "--max-new-tokens 4090:" in _error(_eval(work, None, "--max-new-tokens", "4090"), capsys)  # + the prompt
+    assert "--max-new-tokens 4090:" in cli_error(_eval(work, None, "--max-new-tokens", "4090"), capsys)  # + the prompt
 
 
 def test_every_decode_checks_the_context_itself(work, tiny_target):
@@ -151,7 +145,7 @@ def test_every_decode_checks_the_context_itself(work, tiny_target):
 
 def test_a_decode_whose_caches_exceed_free_memory_is_refused(work, capsys, monkeypatch):
     monkeypatch.setattr(devices, "available_memory", lambda device: 100_000)  # bytes
-    err = _error(_eval(work, None, "--max-new-tokens", "2000"), capsys)
+    err = cli_error(_eval(work, None, "--max-new-tokens", "2000"), capsys)
     assert err.startswith("--max-new-tokens 2000: a decode of ") and "(its KV caches) needs" in err
 
 

@@ -34,13 +34,6 @@ INIT = ["init-drafter", "--target", "random:tiny", "--num-layers", "1", "--block
 ENOSPC = "No space left on device"
 
 
-@pytest.fixture
-def good(tmp_path):
-    path = tmp_path / "good.jsonl"
-    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
-        {"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i} " * 6}]}) + "\n"
-        for i in range(6)))
-    return path
 
 
 def _refused(argv, capsys) -> str:

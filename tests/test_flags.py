@@ -5,6 +5,7 @@ import errno
 import json
 
 import pytest
+from conftest import cli_error
 
 from dflash_train.cli import main
 
@@ -15,13 +16,6 @@ INIT = ["init-drafter", "--target", "random:tiny", "--num-layers", "1", "--block
         "--device", "cpu"]
 
 
-def _error(argv, capsys) -> str:
-    code = main(argv)
-    out = capsys.readouterr().err.strip()
-    err = (out.splitlines() or [""])[-1]  # after a run's progress lines
-    assert code == 2, out
-    assert err.startswith("dflash-train: error:") and "Traceback" not in out, out
-    return err.removeprefix("dflash-train: error: ")
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +37,22 @@ def _train(work, run, *extra):
 
 def test_shape_flags_that_differ_from_the_init_drafter_are_refused(work, tmp_path, capsys):
     init = str(work / "init")
-    err = _error(_train(work, tmp_path / "r", "--init-drafter", init, "--num-layers", "3"), capsys)
+    err = cli_error(_train(work, tmp_path / "r", "--init-drafter", init, "--num-layers", "3"), capsys)
     assert err.startswith(f"--init-drafter {init} fixes the drafter's shape")
     assert "--num-layers 3 (the drafter's: 1)" in err
-    err = _error(_train(work, tmp_path / "r", "--init-drafter", init, "--block-size", "8", "--sliding-layers", "0"),
+    err = cli_error(_train(work, tmp_path / "r", "--init-drafter", init, "--block-size", "8", "--sliding-layers", "0"),
                  capsys)
     assert "--block-size 8 (the drafter's: 4)" in err and "--sliding-layers" not in err  # 0 is the drafter's too
     assert not (tmp_path / "r").exists()  # refused before the run directory is touched
     toml = tmp_path / "mine.toml"
     toml.write_text("num_layers = 2\n")
-    assert "--num-layers 2 (the drafter's: 1)" in _error([*_train(work, tmp_path / "r", "--init-drafter", init),
+    assert "--num-layers 2 (the drafter's: 1)" in cli_error([*_train(work, tmp_path / "r", "--init-drafter", init),
                                                            "--config", str(toml)], capsys)
 
 
 def test_resume_and_overwrite_together_are_refused(work, capsys):
     ckpts = sorted(p.name for p in (work / "run" / "checkpoints").iterdir())
-    err = _error(_train(work, work / "run", "--resume", "--overwrite"), capsys)
+    err = cli_error(_train(work, work / "run", "--resume", "--overwrite"), capsys)
     assert "--resume" in err and "--overwrite" in err and "give one" in err
     assert sorted(p.name for p in (work / "run" / "checkpoints").iterdir()) == ckpts
 
@@ -66,33 +60,34 @@ def test_resume_and_overwrite_together_are_refused(work, capsys):
 def test_resume_onto_another_target_names_resume_and_target(work, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(_train(work, run, "--max-steps", "1")) == 0
-    err = _error(_train(work, run, "--resume", "--max-steps", "2", "--target", "random:smollm2-135m"), capsys)
+    err = cli_error(_train(work, run, "--resume", "--max-steps", "2", "--target", "random:smollm2-135m"), capsys)
     assert err.startswith("--resume ") and "--target random:smollm2-135m" in err and "hidden_size" in err
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_num_features_below_one_is_refused(work, tmp_path, capsys, n):
-    assert _error(_train(work, tmp_path / "r", "--num-features", n), capsys) == f"--num-features must be >= 1, got {n}"
-    assert _error([*INIT, "--num-features", n, "--out", str(tmp_path / "d")], capsys) == \
+    err = cli_error(_train(work, tmp_path / "r", "--num-features", n), capsys)
+    assert err == f"--num-features must be >= 1, got {n}"
+    assert cli_error([*INIT, "--num-features", n, "--out", str(tmp_path / "d")], capsys) == \
         f"--num-features must be >= 1, got {n}"
 
 
 def test_more_features_than_usable_target_layers_are_refused(work, tmp_path, capsys):
     """random:tiny has 6 layers: features spread over layers 1..3 give at most 3 distinct ones."""
-    err = _error(_train(work, tmp_path / "r", "--num-features", "100"), capsys)
+    err = cli_error(_train(work, tmp_path / "r", "--num-features", "100"), capsys)
     assert err.startswith("--num-features 100: at most 3 for target random:tiny (6 layers")
-    err = _error([*INIT, "--num-features", "4", "--out", str(tmp_path / "d")], capsys)
+    err = cli_error([*INIT, "--num-features", "4", "--out", str(tmp_path / "d")], capsys)
     assert err.startswith("--num-features 4: at most 3") and "--target-layer-ids" in err
     assert main([*INIT, "--num-features", "3", "--out", str(tmp_path / "d")]) == 0
-    err = _error([*INIT, "--num-features", "2", "--target-layer-ids", "1,2,3", "--out", str(tmp_path / "e")], capsys)
+    err = cli_error([*INIT, "--num-features", "2", "--target-layer-ids", "1,2,3", "--out", str(tmp_path / "e")], capsys)
     assert "--num-features and --target-layer-ids" in err
 
 
 def test_an_unknown_eval_dataset_names_eval_dataset(work, tmp_path, capsys):
     argv = [a for a in _train(work, tmp_path / "r") if a not in ("--eval-limit", "0")]
-    assert _error([*argv, "--eval-limit", "2", "--eval-dataset", "nope"], capsys).startswith(
+    assert cli_error([*argv, "--eval-limit", "2", "--eval-dataset", "nope"], capsys).startswith(
         "--eval-dataset: unknown dataset 'nope'")
-    assert _error([*argv, "--eval-limit", "2", "--eval-dataset", str(tmp_path / "gone.jsonl")], capsys) == \
+    assert cli_error([*argv, "--eval-limit", "2", "--eval-dataset", str(tmp_path / "gone.jsonl")], capsys) == \
         f"--eval-dataset: file {tmp_path / 'gone.jsonl'} not found"
 
 
@@ -101,12 +96,12 @@ def test_a_full_disk_while_preparing_names_the_run_dir(work, tmp_path, capsys, m
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("dflash_train.data.dataset.AtomicDirectory", full)
-    err = _error(_train(work, tmp_path / "r"), capsys)
+    err = cli_error(_train(work, tmp_path / "r"), capsys)
     assert err.startswith(f"--run-dir: cannot create {tmp_path / 'r'}") and "No space left on device" in err
 
 
 def test_a_directory_as_config_is_said_to_be_one(tmp_path, capsys):
-    assert _error(["train", "--config", str(tmp_path)], capsys) == \
+    assert cli_error(["train", "--config", str(tmp_path)], capsys) == \
         f"--config {tmp_path}: is a directory, not a TOML file"
 
 
@@ -114,6 +109,6 @@ def test_a_data_file_that_is_not_json_is_refused(work, tmp_path, capsys):
     data = tmp_path / "good.bin"
     data.write_bytes((work / "good.jsonl").read_bytes())
     want = f"--data: {data} is not a .json or .jsonl file"
-    assert _error([*T, "--data", str(data), "--run-dir", str(tmp_path / "r")], capsys).startswith(want)
-    assert _error(["prepare", "--target", "random:tiny", "--data", str(data), "--out", str(tmp_path / "p")],
+    assert cli_error([*T, "--data", str(data), "--run-dir", str(tmp_path / "r")], capsys).startswith(want)
+    assert cli_error(["prepare", "--target", "random:tiny", "--data", str(data), "--out", str(tmp_path / "p")],
                   capsys).startswith(want)

@@ -15,13 +15,6 @@ T = ["train", "--target", "random:tiny", "--data-topic", "any", "--no-regenerate
      "--device", "cpu"]
 
 
-@pytest.fixture
-def good(tmp_path):
-    path = tmp_path / "good.jsonl"
-    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
-        {"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i} " * 6}]}) + "\n"
-        for i in range(6)))
-    return path
 
 
 def _refused(argv, capsys):
