@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 # torch: keep an existing install (e.g. a CUDA build); otherwise the CPU build 2.13.0.
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$PY" -m pip install "torch>=2.5,<2.15"
+    "$PY" -m pip install "torch>=2.11,<2.15"
   else
     "$PY" -m pip install "torch==2.13.0"
   fi
