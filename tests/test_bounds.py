@@ -134,6 +134,15 @@ def test_max_new_tokens_past_the_targets_context_is_refused(work, capsys):
     assert "--max-new-tokens 4090:" in cli_error(_eval(work, None, "--max-new-tokens", "4090"), capsys)  # + the prompt
 
 
+def test_train_refuses_an_eval_past_the_context_before_the_data_work(work, tmp_path, capsys):
+    """The eval runs after training: a bad --eval-max-new-tokens found there would cost the whole run."""
+    run = tmp_path / "run"
+    argv = [*T, "--data", str(work / "good.jsonl"), "--run-dir", str(run), "--eval-limit", "1",
+            "--eval-dataset", str(work / "prompts.jsonl"), "--eval-max-new-tokens", "100000000"]
+    assert cli_error(argv, capsys).startswith("--eval-max-new-tokens 100000000: a ")
+    assert not list(run.glob("data-*")) and not (run / "checkpoints").exists()
+
+
 def test_every_decode_checks_the_context_itself(work, tiny_target):
     """train's before/after eval decodes through the same functions; they refuse too."""
     drafter = load_drafter(work / "drafter", dtype=tiny_target.dtype)

@@ -31,6 +31,7 @@ from dflash_train.errors import say
 from dflash_train.eval import greedy_loop
 from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
+from dflash_train.eval.speculative import check_context, check_decode
 from dflash_train.models import static_lm
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
@@ -92,10 +93,14 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         check_num_features(target, cfg.num_features)  # before the data work
     prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
                if cfg.eval_limit else [])
+    if prompts:  # a too-long eval fails now, not after the data work and the training
+        check_context(target, max(map(len, prompts)), cfg.eval_max_new_tokens, "--eval-max-new-tokens")
     dataset = build_dataset(cfg, target, run_dir, progress, phases)
     training_part, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)  # fails now, not after
     drafter = make_drafter(cfg, target, ckpt)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)
+    if prompts:  # the eval's KV caches must fit the device: known now, before the training
+        check_decode(target, drafter, prompts, cfg.eval_max_new_tokens, flag="--eval-max-new-tokens")
     n_params = sum(p.numel() for p in drafter.parameters())
     say(f"drafter: {n_params / 1e6:.2f}M parameters, {drafter.config.num_hidden_layers} layers, "
         f"B={drafter.block_size}, target layers {drafter.config.target_layer_ids}")
