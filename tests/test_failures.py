@@ -294,3 +294,16 @@ def test_kill_9_and_resume_ends_as_an_uninterrupted_run(good, tmp_path):
                                rtol=1e-6, atol=1e-6)
     assert latest_checkpoint(run).name == f"step_{steps:07d}" and (run / "drafter" / "model.safetensors").is_file()
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # the kills' leftovers swept
+
+
+def test_an_atomic_write_that_fails_names_the_file_and_leaves_no_temporary(tmp_path):
+    """config.toml, phases.json and the manifest go through write_atomic: a full disk there named no file."""
+    from dflash_train.files import write_atomic
+
+    def full(f):
+        raise OSError(errno.ENOSPC, ENOSPC)
+
+    with pytest.raises(OSError) as e:
+        write_atomic(tmp_path / "phases.json", full)
+    assert e.value.filename == str(tmp_path / "phases.json") and e.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
