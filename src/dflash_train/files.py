@@ -8,13 +8,14 @@ rename before the data it names.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,20 +28,27 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     refuse_symlink(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        if e.filename is None:  # a failed write to an open file (a full disk) names no file: name the one meant
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
+        with naming(path):
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError that names no file (a failed write to an open one: a full disk) names `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 class AtomicDirectory:

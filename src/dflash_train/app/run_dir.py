@@ -13,12 +13,12 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflash_train.app.drafter import shape
 from dflash_train.app.owned import TOP_LEFTOVERS, check_removable, check_run_dir, claim, settle
 from dflash_train.app.validation import VALIDATION_FILE
 from dflash_train.errors import UsageError, say
 from dflash_train.files import DirectoryLock, write_atomic
 from dflash_train.models.checkpoint import check_replaceable, load_config, parse_dtype, save_drafter
-from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, sweep_temporaries
 from dflash_train.training.config import TrainConfig, read_toml
@@ -95,11 +95,9 @@ def write_config(run_dir: Path, cfg: TrainConfig) -> None:
 
 def check_resume_shape(cfg: TrainConfig, saved) -> None:
     """--resume continues the checkpoint's drafter: flags that would shape another one are refused, by name."""
-    sliding = sum(t == SLIDING_ATTENTION for t in saved.layer_types)
-    theirs = {"num_layers": saved.num_hidden_layers, "block_size": saved.block_size, "sliding_layers": sliding,
-              "num_features": len(saved.target_layer_ids), "intermediate_size": saved.intermediate_size}
-    if sliding:
-        theirs["sliding_window"] = saved.sliding_window
+    theirs = shape(saved)
+    if not theirs["sliding_layers"]:  # no sliding layer: the window shapes nothing
+        del theirs["sliding_window"]
     ours = {k: getattr(cfg, k) for k in theirs}
     for k in ("num_features", "intermediate_size"):
         if ours[k] is None:  # unset: the default, whatever the checkpoint has

@@ -7,7 +7,6 @@ that TensorBoard's writer thread met: tensorboard re-raises it on the next call.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from dflash_train.files import naming
 
 
 class MetricsLogger:
@@ -26,10 +27,10 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path, self.tb_dir = self.run_dir / "metrics.jsonl", self.run_dir / "tb"
-        with _naming(self.path):
+        with naming(self.path):
             _drop_records_after(self.path, start_step)  # a resumed run rewrites what came after its checkpoint
-            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open, closed by close()
-        with _naming(self.tb_dir):
+            self.file = open(self.path, "a", encoding="utf-8")  # held open, closed by close()
+        with naming(self.tb_dir):
             self.tb = SummaryWriter(str(self.tb_dir), purge_step=start_step + 1 if start_step else None)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress,
                         dynamic_ncols=True)
@@ -40,10 +41,10 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.run_dir.is_dir():  # deleted: the open metrics.jsonl would take the lines into a file no one sees
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self.run_dir))
-        with _naming(self.path):
+        with naming(self.path):
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-        with _naming(self.tb_dir):
+        with naming(self.tb_dir):
             self._tensorboard(record)
         mfu = {"mfu": f"{record['mfu']:.3f}"} if record.get("mfu") is not None else {}  # CUDA only
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['expected_tau']:.2f}",
@@ -67,23 +68,12 @@ class MetricsLogger:
         failed = None
         for path, closing in ((self.tb_dir, self.tb), (self.path, self.file)):
             try:
-                with _naming(path):
+                with naming(path):
                     closing.close()
             except OSError as e:  # the other one is closed all the same
                 failed = failed or e
         if failed is not None and not quiet:
             raise failed
-
-
-@contextlib.contextmanager
-def _naming(path: Path):
-    """An OSError that names no file (a failed write to an open one, a full disk) names `path`."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename:
-            raise
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def _quiet_tensorboard_threads() -> None:
