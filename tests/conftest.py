@@ -84,6 +84,14 @@ def cli_error(argv: list[str], capsys) -> str:
     return err.removeprefix("dflash-train: error: ")
 
 
+def write_conversations(path, n: int = 12):
+    """`n` two-turn conversations, numbers in the questions and answers, as JSONL at `path`."""
+    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"question {i} about numbers"},
+        {"role": "assistant", "content": f"the answer to {i} is {i * 7}, plainly"}]}) + "\n" for i in range(n)))
+    return path
+
+
 @pytest.fixture
 def good(tmp_path):
     """good.jsonl: six short two-turn conversations."""

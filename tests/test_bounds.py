@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import cli_error
+from conftest import cli_error, write_conversations
 
 from dflash_train import devices
 from dflash_train.cli import main
@@ -31,10 +31,7 @@ TINY_HIDDEN, TINY_LAYERS, TINY_CONTEXT = 64, 6, 4096  # presets.py's random:tiny
 def work(tmp_path_factory):
     """good.jsonl, prompts.jsonl and an untrained 1-layer B=4 drafter for random:tiny."""
     root = tmp_path_factory.mktemp("bounds")
-    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i} about numbers"},
-                                         {"role": "assistant", "content": f"the answer to {i} is {i * 7}, plainly"}]}
-            for i in range(12)]
-    (root / "good.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_conversations(root / "good.jsonl")
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     assert main(["init-drafter", "--target", "random:tiny", "--num-layers", "1", "--block-size", "4",
                  "--save-dtype", "float32", "--device", "cpu", "--out", str(root / "drafter")]) == 0

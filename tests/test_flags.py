@@ -2,10 +2,9 @@
 flag or file the user gave, in the command they ran."""
 
 import errno
-import json
 
 import pytest
-from conftest import cli_error
+from conftest import cli_error, write_conversations
 
 from dflash_train.cli import main
 
@@ -22,10 +21,7 @@ INIT = ["init-drafter", "--target", "random:tiny", "--num-layers", "1", "--block
 def work(tmp_path_factory):
     """good.jsonl, an init drafter (1 layer, B=4) and a finished run with checkpoints."""
     root = tmp_path_factory.mktemp("flags")
-    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i} about numbers"},
-                                         {"role": "assistant", "content": f"the answer to {i} is {i * 7}, plainly"}]}
-            for i in range(12)]
-    (root / "good.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_conversations(root / "good.jsonl")
     assert main([*INIT, "--out", str(root / "init")]) == 0
     assert main([*T, "--data", str(root / "good.jsonl"), "--run-dir", str(root / "run")]) == 0
     return root
