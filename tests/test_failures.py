@@ -184,6 +184,7 @@ def test_a_tensorboard_writer_thread_failure_is_reported_by_the_training_thread(
     record = {"loss": 1.0, "expected_tau": 1.0, "target_tokens_per_s": 1.0}
     metrics = MetricsLogger(tmp_path, 100, progress=False)
     metrics.log({"step": 1, **record})
+    metrics.tb.flush()  # the writer thread idle: a write in flight would recreate a file while rmtree empties tb/
     shutil.rmtree(tmp_path / "tb")  # the event file's directory: the thread's next append fails
     with pytest.raises(FileNotFoundError):
         for step in range(2, 100):
