@@ -52,12 +52,14 @@ def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tm
     data = PreparedDataset.open(prepared)
     _, val = split_validation(data, 4, seed=3)
     held = {tuple(val[i][0].tolist()) for i in range(len(val))}
-    seen: dict[int, set] = {}  # per pack stream (training's and the validation's): the sequences it packed
+    # per pack stream (the validation's, then training's): the sequences it packed. Keyed by the stream itself, which
+    # keeps it alive: the validation's is freed before training's is made, and id() could then hand out its number again.
+    seen: dict[stream_mod.PackStream, set] = {}
     real_next = stream_mod.PackStream.next_step
 
     def spy(self):
         packs = real_next(self)
-        seen.setdefault(id(self), set()).update(tuple(self.loader.dataset[i][0].tolist())
+        seen.setdefault(self, set()).update(tuple(self.loader.dataset[i][0].tolist())
                                                 for p in packs for i in p.sequence_ids)
         return packs
 
