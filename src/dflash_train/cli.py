@@ -16,36 +16,22 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from pathlib import Path
 
 from dflash_train.app.drafter import check_init_drafter_shape, check_num_features
 from dflash_train.app.train import run as run_train
 from dflash_train.bench.config import BenchConfig
 from dflash_train.bench.run import run_bench
-from dflash_train.config import (
-    BLOCK_SIZE,
-    EVAL_MAX_NEW_TOKENS,
-    INTERMEDIATE_SIZE,
-    NUM_FEATURES,
-    NUM_LAYERS,
-    REGEN_MAX_NEW_TOKENS,
-    RELEASED,
-    SEED,
-    TRACEBACK_ENV,
-    add_arguments,
-    check,
-)
+from dflash_train.config import TRACEBACK_ENV
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.parallel import default_workers
-from dflash_train.data.regen_client import ServerConfig, load_tokenizer, parse_template_kwargs, regenerate_via_server
-from dflash_train.data.regen_common import RegenConfig
+from dflash_train.data.regen_client import load_tokenizer, regenerate_via_server, server_config
 from dflash_train.data.regenerate import regenerate
 from dflash_train.data.relabel import PACKED_TOKENS, PADDED_TOKENS, relabel
 from dflash_train.data.sources import SourceReport, default_split, iter_conversations
 from dflash_train.devices import resolve_device
 from dflash_train.errors import UsageError
-from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.eval.evaluate import evaluate
 from dflash_train.eval.prompts import load_eval_set
 from dflash_train.eval.speculative import check_decode
 from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
@@ -53,7 +39,10 @@ from dflash_train.models.factory import check_compatible, drafter_config_for, ne
 from dflash_train.models.targets import load_target
 from dflash_train.profiling.compare import compare as compare_profiles
 from dflash_train.profiling.report import report as profile_report
-from dflash_train.training import config as train_config
+from dflash_train.settings import subcommands as uses
+from dflash_train.settings.commands import Use, add_flags, build_sections, given
+from dflash_train.settings.sections import RunConfig
+from dflash_train.settings.tree import TRAIN, TrainConfig, read_toml
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,20 +52,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _load_target(args):
-    dtype = parse_dtype(args.dtype) if args.dtype else None
-    return load_target(args.target, device=resolve_device(args.device), dtype=dtype, seed=args.target_seed)
+BENCH = (Use("bench", BenchConfig),)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _sections(args, command: tuple[Use, ...]) -> dict:
+    """The sections of `command` from its parsed flags."""
+    return build_sections(command, given(args))
 
 
-def _check_seed(seed: int) -> None:
-    check(SEED, seed, "--seed")  # numpy's seed sequences take no negative seeds; fail here, not deep in a run
+def _load_target(run: RunConfig):
+    dtype = parse_dtype(run.dtype) if run.dtype else None
+    return load_target(run.target, device=resolve_device(run.device), dtype=dtype, seed=run.target_seed)
 
 
 def _check_output_file(path: str, flag: str) -> None:
@@ -93,23 +79,18 @@ def _check_output_file(path: str, flag: str) -> None:
 
 
 def cmd_init_drafter(args) -> int:
-    check(NUM_LAYERS, args.num_layers, "--num-layers")
-    check(BLOCK_SIZE, args.block_size, "--block-size")
-    check(NUM_FEATURES, args.num_features, "--num-features")
-    if args.num_features is not None and args.target_layer_ids is not None:
-        raise UsageError("--num-features and --target-layer-ids: give one (the ids fix the number of features)")
-    check(INTERMEDIATE_SIZE, args.intermediate_size, "--intermediate-size")
-    _check_seed(args.seed)
+    sections = _sections(args, uses.INIT_DRAFTER)
+    run, shape = sections["run"], sections["drafter"]
     parse_dtype(args.save_dtype, "--save-dtype")
     check_replaceable(Path(args.out), "--out")  # before loading the target: a wrong --out costs nothing
-    target = _load_target(args)
-    check_num_features(target, args.num_features, hint="; or name them with --target-layer-ids")
-    cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size,
-                             num_features=args.num_features, target_layer_ids=args.target_layer_ids,
-                             mask_token_id=args.mask_token_id, sliding_window=args.sliding_window,
-                             num_sliding_layers=args.sliding_layers, intermediate_size=args.intermediate_size,
+    target = _load_target(run)
+    check_num_features(target, shape.num_features, hint="; or name them with --target-layer-ids")
+    cfg = drafter_config_for(target, num_layers=shape.num_layers, block_size=shape.block_size,
+                             num_features=shape.num_features, target_layer_ids=shape.target_layer_ids,
+                             mask_token_id=shape.mask_token_id, sliding_window=shape.sliding_window,
+                             num_sliding_layers=shape.sliding_layers, intermediate_size=shape.intermediate_size,
                              dtype=args.save_dtype)
-    model = new_drafter(cfg, args.seed)
+    model = new_drafter(cfg, run.seed)
     out = save_drafter(model, args.out, parse_dtype(args.save_dtype, "--save-dtype"), flag="--out")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"wrote untrained drafter ({n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, "
@@ -118,12 +99,12 @@ def cmd_init_drafter(args) -> int:
 
 
 def _add_bench_args(p) -> None:
-    add_arguments(p, BenchConfig)
+    add_flags(p, BENCH)
     p.add_argument("--json", default=None, help="write the results here (with --command recorded)")
 
 
 def cmd_bench(args) -> int:
-    cfg = BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)})
+    cfg = _sections(args, BENCH)["bench"]
     result = run_bench(cfg)
     result["date"] = time.strftime("%Y-%m-%d")
     result["command"] = "dflash-train " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -147,14 +128,12 @@ def cmd_profile_report(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    cfg = EvalConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                     block_size=args.block_size, seed=args.seed, baseline=not args.no_baseline,
-                     compile=args.compile)
-    _check_seed(args.seed)
+    sections = _sections(args, uses.EVAL)
+    cfg = sections["eval"]
     if args.json:
         _check_output_file(args.json, "--json")
-    evalset = load_eval_set(args.dataset, args.limit)  # fail on bad data before loading models
-    target = _load_target(args)
+    evalset = load_eval_set(cfg.dataset, cfg.limit)  # fail on bad data before loading models
+    target = _load_target(sections["run"])
     drafter = load_drafter(args.drafter)
     check_compatible(drafter, target)
     drafter = to_device(drafter, target)
@@ -179,29 +158,31 @@ def cmd_train(args) -> int:
     return run_train(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
 
 
-def _train_config(args) -> train_config.TrainConfig:
+def _train_config(args) -> TrainConfig:
     """Defaults < --config FILE (or, on --resume, the run's own config.toml) < flags."""
-    base = train_config.read_toml(args.config) if args.config else {}
-    explicit = set(base) | set(train_config.given(args))  # the user's own file and flags, not the run's saved one
+    base = read_toml(args.config) if args.config else {}
+    flags = given(args)
+    drafter_given = set(base.get("drafter", {})) | set(flags.get("drafter", {}))  # the user's, not the run's saved
     if args.resume and not args.config:
-        run_dir = getattr(args, "run_dir", None) or base.get("run_dir") or train_config.TrainConfig().run_dir
+        run_dir = flags.get("run", {}).get("run_dir") or RunConfig().run_dir
         saved = Path(run_dir) / "config.toml"
         if saved.is_file():
-            base = train_config.read_toml(saved)  # resume with the run's own settings unless overridden
-    cfg = train_config.from_args(args, base)
-    if not (args.resume and cfg.init_drafter and not Path(cfg.init_drafter).is_dir()):  # gone: the checkpoint has it
-        check_init_drafter_shape(cfg, explicit)
+            base = read_toml(saved)  # resume with the run's own settings unless overridden
+    values = {section: base.get(section, {}) | flags.get(section, {}) for section in base.keys() | flags.keys()}
+    cfg = TrainConfig.from_tree(values)
+    init = cfg.drafter.init_drafter
+    if not (args.resume and init and not Path(init).is_dir()):  # gone: the checkpoint has it
+        check_init_drafter_shape(cfg, drafter_given)
     return cfg
 
 
 def cmd_prepare(args) -> int:
-    if args.max_length < 2:
-        raise UsageError(f"--max-length must be >= 2, got {args.max_length}")
-    target = _load_target(args)
+    sections = _sections(args, uses.PREPARE)
+    data = sections["data"]
+    target = _load_target(sections["run"])
     report = SourceReport()
-    convs = iter_conversations(args.data, split=args.split or default_split(args.data), on_bad=args.on_bad,
-                               limit=args.limit, report=report)
-    prep = prepare_dataset(target.tokenizer, convs, args.out, max_length=args.max_length, on_bad=args.on_bad,
+    convs = _conversations(data, report)
+    prep = prepare_dataset(target.tokenizer, convs, args.out, max_length=data.max_length, on_bad=data.on_bad,
                            target_spec=target.spec, source_summary=report.summary, overwrite=args.overwrite,
                            workers=default_workers())
     print(f"source: {report.summary()}")
@@ -209,65 +190,38 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def _conversations(data, report: SourceReport, **kw):
+    return iter_conversations(data.data, split=data.split or default_split(data.data), on_bad=data.on_bad,
+                              limit=data.num_conversations or None, report=report, **kw)
+
+
 def cmd_relabel(args) -> int:
     if args.batch_tokens is not None and args.batch_tokens < 1:
         raise UsageError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
-    target = _load_target(args)
+    target = _load_target(_sections(args, uses.RELABEL)["run"])
     rep = relabel(target, args.data, batch_tokens=args.batch_tokens, progress=not args.quiet)
     print(f"relabelled: {rep.summary()} -> {Path(args.data) / 'labels.npy'}")
     return 0
 
 
 def cmd_regenerate(args) -> int:
-    _check_seed(args.seed)
-    cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                      max_turns=args.max_turns, seed=args.seed, samples=args.samples, max_context=args.max_context)
-    if args.server is None:
-        for flag, value in (("--model", args.model), ("--api-key-env", args.api_key_env),
-                            ("--chat-template-kwargs", args.chat_template_kwargs)):
-            if value is not None:
-                raise UsageError(f"{flag} needs --server (the in-process path runs --target itself)")
+    sections = _sections(args, uses.REGENERATE)
+    run, cfg = sections["run"], sections["regeneration"]
+    server = server_config(cfg) if cfg.server is not None else None
+    if server is not None:
+        server.api_key()  # a missing key variable fails before the tokenizer loads
     report = SourceReport()
-    convs = iter_conversations(args.data, split=args.split or default_split(args.data), on_bad=args.on_bad,
-                               limit=args.limit, report=report,
-                               require_assistant=False)
-    if args.server is not None:
-        rep = _regenerate_via_server(args, cfg, convs)
+    convs = _conversations(sections["data"], report, require_assistant=False)
+    if server is not None:
+        tokenizer = load_tokenizer(run.target) if run.target else None  # re-tokenises replies; no weights
+        rep = regenerate_via_server(convs, Path(args.out), cfg, server, tokenizer=tokenizer,
+                                    tokenizer_name=run.target, progress=not args.quiet)
     else:
-        args.target = args.target or "smollm2-135m"
-        target = _load_target(args)
-        rep = regenerate(target, convs, Path(args.out), cfg, progress=not args.quiet)
+        run.target = run.target or RunConfig().target
+        rep = regenerate(_load_target(run), convs, Path(args.out), cfg, progress=not args.quiet)
     print(f"source: {report.summary()}")
     print(f"regenerated: {rep.summary()} -> {args.out}")
     return 0
-
-
-def _regenerate_via_server(args, cfg, convs):
-    server = ServerConfig(url=args.server, model=args.model, concurrency=args.concurrency,
-                          api_key_env=args.api_key_env, reasoning=args.reasoning,
-                          chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
-                          request_timeout=args.request_timeout, retries=args.retries, max_failures=args.max_failures)
-    server.api_key()  # a missing key variable fails before the tokenizer loads
-    tokenizer = load_tokenizer(args.target) if args.target else None  # re-tokenises replies; no weights
-    return regenerate_via_server(convs, Path(args.out), cfg, server, tokenizer=tokenizer,
-                                 tokenizer_name=args.target, progress=not args.quiet)
-
-
-def _add_source_args(p: argparse.ArgumentParser, on_bad_default: str = "error") -> None:
-    p.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .json/.jsonl file of conversations")
-    p.add_argument("--split", default=None, help="train, held-out or all (default: train for the embedded "
-                   "sharegpt, whose held-out 2%% eval uses; all for a file of your own)")
-    p.add_argument("--limit", type=int, default=None, help="use at most this many conversations")
-    p.add_argument("--on-bad", default=on_bad_default, help="error: stop at the first bad record (file:line); "
-                   "skip: skip and count bad records")
-
-
-def _add_target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m",
-                   help="smollm2-135m (embedded), random:<preset>, a .gguf file, an HF directory or a hub id")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default=None, help="target compute dtype (default float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--target-seed", type=int, default=0, help="weights seed for random:<preset> targets")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,41 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("init-drafter", help="write an untrained drafter for a target (reference format)")
-    _add_target_args(p)
-    p.add_argument("--num-layers", type=int, default=NUM_LAYERS.default,
-                   help=f"draft layers (default {NUM_LAYERS.default})")
-    p.add_argument("--block-size", type=int, default=RELEASED["block_size"],
-                   help=f"block size B (default {RELEASED['block_size']}, the released drafters')")
-    p.add_argument("--num-features", type=int, default=None, help=NUM_FEATURES.help)
-    p.add_argument("--target-layer-ids", type=_int_list, default=None, help="explicit feature layers, e.g. 1,9,17")
-    p.add_argument("--mask-token-id", type=int, default=None, help="default: first spare embedding row, "
-                   "else an unused special token")
-    p.add_argument("--sliding-layers", type=int, default=0, help="number of sliding-window draft layers (first ones)")
-    p.add_argument("--sliding-window", type=int, default=None, help="window of the sliding layers")
-    p.add_argument("--intermediate-size", type=int, default=INTERMEDIATE_SIZE.default, help=INTERMEDIATE_SIZE.help)
+    add_flags(p, uses.INIT_DRAFTER)
     p.add_argument("--save-dtype", default="bfloat16", help="dtype of the written weights (default bfloat16)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_init_drafter)
 
     p = sub.add_parser("eval", help="speculative decoding with a drafter: tau, acceptance, speedup, lossless check")
-    _add_target_args(p)
+    add_flags(p, uses.EVAL)
     p.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors)")
-    p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, sharegpt (held-out) or a .jsonl file")
-    p.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
-    p.add_argument("--max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS.default,
-                   help=f"{EVAL_MAX_NEW_TOKENS.help} (default {EVAL_MAX_NEW_TOKENS.default})")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--require-lossless", action="store_true", help="exit 1 when a T=0 output leaves the target's "
                    "own beyond a numerical tie (lossless: mismatch); ties-only passes")
-    p.add_argument("--no-baseline", action="store_true", help="tau only: skip target-only decoding (no speedup, "
-                   "no lossless check; about half the time)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode steps of the target and the "
-                   "drafter (both target-only and DFlash decoding; about 2x fewer kernels per step on CUDA; the "
-                   "warm-up compiles, so the clocks exclude it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
 
@@ -322,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start over: delete the earlier run's outputs that --run-dir's .dflash-train.json lists and "
                         "that still look like the tool's (docs/training.md); the data caches stay")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    train_config.add_arguments(p)
+    add_flags(p, TRAIN, suppress=True)  # only the flags given override the config file
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("bench", help="measure the training pipeline on a random target of real shapes "
@@ -341,9 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare",
                        help="tokenize conversations with the target's chat template (loss on assistant turns)")
-    _add_target_args(p)
-    _add_source_args(p)
-    p.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
+    add_flags(p, uses.PREPARE)
     p.add_argument("--out", required=True, help="output directory of the prepared dataset")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out when it holds a prepared dataset that dflash-train wrote")
@@ -351,43 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("regenerate", help="let the target write the assistant turns, in-process or through an "
                        "OpenAI-compatible server (--server; resumable JSONL)")
-    _add_target_args(p)
-    p.set_defaults(target=None)  # in-process: smollm2-135m; with --server: only re-tokenises the replies
-    _add_source_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=REGEN_MAX_NEW_TOKENS.default,
-                   help=f"{REGEN_MAX_NEW_TOKENS.help} (default {REGEN_MAX_NEW_TOKENS.default})")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="prompts per batched decode, sorted by length across 16 batches of conversations (in-process)")
-    p.add_argument("--max-turns", type=int, default=None, help="assistant turns regenerated per conversation")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="end a conversation before a later turn whose prompt has this many tokens or more "
-                   "(with --server, counted by --target's tokenizer)")
-    p.add_argument("--samples", type=int, default=1, help="replies sampled per conversation, written as ID#0.. "
-                   "(> 1 needs --temperature > 0)")
-    p.add_argument("--seed", type=int, default=0)
+    add_flags(p, uses.REGENERATE)
     p.add_argument("--out", required=True, help="output JSONL (a rerun continues where it stopped)")
     p.add_argument("--quiet", action="store_true")
-    g = p.add_argument_group("server", "regenerate through an OpenAI-compatible server (vLLM, SGLang, llama.cpp) "
-                             "instead of in-process; --target, if given, only re-tokenises the replies")
-    g.add_argument("--server", default=None, metavar="URL", help="base URL, e.g. http://127.0.0.1:8000")
-    g.add_argument("--model", default=None, help="model name as the server lists it (default: its only model)")
-    g.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    g.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key")
-    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help='passed to the chat template, e.g. \'{"enable_thinking": false}\'')
-    g.add_argument("--reasoning", default="keep", choices=("keep", "drop"),
-                   help="reasoning text: keep it inline in <think>...</think> (default) or drop it")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before a retry")
-    g.add_argument("--retries", type=int, default=4, help="retries per request on timeouts, dropped "
-                   "connections, 429 and 5xx (exponential backoff)")
-    g.add_argument("--max-failures", type=int, default=8, help="stop after this many requests in a row "
-                   "failed for good (circuit breaker)")
     p.set_defaults(func=cmd_regenerate)
 
     p = sub.add_parser("relabel", help="add the target's teacher-forced greedy tokens to a prepared dataset "
                                        "(labels.npy, for train --labels target)")
-    _add_target_args(p)
+    add_flags(p, uses.RELABEL)
     p.add_argument("--data", required=True, help="a prepared dataset directory (dflash-train prepare --out)")
     p.add_argument("--batch-tokens", type=int, default=None,
                    help=f"tokens per target forward: a packed row on CUDA for a full-attention target "

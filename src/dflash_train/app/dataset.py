@@ -17,7 +17,7 @@ from dflash_train.app.phases import Phases
 from dflash_train.data.dataset import LABELS, PreparedDataset, prepare_dataset
 from dflash_train.data.fingerprint import source_fingerprint, target_fingerprint, tokenizer_fingerprint
 from dflash_train.data.parallel import default_workers
-from dflash_train.data.regen_client import regenerate_via_server
+from dflash_train.data.regen_client import regenerate_via_server, server_config
 from dflash_train.data.regen_common import RegenConfig, RegenReport, read_regenerated, sample_ids, without_credentials
 from dflash_train.data.regenerate import regenerate
 from dflash_train.data.selection import select_conversations
@@ -26,7 +26,7 @@ from dflash_train.errors import say
 from dflash_train.files import write_atomic
 from dflash_train.models.targets import Target
 from dflash_train.objective.objective import feature_layer_ids
-from dflash_train.training.config import TrainConfig
+from dflash_train.settings.tree import TrainConfig
 
 
 def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool,
@@ -35,7 +35,7 @@ def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: boo
     phases: times its stages (select, regenerate, prepare)."""
     phases = phases or Phases()
     dataset = open_prepared(cfg, _prepared(cfg, target, run_dir, progress, phases).path)
-    if cfg.labels == "target":
+    if cfg.data.labels == "target":
         say("labels: the target's greedy tokens, " + ("from the data's labels.npy" if dataset.labels is not None else
                                                       "computed in the training forward (pipeline/features.py)"))
     return dataset
@@ -45,51 +45,52 @@ def open_prepared(cfg: TrainConfig, path: str | Path) -> PreparedDataset:
     """The prepared dataset at `path`, with its labels.npy mapped when --labels target and it has one.
     Without one the target's feature forward computes the labels as it goes (feature_layers): the same
     tokens as `dflash-train relabel`, without a pass of its own over the data (~54 s of the H200 recipe's)."""
-    return PreparedDataset.open(path, labels=cfg.labels == "target" and (Path(path) / LABELS).is_file())
+    return PreparedDataset.open(path, labels=cfg.data.labels == "target" and (Path(path) / LABELS).is_file())
 
 
 def feature_layers(cfg: TrainConfig, drafter_config, dataset: PreparedDataset) -> list[int]:
     """What each pack's features carry: the drafter's target layers, the target's last one with --kd-weight,
     and the target's labels (TARGET_LABELS) with --labels target on data without labels.npy."""
-    return feature_layer_ids(drafter_config, cfg.kd_weight > 0, cfg.labels == "target" and dataset.labels is None)
+    labels = cfg.data.labels == "target" and dataset.labels is None
+    return feature_layer_ids(drafter_config, cfg.objective.kd_weight > 0, labels)
 
 
 def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool, phases: Phases) -> PreparedDataset:
     """Regenerate (optionally) and tokenize the training conversations; reuse cached stages."""
-    if (Path(cfg.data) / "meta.json").is_file():  # already a prepared dataset
-        return PreparedDataset.open(cfg.data)
-    split = default_split(cfg.data)
+    if (Path(cfg.data.data) / "meta.json").is_file():  # already a prepared dataset
+        return PreparedDataset.open(cfg.data.data)
+    split = default_split(cfg.data.data)
     regen_inputs, data_inputs = _cache_inputs(cfg, target, split)
     data_dir = run_dir / f"data-{_key(data_inputs)}"
     if (data_dir / "meta.json").is_file():
         say(f"using the prepared data in {data_dir}: {_same(data_inputs)}")
         return PreparedDataset.open(data_dir)
-    _say_why_again("preparing the data", data_inputs, cfg.data, run_dir, "data-*", lambda p: p / INPUTS_FILE)
+    _say_why_again("preparing the data", data_inputs, cfg.data.data, run_dir, "data-*", lambda p: p / INPUTS_FILE)
     report = SourceReport()
     with phases.time("select"):
-        convs = select_conversations(iter_conversations(cfg.data, split=split, on_bad=cfg.on_bad, report=report,
-                                                        require_assistant=not cfg.regenerate), report,
-                                     topic=cfg.data_topic, limit=cfg.num_conversations,
-                                     target=target if cfg.regenerate else None,
-                                     max_prompt_tokens=cfg.regen_max_prompt_tokens)
+        convs = select_conversations(iter_conversations(cfg.data.data, split=split, on_bad=cfg.data.on_bad,
+                                                        report=report,
+                                                        require_assistant=not cfg.data.regenerate), report,
+                                     topic=cfg.data.data_topic, limit=cfg.data.num_conversations,
+                                     target=target if cfg.data.regenerate else None,
+                                     max_prompt_tokens=cfg.regeneration.max_prompt_tokens)
     say(f"data: {report.summary()}")
-    if cfg.regenerate:
+    if cfg.data.regenerate:
         regen_path = run_dir / f"regenerated-{_key(regen_inputs)}.jsonl"
         if regen_path.is_file():  # append-only: the replies already there are kept, the missing ones written
             say(f"continuing the regenerated replies in {regen_path}: {_same(regen_inputs)}")
         else:
-            _say_why_again("regenerating the replies", regen_inputs, cfg.data, run_dir, "regenerated-*.jsonl",
+            _say_why_again("regenerating the replies", regen_inputs, cfg.data.data, run_dir, "regenerated-*.jsonl",
                            _regen_record)
         _write_record(_regen_record(regen_path), regen_inputs)
-        regen_cfg = RegenConfig(max_new_tokens=cfg.regen_max_new_tokens, temperature=cfg.regen_temperature,
-                                batch_size=cfg.regen_batch_size, max_turns=cfg.regen_max_turns, seed=cfg.seed,
-                                samples=cfg.regen_samples, max_context=cfg.max_length)
+        regen_cfg = cfg.regen()
         with phases.time("regenerate"):
             rep = _regenerate(cfg, target, convs, regen_path, regen_cfg, progress)
         say(f"regenerate: {rep.summary()}")
-        convs = read_regenerated(regen_path, sample_ids([c.id for c in convs], cfg.regen_samples))
+        convs = read_regenerated(regen_path, sample_ids([c.id for c in convs], cfg.regeneration.samples))
     with phases.time("prepare"):
-        prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.max_length, on_bad=cfg.on_bad,
+        prep = prepare_dataset(target.tokenizer, convs, data_dir, max_length=cfg.data.max_length,
+                               on_bad=cfg.data.on_bad,
                                target_spec=target.spec, source_summary=report.summary, overwrite=True,
                                workers=default_workers(), out_flag="--run-dir")
     _write_record(data_dir / INPUTS_FILE, data_inputs)
@@ -110,22 +111,22 @@ def _key(inputs: dict) -> str:
 def _cache_inputs(cfg: TrainConfig, target: Target, split: str) -> tuple[dict, dict]:
     """The inputs of the regenerated replies and of the prepared data: what the conversations, the
     tokenizer and the target hold, by content (data/fingerprint.py), and the settings that shape each."""
-    made_from = {"data": source_fingerprint(cfg.data), "tokenizer": tokenizer_fingerprint(target.tokenizer),
+    made_from = {"data": source_fingerprint(cfg.data.data), "tokenizer": tokenizer_fingerprint(target.tokenizer),
                  "target": target_fingerprint(target)}
-    select = {"--num-conversations": cfg.num_conversations, "--on-bad": cfg.on_bad, "--data-topic": cfg.data_topic,
+    data, rc = cfg.data, cfg.regeneration
+    select = {"--num-conversations": data.num_conversations, "--on-bad": data.on_bad, "--data-topic": data.data_topic,
               "split": split}
-    regen = {"--regen-max-prompt-tokens": cfg.regen_max_prompt_tokens,
-             "--regen-max-new-tokens": cfg.regen_max_new_tokens, "--regen-temperature": cfg.regen_temperature,
-             "--regen-max-turns": cfg.regen_max_turns, "--regen-samples": cfg.regen_samples}
-    if cfg.regen_max_turns != 1:
-        regen["--max-length"] = cfg.max_length  # later turns stop at the window
-    if cfg.regen_temperature > 0:
-        regen["--seed"] = cfg.seed  # sampled replies
-    if cfg.regen_server:
-        regen |= {"--regen-server": without_credentials(cfg.regen_server), "--regen-model": cfg.regen_model}
+    regen = {"--regen-max-prompt-tokens": rc.max_prompt_tokens, "--regen-max-new-tokens": rc.max_new_tokens,
+             "--regen-temperature": rc.temperature, "--regen-max-turns": rc.max_turns, "--regen-samples": rc.samples}
+    if cfg.regeneration.max_turns != 1:
+        regen["--max-length"] = cfg.data.max_length  # later turns stop at the window
+    if cfg.regeneration.temperature > 0:
+        regen["--seed"] = cfg.run.seed  # sampled replies
+    if cfg.regeneration.server:
+        regen |= {"--regen-server": without_credentials(rc.server), "--regen-model": rc.model}
     regen_inputs = {**made_from, "settings": {**select, **regen}}
-    data_inputs = {**made_from, "settings": {**select, **(regen if cfg.regenerate else {}),
-                                             "--regenerate": cfg.regenerate, "--max-length": cfg.max_length}}
+    data_inputs = {**made_from, "settings": {**select, **(regen if cfg.data.regenerate else {}),
+                                             "--regenerate": cfg.data.regenerate, "--max-length": cfg.data.max_length}}
     # as a record reads back (tuples become lists), so a fresh key's inputs compare equal to a stored one's
     return json.loads(json.dumps(regen_inputs, default=str)), json.loads(json.dumps(data_inputs, default=str))
 
@@ -184,10 +185,10 @@ def _say_why_again(doing: str, inputs: dict, data_arg: str, run_dir: Path, patte
 def _regenerate(cfg: TrainConfig, target: Target, convs: list[Conversation], path: Path, regen_cfg: RegenConfig,
                 progress: bool) -> RegenReport:
     """The target writes the replies: in this process, or through --regen-server."""
-    if not cfg.regen_server:
+    if not cfg.regeneration.server:
         say(f"regenerating {len(convs)} conversations with the target into {path}")
         return regenerate(target, convs, path, regen_cfg, progress=progress)
-    server = cfg.server_config()
+    server = server_config(cfg.regeneration)
     say(f"regenerating {len(convs)} conversations through {server.url} into {path}")
     return regenerate_via_server(convs, path, regen_cfg, server, tokenizer=target.tokenizer, tokenizer_name=target.spec,
                                  progress=progress)

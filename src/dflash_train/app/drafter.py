@@ -13,18 +13,18 @@ from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.targets import Target
-from dflash_train.training.config import TrainConfig
+from dflash_train.settings.tree import TrainConfig
 
 # The flags that shape a fresh drafter; a starting drafter (--init-drafter, a checkpoint) has its own.
 SHAPE_FLAGS = ("num_layers", "block_size", "num_features", "sliding_layers", "sliding_window", "intermediate_size")
 
 
 def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:
-    check_num_features(target, cfg.num_features)
-    return drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                              num_features=cfg.num_features, dtype=cfg.export_dtype,
-                              num_sliding_layers=cfg.sliding_layers, sliding_window=cfg.sliding_window,
-                              intermediate_size=cfg.intermediate_size)
+    check_num_features(target, cfg.drafter.num_features)
+    return drafter_config_for(target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+                              num_features=cfg.drafter.num_features, dtype=cfg.trainer.export_dtype,
+                              num_sliding_layers=cfg.drafter.sliding_layers, sliding_window=cfg.drafter.sliding_window,
+                              intermediate_size=cfg.drafter.intermediate_size)
 
 
 def max_features(num_target_layers: int) -> int:
@@ -42,15 +42,16 @@ def check_num_features(target: Target, num_features: int | None, hint: str = "")
 
 def check_init_drafter_shape(cfg: TrainConfig, explicit: set[str]) -> None:
     """--init-drafter's config fixes the shape: a shape flag given beside it that disagrees would be
-    ignored, so it is refused (one that agrees is harmless)."""
+    ignored, so it is refused (one that agrees is harmless). explicit: the [drafter] fields the user set."""
     asked = [k for k in SHAPE_FLAGS if k in explicit]
-    if not cfg.init_drafter or not asked:
+    if not cfg.drafter.init_drafter or not asked:
         return
-    theirs = shape(load_config(cfg.init_drafter, "--init-drafter"))
-    bad = [f"{flag(k)} {getattr(cfg, k)} (the drafter's: {theirs[k]})" for k in asked if getattr(cfg, k) != theirs[k]]
+    theirs = shape(load_config(cfg.drafter.init_drafter, "--init-drafter"))
+    ours = {k: getattr(cfg.drafter, k) for k in asked}
+    bad = [f"{flag(k)} {ours[k]} (the drafter's: {theirs[k]})" for k in asked if ours[k] != theirs[k]]
     if bad:
-        raise UsageError(f"--init-drafter {cfg.init_drafter} fixes the drafter's shape, and {', '.join(bad)} differ "
-                         "from it: drop these flags (or match them), or leave out --init-drafter")
+        raise UsageError(f"--init-drafter {cfg.drafter.init_drafter} fixes the drafter's shape, and {', '.join(bad)} "
+                         "differ from it: drop these flags (or match them), or leave out --init-drafter")
 
 
 def shape(saved: DFlashConfig) -> dict:
@@ -66,14 +67,14 @@ def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> 
     # Each source names its own flag when it does not fit the target (--target against it).
     if resume_ckpt is not None:
         drafter = load_drafter(resume_ckpt / "drafter", dtype=torch.float32, flag="--resume")
-        where = f"--resume {resume_ckpt} with --target {cfg.target}"
-    elif cfg.init_drafter:
-        drafter = load_drafter(cfg.init_drafter, dtype=torch.float32, flag="--init-drafter")
-        where = f"--init-drafter {cfg.init_drafter} with --target {cfg.target}"
+        where = f"--resume {resume_ckpt} with --target {cfg.run.target}"
+    elif cfg.drafter.init_drafter:
+        drafter = load_drafter(cfg.drafter.init_drafter, dtype=torch.float32, flag="--init-drafter")
+        where = f"--init-drafter {cfg.drafter.init_drafter} with --target {cfg.run.target}"
     else:
-        drafter = new_drafter(drafter_config(cfg, target), cfg.seed, target.device)
-        where = f"--target {cfg.target}"
-        if cfg.init_from_target:
+        drafter = new_drafter(drafter_config(cfg, target), cfg.run.seed, target.device)
+        where = f"--target {cfg.run.target}"
+        if cfg.drafter.init_from_target:
             init_from_target(drafter, target)
     check_compatible(drafter, target, where)
     return drafter.to(device=target.device, dtype=torch.float32)  # fp32 master weights

@@ -22,22 +22,22 @@ from dflash_train.errors import say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.targets import Target
 from dflash_train.pipeline.sources import FeatureSource, local_source
-from dflash_train.pipeline.stream import PackStream
+from dflash_train.pipeline.stream import PackStream, StreamState
 from dflash_train.pipeline.target_loop import FeatureCache
 from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
-from dflash_train.training.config import TrainConfig
+from dflash_train.settings.tree import TrainConfig
 from dflash_train.training.drafter_loop import DrafterTrainLoop
 from dflash_train.training.trainer import Hooks, TrainResult
 
 
 def use_overlap(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.overlap if cfg.overlap is not None else device.type == "cuda"
+    return cfg.pipeline.overlap if cfg.pipeline.overlap is not None else device.type == "cuda"
 
 
 def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.cache_features if cfg.cache_features is not None else device.type == "cpu"
+    return cfg.pipeline.cache_features if cfg.pipeline.cache_features is not None else device.type == "cpu"
 
 
 # The share of the GPU's free memory (read before training) the feature cache may take; the rest is the
@@ -77,8 +77,8 @@ def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int],
                   stats=NULL_PROFILE, trace=NO_TRACE, overlap: bool | None = None) -> FeatureSource:
     """Features from this process's own target, as --overlap says (or its default), kept in `cache` if any."""
     overlap = use_overlap(cfg, target.device) if overlap is None else overlap
-    return local_source(target, packs, layer_ids, overlap=overlap, cache=cache, depth=cfg.queue_depth, stats=stats,
-                        trace=trace)
+    return local_source(target, packs, layer_ids, overlap=overlap, cache=cache, depth=cfg.pipeline.queue_depth,
+                        stats=stats, trace=trace)
 
 
 def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, layer_ids: list[int],
@@ -96,14 +96,25 @@ def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, layer
                            with_target=not cache_features(cfg, device))
 
 
+def pack_stream(cfg: TrainConfig, dataset, packs_per_step: int, state: StreamState | None = None) -> PackStream:
+    """The packs of the run's training sequences, `packs_per_step` to an optimizer step (all drafter ranks')."""
+    return PackStream(dataset, cfg.data.token_budget, cfg.objective.num_anchors, cfg.run.seed, packs_per_step, state)
+
+
+def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir: Path, steps: int,
+               **trainer_args: Any) -> DrafterTrainLoop:
+    """The drafter's train loop on the target's frozen embedding and LM head: one device's or one rank's."""
+    return DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, drafter, target.embedding_weight,
+                            target.lm_head, run_dir, steps, **trainer_args)
+
+
 def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:
     """--max-steps, else the resumed run's total (its schedule), else --epochs over the data."""
-    if cfg.max_steps:
-        return cfg.max_steps
+    if cfg.optimizer.max_steps:
+        return cfg.optimizer.max_steps
     if resume_state is not None:
         return resume_state["total_steps"]
-    stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, packs_per_step)
-    return max(1, math.ceil(cfg.epochs * stream.steps_per_epoch()))
+    return max(1, math.ceil(cfg.optimizer.epochs * pack_stream(cfg, dataset, packs_per_step).steps_per_epoch()))
 
 
 def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,
@@ -112,20 +123,20 @@ def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
                 on_loop=lambda loop: None, heartbeat=lambda step: None) -> TrainResult:
     """Train on one device: the target's features inline, or from a target thread with overlap."""
     layer_ids = feature_layers(cfg, drafter.config, dataset)
-    dataset, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)  # training reads the rest
-    steps = total_steps(cfg, dataset, cfg.grad_accum, resume_state)
+    dataset, held_out = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)  # training: the rest
+    steps = total_steps(cfg, dataset, cfg.optimizer.grad_accum, resume_state)
     cache = feature_cache(cfg, target, int(dataset.lengths().sum()), layer_ids)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
                   flops=flop_counter(cfg, target, drafter, layer_ids),
                   validate=Validation.build(cfg, target, held_out, layer_ids) if held_out is not None else None)
-    loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head, run_dir,
-                            steps, resume_state=resume_state, progress=progress, hooks=hooks, checkpoints=checkpoints)
+    loop = train_loop(cfg, target, drafter, run_dir, steps, resume_state=resume_state, progress=progress, hooks=hooks,
+                      checkpoints=checkpoints)
     on_loop(loop)
-    stream = PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, cfg.grad_accum, loop.stream_state)
+    stream = pack_stream(cfg, dataset, cfg.optimizer.grad_accum, loop.stream_state)
     packs = stream.packs(steps)
     source = features_here(cfg, target, packs, layer_ids, cache, stats, trace, overlap)
     try:
-        with target.compiled_layers(cfg.compile_target):
+        with target.compiled_layers(cfg.pipeline.compile_target):
             return loop.train(source)
     finally:
         source.close()

@@ -23,7 +23,7 @@ import torch
 
 from dflash_train.app.dataset import feature_layers, open_prepared
 from dflash_train.app.drafter import drafter_config, make_drafter
-from dflash_train.app.local import feature_cache, features_here, flop_counter, total_steps
+from dflash_train.app.local import feature_cache, features_here, flop_counter, pack_stream, total_steps, train_loop
 from dflash_train.app.run_dir import export_drafter, run_dir_lock, write_config
 from dflash_train.app.validation import Validation
 from dflash_train.data.label_columns import feature_width
@@ -36,9 +36,8 @@ from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
 from dflash_train.pipeline.stream import PackStream, StreamState
 from dflash_train.pipeline.worker import Peers, WorkerSpec, drafter_packs, join_group, receive_features, serve_features
 from dflash_train.profiling.session import profile_session
+from dflash_train.settings.tree import TrainConfig
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
-from dflash_train.training.config import TrainConfig
-from dflash_train.training.drafter_loop import DrafterTrainLoop
 from dflash_train.training.trainer import DataParallel, GracefulStop, Hooks
 
 
@@ -60,10 +59,10 @@ class TrainWork:
 
 def worker_roles(cfg: TrainConfig) -> list[tuple[str, str]]:
     """(role, device) per worker process, or [] for the one-device path."""
-    if cfg.target_devices is None:
+    if cfg.pipeline.target_devices is None:
         return []
-    targets = parse_devices(cfg.target_devices, "--target-devices")
-    drafters = parse_devices(cfg.drafter_devices, "--drafter-devices")
+    targets = parse_devices(cfg.pipeline.target_devices, "--target-devices")
+    drafters = parse_devices(cfg.pipeline.drafter_devices, "--drafter-devices")
     if targets == drafters:  # every device runs a whole pipeline; the drafters are data parallel
         out = [("both", d) for d in targets]
     else:
@@ -86,14 +85,14 @@ def stream_state(state: dict[str, Any] | None) -> StreamState:
 def launch_workers(cfg: TrainConfig, roles, run_dir: Path, data_dir, drafter_dir: str | None, ckpt: Path | None,
                    state, steps: int, progress: bool, checkpoints: bool = True, validation: Path | None = None) -> int:
     """One process per (role, device) on this host, started and watched by the Launcher; its exit code."""
-    port = cfg.dist_port or free_port()
+    port = cfg.pipeline.dist_port or free_port()
     work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(data_dir), drafter_dir=drafter_dir,
                      resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state), total_steps=steps,
                      progress=progress, checkpoints=checkpoints,
                      validation_path=str(validation) if validation is not None else None)
     specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, init_method=f"tcp://127.0.0.1:{port}",
-                        peer_timeout=cfg.peer_timeout) for r, (role, dev) in enumerate(roles)]
-    return Launcher(specs, functools.partial(run_rank, work)).run(cfg.peer_timeout)
+                        peer_timeout=cfg.pipeline.peer_timeout) for r, (role, dev) in enumerate(roles)]
+    return Launcher(specs, functools.partial(run_rank, work)).run(cfg.pipeline.peer_timeout)
 
 
 def under_torchrun() -> bool:
@@ -112,11 +111,11 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
     if local_world != len(roles):
         raise UsageError(f"torchrun --nproc-per-node must be {len(roles)} (one process per device of "
                          f"--target-devices and --drafter-devices), got {local_world}")
-    if not (Path(cfg.data) / "meta.json").is_file():
-        raise UsageError(f"--data {cfg.data}: under torchrun give a prepared dataset directory "
+    if not (Path(cfg.data.data) / "meta.json").is_file():
+        raise UsageError(f"--data {cfg.data.data}: under torchrun give a prepared dataset directory "
                          "(dflash-train prepare / regenerate first)")
-    dataset = open_prepared(cfg, cfg.data)
-    run_dir = Path(cfg.run_dir)
+    dataset = open_prepared(cfg, cfg.data.data)
+    run_dir = Path(cfg.run.run_dir)
     devices = roles * (world // local_world)
     # The first drafter rank writes metrics, checkpoints and the drafter: it holds the run directory's lock.
     writer = rank == next(r for r, (role, _) in enumerate(devices) if role != "target")
@@ -125,11 +124,12 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
         state = load_state(ckpt) if ckpt else None
         n_drafters = sum(1 for role, _ in devices if role != "target")
         spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices,
-                          init_method="env://", peer_timeout=cfg.peer_timeout)
+                          init_method="env://", peer_timeout=cfg.pipeline.peer_timeout)
         work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(dataset.path),
-                         drafter_dir=str(ckpt / "drafter") if ckpt else cfg.init_drafter,
+                         drafter_dir=str(ckpt / "drafter") if ckpt else cfg.drafter.init_drafter,
                          resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state),
-                         total_steps=total_steps(cfg, dataset, n_drafters * cfg.grad_accum, state), progress=progress)
+                         total_steps=total_steps(cfg, dataset, n_drafters * cfg.optimizer.grad_accum, state),
+                         progress=progress)
         if writer:
             write_config(run_dir, cfg)
         drafter = run_rank(work, spec, Peers.unwatched(len(devices)))
@@ -149,7 +149,7 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
     (None after the launcher's coordinated stop: the checkpoint of that step is written)."""
     group = join_group(spec, peers)
     label = f"rank{spec.rank}/{spec.role}/{spec.device}"
-    with profile_session(work.cfg.profiling(), Path(work.run_dir), label) as session:
+    with profile_session(work.cfg.profiling, Path(work.run_dir), label, work.cfg.oom_hint()) as session:
         if spec.role == "target":
             return _serve(work, spec, peers, session)
         try:
@@ -166,33 +166,32 @@ def _validation(work: TrainWork, dataset, target, layer_ids: list[int], device: 
     cfg = work.cfg
     if work.validation_path:
         return Validation.load(Path(work.validation_path), device)
-    if not cfg.val_conversations:
+    if not cfg.trainer.val_conversations:
         return None
     target.model.to(device)
-    _, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)
+    _, held_out = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)
     return Validation.build(cfg, target, held_out, layer_ids)
 
 
 def _stream(work: TrainWork, dataset, spec: WorkerSpec, state: StreamState) -> PackStream:
     cfg = work.cfg
-    dataset, _ = split_validation(dataset, cfg.val_conversations, cfg.seed)  # the held-out ones are never trained on
-    return PackStream(dataset, cfg.token_budget, cfg.num_anchors, cfg.seed, len(spec.drafter_ranks) * cfg.grad_accum,
-                      state)
+    dataset, _ = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)  # held out: never trained on
+    return pack_stream(cfg, dataset, len(spec.drafter_ranks) * cfg.optimizer.grad_accum, state)
 
 
 def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
     """A target rank: the target's features of its share of the packs, to the drafter ranks."""
     cfg, device = work.cfg, torch.device(spec.device)
-    target = load_target(cfg.target, device=device)
+    target = load_target(cfg.run.target, device=device)
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
     dataset = open_prepared(cfg, work.data_dir)
     layer_ids = feature_layers(cfg, drafter_cfg, dataset)
     stream = _stream(work, dataset, spec, work.stream)
     # of the packs it serves
     cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))
-    with target.compiled_layers(cfg.compile_target):
-        serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.queue_depth, cache=cache,
-                       prof=session.stats.loop("target"), trace=session.trace)
+    with target.compiled_layers(cfg.pipeline.compile_target):
+        serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.pipeline.queue_depth,
+                       cache=cache, prof=session.stats.loop("target"), trace=session.trace)
 
 
 def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> DFlashDrafter:
@@ -202,9 +201,9 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     # initialise the drafter), so a real target loads on the host and only those reach the GPU.
     # Random targets are drawn on the device, so that they equal the target workers' draw.
     head_only = spec.role == "drafter"
-    on_host = head_only and not cfg.target.startswith("random:")
+    on_host = head_only and not cfg.run.target.startswith("random:")
     # the dtype of the device that computes, not of the host it loads on (as target workers load it)
-    target = load_target(cfg.target, device="cpu" if on_host else device, dtype=default_dtype(device))
+    target = load_target(cfg.run.target, device="cpu" if on_host else device, dtype=default_dtype(device))
     if work.drafter_dir is not None:
         drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
@@ -222,12 +221,11 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     hooks = Hooks(prof=session.stats.loop("drafter"), trace=session.trace, stop_requested=peers.stop_requested,
                   heartbeat=lambda step: peers.stepped(spec.rank, step),
                   flops=flop_counter(cfg, target, drafter, layer_ids, devices), validate=validate)
-    loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head,
-                            Path(work.run_dir),
-                            work.total_steps, dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
-                            resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
-                            progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
-                            checkpoints=work.checkpoints)
+    loop = train_loop(cfg, target, drafter, Path(work.run_dir), work.total_steps,
+                      dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
+                      resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
+                      progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
+                      checkpoints=work.checkpoints)
     stream = _stream(work, dataset, spec, loop.stream_state)
     packs = drafter_packs(spec, stream, work.total_steps)
     if spec.role == "both":
@@ -235,9 +233,9 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
         source = features_here(cfg, target, packs, layer_ids, cache, session.stats, session.trace)
     else:
         source = receive_features(spec, packs, feature_width(layer_ids, target.hidden_size, target.dtype),
-                                  cfg.token_budget, target.dtype, device, cfg.queue_depth)
+                                  cfg.data.token_budget, target.dtype, device, cfg.pipeline.queue_depth)
     try:
-        with target.compiled_layers(cfg.compile_target and spec.role == "both"):
+        with target.compiled_layers(cfg.pipeline.compile_target and spec.role == "both"):
             loop.train(source)
     finally:
         source.close()

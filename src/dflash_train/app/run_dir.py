@@ -20,8 +20,8 @@ from dflash_train.errors import UsageError, say
 from dflash_train.files import DirectoryLock, write_atomic
 from dflash_train.models.checkpoint import check_replaceable, load_config, parse_dtype, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.settings.tree import TrainConfig, read_toml
 from dflash_train.training.checkpoint import has_checkpoints, latest_checkpoint, sweep_temporaries
-from dflash_train.training.config import TrainConfig, read_toml
 
 _RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "drafter", "eval_before.json", "eval_after.json",
                 "profile.jsonl", "traces", "init_drafter")
@@ -62,7 +62,7 @@ def _settle(run_dir: Path) -> None:
 
 def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Path, Path | None]:
     """The run directory, ready for this run, and the checkpoint to resume from (None unless --resume)."""
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(cfg.run.run_dir)
     if has_checkpoints(run_dir) and not resume:
         if not overwrite:
             raise UsageError(f"--run-dir {run_dir} holds another run's checkpoints; pass --resume to continue it "
@@ -77,7 +77,7 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Pa
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
-    if ckpt is not None and not cfg.init_drafter:  # with --init-drafter that drafter set the shape, not these flags
+    if ckpt is not None and not cfg.drafter.init_drafter:  # with --init-drafter, that drafter set the shape
         check_resume_shape(cfg, load_config(ckpt / "drafter", "--resume"))  # before config.toml is rewritten
     if ckpt is not None:
         check_resume_split(cfg, run_dir / "config.toml")
@@ -98,7 +98,7 @@ def check_resume_shape(cfg: TrainConfig, saved) -> None:
     theirs = shape(saved)
     if not theirs["sliding_layers"]:  # no sliding layer: the window shapes nothing
         del theirs["sliding_window"]
-    ours = {k: getattr(cfg, k) for k in theirs}
+    ours = {k: getattr(cfg.drafter, k) for k in theirs}
     for k in ("num_features", "intermediate_size"):
         if ours[k] is None:  # unset: the default, whatever the checkpoint has
             ours[k] = theirs[k]
@@ -112,9 +112,10 @@ def check_resume_split(cfg: TrainConfig, saved_config: Path) -> None:
     """--resume continues the run's data order over the run's training conversations: another --seed or
     --val-conversations would reshuffle them, or train on what the run held out."""
     saved = read_toml(saved_config) if saved_config.is_file() else {}
-    theirs = {"val_conversations": saved.get("val_conversations", 0), "seed": saved.get("seed", cfg.seed)}
-    bad = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (the run's: {v})" for k, v in theirs.items()
-           if getattr(cfg, k) != v]
+    theirs = {"val_conversations": saved.get("trainer", {}).get("val_conversations", 0),
+              "seed": saved.get("run", {}).get("seed", cfg.run.seed)}
+    ours = {"val_conversations": cfg.trainer.val_conversations, "seed": cfg.run.seed}
+    bad = [f"--{k.replace('_', '-')} {ours[k]} (the run's: {v})" for k, v in theirs.items() if ours[k] != v]
     if bad:
         raise UsageError(f"--resume: {', '.join(bad)}; a resumed run keeps the run's data order and held-out "
                          "conversations: drop these flags, or start a new --run-dir")
@@ -122,4 +123,5 @@ def check_resume_split(cfg: TrainConfig, saved_config: Path) -> None:
 
 def export_drafter(drafter: DFlashDrafter, run_dir: Path, cfg: TrainConfig) -> Path:
     """RUN_DIR/drafter in --export-dtype (save_drafter refuses non-finite weights)."""
-    return save_drafter(drafter, run_dir / "drafter", parse_dtype(cfg.export_dtype, "--export-dtype"), "--run-dir")
+    dtype = parse_dtype(cfg.trainer.export_dtype, "--export-dtype")
+    return save_drafter(drafter, run_dir / "drafter", dtype, "--run-dir")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from dflash_train.data.validation_split import split_validation
 from dflash_train.devices import resolve_device
 from dflash_train.errors import say
 from dflash_train.eval import greedy_loop
-from dflash_train.eval.evaluate import EvalConfig, EvalReport, evaluate
+from dflash_train.eval.evaluate import EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.eval.speculative import check_context, check_decode
 from dflash_train.models import static_lm
@@ -39,8 +40,8 @@ from dflash_train.models.targets import Target, load_target
 from dflash_train.objective.objective import check_backend_device
 from dflash_train.profiling.session import profile_session
 from dflash_train.profiling.stall import StallWatch
+from dflash_train.settings.tree import TrainConfig
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
-from dflash_train.training.config import TrainConfig
 from dflash_train.training.trainer import GracefulStop
 
 PHASES_FILE = "phases.json"  # the last run's seconds per phase (app/phases.py)
@@ -55,7 +56,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, prog
     roles = worker_roles(cfg)
     if roles and under_torchrun():
         return run_torchrun_rank(cfg, roles, resume, progress)
-    with run_dir_lock(Path(cfg.run_dir)):
+    with run_dir_lock(Path(cfg.run.run_dir)):
         return _run(cfg, roles, resume, overwrite, progress)
 
 
@@ -63,8 +64,8 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
              run_dir: Path, progress: bool, baseline: bool = True) -> EvalReport:
     """tau on the eval prompts; `baseline` adds target-only decoding (speedup + lossless check)."""
     drafter.eval()
-    rep = evaluate(target, drafter, prompts, EvalConfig(max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed,
-                                                        baseline=baseline), progress=progress)
+    settings = dataclasses.replace(cfg.evaluation(), baseline=baseline and cfg.eval.baseline)
+    rep = evaluate(target, drafter, prompts, settings, progress=progress)
     rep.to_json(run_dir / f"eval_{name}.json", "--run-dir")
     return rep
 
@@ -72,35 +73,36 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 def evaluates_before(cfg: TrainConfig, ckpt: Path | None) -> bool:
     """Whether the job measures tau before training: never on resume (the drafter is part-trained),
     and by default only for a drafter that starts trained (--eval-before)."""
-    if ckpt is not None or cfg.eval_before == "no":
+    if ckpt is not None or cfg.eval.before == "no":
         return False
-    return cfg.eval_before == "yes" or cfg.init_drafter is not None
+    return cfg.eval.before == "yes" or cfg.drafter.init_drafter is not None
 
 
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
     phases = Phases()
     run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
     state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
-    device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.device)
+    device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.run.device)
     for d in [resolve_device(d) for role, d in roles if role != "target"] if roles else [device]:
-        check_backend_device(cfg.attention, d)  # before any data is regenerated
-    if cfg.init_drafter and not resume:
-        load_config(cfg.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
+        check_backend_device(cfg.objective.attention, d)  # before any data is regenerated
+    if cfg.drafter.init_drafter and not resume:
+        load_config(cfg.drafter.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
     with phases.time("load target"):
-        target = load_target(cfg.target, device=device)
-    say(f"target {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
-    if not (cfg.init_drafter or ckpt):  # a starting drafter or checkpoint fixes the features itself
-        check_num_features(target, cfg.num_features)  # before the data work
-    prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval_dataset, cfg.eval_limit)]
-               if cfg.eval_limit else [])
+        target = load_target(cfg.run.target, device=device)
+    say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
+    if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes the features itself
+        check_num_features(target, cfg.drafter.num_features)  # before the data work
+    prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval.dataset, cfg.eval.limit)]
+               if cfg.eval.limit else [])
     if prompts:  # a too-long eval fails now, not after the data work and the training
-        check_context(target, max(map(len, prompts)), cfg.eval_max_new_tokens, "--eval-max-new-tokens")
+        check_context(target, max(map(len, prompts)), cfg.eval.max_new_tokens, "--eval-max-new-tokens")
     dataset = build_dataset(cfg, target, run_dir, progress, phases)
-    training_part, held_out = split_validation(dataset, cfg.val_conversations, cfg.seed)  # fails now, not after
+    # fails now, not after the drafter is built
+    training_part, held_out = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)
     drafter = make_drafter(cfg, target, ckpt)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)
     if prompts:  # the eval's KV caches must fit the device: known now, before the training
-        check_decode(target, drafter, prompts, cfg.eval_max_new_tokens, flag="--eval-max-new-tokens")
+        check_decode(target, drafter, prompts, cfg.eval.max_new_tokens, flag="--eval-max-new-tokens")
     n_params = sum(p.numel() for p in drafter.parameters())
     say(f"drafter: {n_params / 1e6:.2f}M parameters, {drafter.config.num_hidden_layers} layers, "
         f"B={drafter.block_size}, target layers {drafter.config.target_layer_ids}")
@@ -113,7 +115,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
             untrained = copy.deepcopy(drafter).to(target.dtype)
             before = eval_tau(target, untrained, prompts, cfg, "before", run_dir, progress, baseline=False)
             greedy_loop.release(untrained)  # with its caches and graphs: not held through training
-        say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval_dataset} prompts")
+        say(f"untrained drafter: tau {before.tau:.3f} on {len(prompts)} {cfg.eval.dataset} prompts")
     with phases.time("train"):
         if roles:
             init_dir = ckpt / "drafter" if ckpt else save_drafter(drafter, run_dir / "init_drafter", torch.float32,
@@ -131,7 +133,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
                 (run_dir / VALIDATION_FILE).unlink(missing_ok=True)
             if code:
                 return code
-            target = load_target(cfg.target, device=device)  # released while the workers ran
+            target = load_target(cfg.run.target, device=device)  # released while the workers ran
             drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
         else:
             steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress)
@@ -143,9 +145,9 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         print(after.summary())
         if device.type == "cpu":
             print(CPU_SPEEDUP_NOTE)
-        print(f"tau on {len(prompts)} held-out {cfg.eval_dataset} prompts: "
+        print(f"tau on {len(prompts)} held-out {cfg.eval.dataset} prompts: "
               f"untrained {before.tau:.3f} -> trained {after.tau:.3f}" if before else
-              f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval_dataset} prompts: {after.tau:.3f}")
+              f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval.dataset} prompts: {after.tau:.3f}")
     phases.save(run_dir / PHASES_FILE)
     print(f"trained {steps} steps in {seconds:.0f} s; drafter exported to {export}")
     print(f"{phases.summary()} ({run_dir / PHASES_FILE})")
@@ -161,8 +163,8 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        with profile_session(cfg.profiling(), run_dir, f"main/{target.device}") as session, \
-                StallWatch(run_dir / "stall-stacks.txt", cfg.peer_timeout) as watch:
+        with profile_session(cfg.profiling, run_dir, f"main/{target.device}", cfg.oom_hint()) as session, \
+                StallWatch(run_dir / "stall-stacks.txt", cfg.pipeline.peer_timeout) as watch:
             result = train_local(cfg, target, drafter, dataset, run_dir, state, progress, session.stats,
                                  trace=session.trace, heartbeat=watch.beat)
     except GracefulStop:
@@ -188,7 +190,7 @@ def _train_processes(cfg: TrainConfig, roles, init_dir: Path, data_dir: Path, tr
                      ckpt: Path | None, state, progress: bool, validation: Path | None) -> tuple[int, int, float]:
     """training_part: the data less the held-out conversations, which the workers split off the same way."""
     n_drafters = sum(1 for role, _ in roles if role != "target")
-    steps = total_steps(cfg, training_part, n_drafters * cfg.grad_accum, state)
+    steps = total_steps(cfg, training_part, n_drafters * cfg.optimizer.grad_accum, state)
     start = state["step"] if state else 0
     say(f"training {steps - start} steps through {len(roles)} processes: "
         + ", ".join(f"{role} {dev}" for role, dev in roles))

@@ -24,7 +24,7 @@ from dflash_train.files import write_atomic
 from dflash_train.models.targets import Target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.stream import PackStream
-from dflash_train.training.config import TrainConfig
+from dflash_train.settings.tree import TrainConfig
 
 KEYS = ("loss", "acc", "expected_tau")  # of the objective's record values
 VALIDATION_FILE = "validation.pt"
@@ -37,7 +37,7 @@ class Validation:
     @classmethod
     def build(cls, cfg: TrainConfig, target: Target, held_out, layer_ids: list[int]) -> Validation:
         """The held-out packs, one pass, with their target features, on the target's device."""
-        stream = PackStream(held_out, cfg.token_budget, cfg.num_anchors, cfg.seed, 1)
+        stream = PackStream(held_out, cfg.data.token_budget, cfg.objective.num_anchors, cfg.run.seed, 1)
         loader, packs = stream.loader, []
         with torch.no_grad():
             while loader.state.epoch == 0 and loader.state.index < len(loader.lengths):  # one pass
@@ -52,7 +52,7 @@ class Validation:
         if not packs:
             raise UsageError("--val-conversations: the held-out conversations have no two consecutive loss-masked "
                              "tokens to validate on; hold out more of them")
-        return cls(cfg.val_every, packs)
+        return cls(cfg.trainer.val_every, packs)
 
     def save(self, path: Path) -> None:
         """The packs as host tensors (a worker process loads them with weights_only)."""

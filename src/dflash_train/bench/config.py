@@ -8,22 +8,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.config import (
-    ATTENTION,
-    BLOCK_SIZE,
-    LOSS_CHUNK_ROWS,
-    NUM_ANCHORS,
-    NUM_LAYERS,
-    RELEASED,
-    SEED,
-    AttentionBackend,
-    flag,
-    knob_field,
-    opt,
-    validate,
-)
+from dflash_train.config import RELEASED, AttentionBackend, flag, same_as, setting, validate
 from dflash_train.errors import UsageError
-from dflash_train.training.config import TrainConfig
+from dflash_train.objective.objective import ObjectiveConfig
+from dflash_train.settings.sections import DrafterConfig, PipelineConfig, RunConfig
+from dflash_train.settings.tree import TrainConfig
 
 VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-only", "drafter-only")
 
@@ -32,21 +21,21 @@ VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-onl
 class BenchConfig:
     """The bench's flags: train's settings (config.py) with the released drafter's shape as overrides."""
 
-    target: str = opt("random:qwen3-8b", "target spec; random:<preset> = real shapes, random weights")
-    device: str = opt("auto", "cpu, cuda, cuda:N or auto")
-    num_layers: int = knob_field(NUM_LAYERS, default=RELEASED["num_layers"])
-    block_size: int = knob_field(BLOCK_SIZE, default=RELEASED["block_size"])
-    num_anchors: int = knob_field(NUM_ANCHORS, default=RELEASED["num_anchors"])
-    seq_len: int = opt(3072, "tokens per sequence (= --token-budget and --max-length of train)")
-    steps: int = opt(10, "measured optimizer steps per variant")
-    variants: str = opt(",".join(VARIANTS), f"comma-separated, from: {', '.join(VARIANTS)}")
-    attention: AttentionBackend = knob_field(ATTENTION)
-    loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
-    seed: int = knob_field(SEED)
-    splits: str = opt("", "several GPUs: T+D (T target, D drafter GPUs) or xN (N GPUs with both roles), "
+    target: str = same_as(RunConfig, "target", default="random:qwen3-8b")  # real shapes, random weights
+    device: str = same_as(RunConfig, "device")
+    num_layers: int = same_as(DrafterConfig, "num_layers", default=RELEASED["num_layers"])
+    block_size: int = same_as(DrafterConfig, "block_size", default=RELEASED["block_size"])
+    num_anchors: int = same_as(ObjectiveConfig, "num_anchors", default=RELEASED["num_anchors"])
+    seq_len: int = setting(3072, "tokens per sequence (= --token-budget and --max-length of train)")
+    steps: int = setting(10, "measured optimizer steps per variant")
+    variants: str = setting(",".join(VARIANTS), f"comma-separated, from: {', '.join(VARIANTS)}")
+    attention: AttentionBackend = same_as(ObjectiveConfig, "attention")
+    loss_chunk_rows: int = same_as(ObjectiveConfig, "loss_chunk_rows")
+    seed: int = same_as(RunConfig, "seed")
+    splits: str = setting("", "several GPUs: T+D (T target, D drafter GPUs) or xN (N GPUs with both roles), "
                       "comma-separated, e.g. 1+1,x2 (bench/multi.py)")
-    compile_target: bool = opt(False, "torch.compile the target's decoder layers (train --compile-target)")
-    cold_start: bool = opt(False, "every variant's process starts with empty compile caches (inductor, Triton)")
+    compile_target: bool = same_as(PipelineConfig, "compile_target")
+    cold_start: bool = setting(False, "every variant's process starts with empty compile caches (inductor, Triton)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -72,7 +61,7 @@ def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, **ex
                 overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
                 profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0,
                 compile_target=cfg.compile_target)
-    return TrainConfig(**(base | extra))
+    return TrainConfig.of(**(base | extra))
 
 
 _SPLIT = re.compile(r"^(\d+)\+(\d+)$|^x(\d+)$")

@@ -53,7 +53,7 @@ import random
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -99,26 +99,28 @@ class NothingWritten(ServerUnavailable):
     success that wrote nothing."""
 
 
+def _setting(name: str):
+    """The default of [regeneration]'s `name` (regen_common.RegenConfig holds each server setting's one default)."""
+    return next(f.default for f in fields(RegenConfig) if f.name == name)
+
+
 @dataclass(kw_only=True, slots=True)
 class ServerConfig:
+    """The client's settings, checked: [regeneration]'s server fields (server_config builds it from them)."""
+
     url: str
     """Base URL of an OpenAI-compatible server, with or without the trailing /v1 (--server)."""
     model: str | None = None
     """The model as the server lists it in /v1/models; None = the only one it serves (--model)."""
-    concurrency: int = 16
-    """Requests in flight at once (--concurrency); match the server's batch (vLLM --max-num-seqs)."""
+    concurrency: int = _setting("concurrency")
     api_key_env: str | None = None
     """Environment variable holding the API key, sent as a bearer token (--api-key-env)."""
     chat_template_kwargs: dict | None = None
     """Passed through to the server's chat template, e.g. {"enable_thinking": false} (--chat-template-kwargs)."""
-    reasoning: str = "keep"
-    """keep: reasoning written inline in <think>...</think>; drop: the answer alone (--reasoning)."""
-    request_timeout: float = 600.0
-    """Seconds one request may take before it is retried (--request-timeout)."""
-    retries: int = 4
-    """Retries of a request after a timeout, a dropped connection, a 429 or a 5xx (--retries)."""
-    max_failures: int = 8
-    """Requests failed for good in a row that stop the run: the circuit breaker (--max-failures)."""
+    reasoning: str = _setting("reasoning")
+    request_timeout: float = _setting("request_timeout")
+    retries: int = _setting("retries")
+    max_failures: int = _setting("max_failures")
     backoff: float = 0.5
     """Seconds before the first retry; doubled at each, jittered, at most 30 s."""
     credentials: tuple[str, str] | None = field(default=None, init=False, repr=False)
@@ -167,6 +169,14 @@ class ServerConfig:
             token = base64.b64encode(f"{user}:{password}".encode()).decode()  # the Authorization: Basic header
             found += [password, quote(password, safe=""), token]
         return [s for s in found if s]
+
+
+def server_config(cfg: RegenConfig) -> ServerConfig:
+    """The client's settings from [regeneration] (cfg.server must be set)."""
+    return ServerConfig(url=cfg.server, model=cfg.model, concurrency=cfg.concurrency, api_key_env=cfg.api_key_env,
+                        chat_template_kwargs=parse_template_kwargs(cfg.chat_template_kwargs),
+                        reasoning=cfg.reasoning, request_timeout=cfg.request_timeout, retries=cfg.retries,
+                        max_failures=cfg.max_failures)
 
 
 def parse_template_kwargs(text: str | None) -> dict | None:
@@ -332,7 +342,7 @@ class _Run:
     async def _conversation(self, conv: Conversation) -> dict | None:
         history: list[Message] = []
         replies = []
-        for turn, segment in enumerate(reply_segments(conv, self.cfg.max_turns)):
+        for turn, segment in enumerate(reply_segments(conv, self.cfg.turns)):
             if turn and self._reaches_context(history + segment):
                 self.report.context_cut += 1  # the conversation ends at its last reply, as in-process
                 break

@@ -18,16 +18,16 @@ are skipped.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from tqdm import tqdm
 
-from dflash_train.config import REGEN_MAX_NEW_TOKENS, knob_field, validate
+from dflash_train.config import at_least, setting, validate
 from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
 
@@ -36,47 +36,63 @@ Message = dict[str, str]
 
 @dataclass(kw_only=True, slots=True)
 class RegenConfig:
-    max_new_tokens: int = knob_field(REGEN_MAX_NEW_TOKENS)
-    """Token limit of each regenerated turn (--max-new-tokens)."""
-    temperature: float = 0.0
-    """0 = greedy; > 0 = sampling from the target's tempered distribution (--temperature)."""
-    batch_size: int = 16
-    """Prompts decoded together, in-process only; each turn's prompts are sorted by length across a
-    write of regenerate.POOL_BATCHES batches of conversations (--batch-size)."""
-    max_turns: int | None = None
-    """Regenerate at most this many assistant turns per conversation; None = all (--max-turns)."""
-    seed: int = 0
-    """Seeds torch's generator for sampling, or the per-request seeds sent to a server (--seed)."""
-    samples: int = 1
-    """Replies sampled per conversation; > 1 needs temperature > 0 (--samples)."""
-    max_context: int | None = None
-    """A later turn whose prompt (the history so far plus its user turn) has this many tokens or more
-    is not regenerated, and the conversation ends at the reply before it; None = no limit
-    (--max-context; the server path counts with the target's tokenizer). The train job passes
-    --max-length: tokens past it are never trained on, and in-process one long history would widen
-    its whole batch's KV cache."""
+    """[regeneration]: the target rewrites the assistant turns, in-process or through an OpenAI-compatible server."""
+
+    max_new_tokens: int = setting(128, "max tokens per regenerated assistant turn", at_least(1))
+    temperature: float = setting(0.0, "sampling temperature (0 = greedy)", at_least(0))
+    batch_size: int = setting(32, "prompts per in-process batched decode (each turn's prompts sorted by length "
+                                  "across 16 batches of conversations)", at_least(1))
+    max_turns: int = setting(1, "assistant turns regenerated per conversation, 0 = all (a later turn is skipped "
+                                "once its prompt reaches the context limit)", at_least(0))
+    samples: int = setting(1, "replies sampled per conversation, written as ID#0.. (> 1 needs a temperature > 0)",
+                           at_least(1))
+    seed: int = setting(0, "seed of the sampling (in-process) or of each request (server)", at_least(0))
+    max_context: int | None = setting(
+        None, "end a conversation before a later turn whose prompt has this many tokens or more (with a server, "
+              "counted by the target's tokenizer); train passes --max-length: tokens past it are never trained "
+              "on, and in-process one long history would widen its whole batch's KV cache", at_least(2))
+    max_prompt_tokens: int = setting(256, "skip conversations whose first prompt is longer (prefill cost)",
+                                     at_least(1))
+    server: str | None = setting(None, "regenerate through this OpenAI-compatible server (vLLM, SGLang, llama.cpp; "
+                                       "base URL, e.g. http://127.0.0.1:8000) instead of in-process; the target's "
+                                       "tokenizer then only re-tokenises the replies")
+    model: str | None = setting(None, "model name on the server (default: the only one it serves)")
+    concurrency: int = setting(64, "requests in flight to the server (match its batch: vLLM --max-num-seqs)",
+                               at_least(1))
+    api_key_env: str | None = setting(None, "environment variable holding the server's API key")
+    chat_template_kwargs: str | None = setting(None, "JSON passed to the server's chat template, e.g. "
+                                                     "'{\"enable_thinking\": false}'")
+    reasoning: Literal["keep", "drop"] = setting("keep", "a server's reasoning text: keep it inline in "
+                                                         "<think>...</think> or drop it")
+    request_timeout: float = setting(600.0, "seconds per server request before a retry")
+    retries: int = setting(4, "retries per server request on timeouts, dropped connections, 429 and 5xx "
+                              "(exponential backoff)", at_least(0))
+    max_failures: int = setting(8, "stop after this many server requests in a row failed for good (circuit "
+                                   "breaker)", at_least(1))
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not self.request_timeout > 0:
+            raise UsageError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        if self.samples > 1 and self.temperature == 0:
+            raise UsageError(f"--samples {self.samples} needs a temperature > 0 (at T=0 every sample is the same)")
+        if self.server is None:
+            for name in ("model", "api_key_env", "chat_template_kwargs"):
+                if getattr(self, name) is not None:
+                    raise UsageError(f"--{name.replace('_', '-')} needs --server (in-process, the target itself "
+                                     "regenerates)")
+
+    @property
+    def turns(self) -> int | None:
+        """Assistant turns regenerated per conversation; None = all."""
+        return self.max_turns or None
 
     def settings(self) -> dict:
         """What a record keeps of this config, so that a rerun with other settings is refused, not mixed.
         max_context only matters past the first turn: with one turn it reads None, so a single-turn
         file stays valid whatever the training window."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "samples": self.samples,
-                "max_turns": self.max_turns, "max_context": self.max_context if self.max_turns != 1 else None}
-
-    def __post_init__(self) -> None:
-        validate(self)
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
-        if self.batch_size < 1:
-            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise UsageError(f"--max-turns must be >= 1, got {self.max_turns}")
-        if self.samples < 1:
-            raise UsageError(f"--samples must be >= 1, got {self.samples}")
-        if self.max_context is not None and self.max_context < 2:
-            raise UsageError(f"--max-context must be >= 2, got {self.max_context}")
-        if self.samples > 1 and self.temperature == 0:
-            raise UsageError(f"--samples {self.samples} needs a temperature > 0 (at T=0 every sample is the same)")
+                "max_turns": self.turns, "max_context": self.max_context if self.max_turns != 1 else None}
 
 
 @dataclass

@@ -121,7 +121,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
         # moves after every decoded batch
         rate = lambda: bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")  # noqa: E731
         while pool := list(islice(todo, cfg.batch_size * POOL_BATCHES)):
-            jobs = [_Job(c.id, reply_segments(c, cfg.max_turns)) for c in pool]
+            jobs = [_Job(c.id, reply_segments(c, cfg.turns)) for c in pool]
             _run_batch(target, jobs, cfg, stops, report, on_batch=rate)
             t = time.perf_counter()
             append(out, [_record(job, header) for job in jobs])

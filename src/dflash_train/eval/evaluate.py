@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
-from dflash_train.config import BLOCK_SIZE, EVAL_MAX_NEW_TOKENS, knob_field, validate
+from dflash_train.config import MAX_BLOCK_SIZE, at_least, between, setting, validate
 from dflash_train.errors import UsageError
 from dflash_train.eval.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.models.drafter import DFlashDrafter
@@ -32,22 +33,28 @@ from dflash_train.models.targets import Target
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    max_new_tokens: int = knob_field(EVAL_MAX_NEW_TOKENS)
-    """Tokens generated per prompt (--max-new-tokens)."""
-    temperature: float = 0.0
-    """0 = greedy (checked lossless); > 0 = rejection sampling (--temperature)."""
-    block_size: int | None = knob_field(BLOCK_SIZE, default=None)
-    """Verify block size; default the drafter's own (--block-size)."""
-    seed: int = 0
-    baseline: bool = True
-    """Also decode with the target alone: needed for speedup and the lossless check."""
-    compile: bool = False
-    """torch.compile both decoders' steps (--compile; StaticLM targets, compiled during the warm-up)."""
+    """[eval]: the prompts tau is measured on, and how they are decoded."""
+
+    dataset: str = setting("humaneval", "prompts: humaneval, mtbench, sharegpt (held-out) or a .jsonl file")
+    limit: int = setting(10, "prompts evaluated (train: after training, and before it with --eval-before; "
+                             "0 = none)", at_least(0))
+    max_new_tokens: int = setting(128, "tokens generated per prompt (with the prompt, at most the target's "
+                                       "max_position_embeddings)", at_least(1))
+    temperature: float = setting(0.0, "0 = greedy, checked lossless; > 0 = rejection sampling", at_least(0))
+    block_size: int | None = setting(None, "verify block size (default: the drafter's)", between(2, MAX_BLOCK_SIZE))
+    seed: int = setting(0, "seed of the sampling at temperature > 0", at_least(0))
+    baseline: bool = setting(True, "also decode with the target alone: the speedup and the lossless check "
+                                   "(--no-baseline: tau only, about half the time)")
+    compile: bool = setting(False, "torch.compile the decode steps of the target and the drafter (both target-only "
+                                   "and DFlash decoding; about 2x fewer kernels per step on CUDA; the warm-up "
+                                   "compiles, so the clocks exclude it)")
+    before: Literal["auto", "yes", "no"] = setting(
+        "auto", "train: tau before training too: auto = only for a drafter that starts trained (--init-drafter); a "
+                "fresh one, random or from the target's layers, accepts nothing (tau 1.000 on the H200 and CPU "
+                "defaults), and its eval cost the CPU default 129 s")
 
     def __post_init__(self) -> None:
         validate(self)
-        if not self.temperature >= 0:
-            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
 
 
 # Largest logit gap between two diverging tokens still read as a tie, by the logits' dtype. The

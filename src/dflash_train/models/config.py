@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import BLOCK_SIZE, MAX_MLP_RATIO, RELEASED
+from dflash_train.config import MAX_BLOCK_SIZE, MAX_MLP_RATIO, RELEASED, between
 from dflash_train.devices import check_fits
 from dflash_train.errors import UsageError
 
@@ -115,7 +115,7 @@ class DFlashConfig:
             value = getattr(self, name)
             _need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
                   f"must be a whole number >= 1, got {value!r}")
-        _need(not (why := BLOCK_SIZE.complaint(self.block_size)), "block_size", why or "")
+        _need(not (why := between(2, MAX_BLOCK_SIZE)(self.block_size)), "block_size", why or "")
         cap = MAX_MLP_RATIO * self.hidden_size
         _need(self.intermediate_size <= cap, "intermediate_size",
               f"must be <= {cap} ({MAX_MLP_RATIO} x hidden_size {self.hidden_size}), got {self.intermediate_size}")

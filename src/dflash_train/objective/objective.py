@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.config import ATTENTION, GAMMA, KD_WEIGHT, LOSS_CHUNK_ROWS, AttentionBackend, knob_field, validate
+from dflash_train.config import AttentionBackend, above, at_least, in_range, setting, validate
 from dflash_train.data.label_columns import TARGET_LABELS, feature_width, split_labels
 from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
@@ -33,17 +33,18 @@ from dflash_train.profiling.stats import NULL_LOOP
 
 @dataclass(kw_only=True, slots=True)
 class ObjectiveConfig:
-    gamma: float | None = knob_field(GAMMA)
-    """Slot-weight decay; default by block size: 7 (B=16), 5 (B=10), 4 (B=8) (--gamma)."""
-    attention: AttentionBackend = knob_field(ATTENTION)
-    """flex | dense | auto (flex on CUDA, dense elsewhere) (--attention)."""
-    loss_chunk_rows: int = knob_field(LOSS_CHUNK_ROWS)
-    """Block tokens per LM-head + loss chunk (--loss-chunk-rows)."""
-    kd_weight: float = knob_field(KD_WEIGHT)
-    """Share of the target's soft labels in each slot's target distribution, 0..1 (--kd-weight)."""
+    """[objective]: the DFlash loss and what it is drawn over."""
+
+    num_anchors: int = setting(32, "anchors drawn per sequence each time it is seen", at_least(1))
+    gamma: float | None = setting(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)", above(0))
+    attention: AttentionBackend = setting("auto", "flex | dense | auto (flex on CUDA, dense elsewhere)")
+    loss_chunk_rows: int = setting(4096, "block tokens per LM-head + loss chunk", at_least(1))
+    kd_weight: float = setting(0.0, "distillation: share of the target's own next-token distribution in each "
+                                    "slot's label, 0..1 (0 = hard labels; the target then also runs its last layers)",
+                               in_range(0, 1))
 
     def __post_init__(self) -> None:
-        validate(self)  # each field's knob check (config.py)
+        validate(self)
 
 
 def check_backend_device(attention: str, device: torch.device) -> None:

@@ -12,14 +12,15 @@ from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device
 from dflash_train.profiling.hooks import drafter_spans
-from dflash_train.training.config import TrainerConfig
+from dflash_train.training.config import OptimizerConfig, TrainerConfig
 from dflash_train.training.trainer import Hooks, Trainer, TrainResult
 
 
 class DrafterTrainLoop(Trainer):
     """Trains `drafter` against the target's frozen embedding and LM head (trainer.py has the loop)."""
 
-    def __init__(self, cfg: TrainerConfig, objective_cfg: ObjectiveConfig, drafter: DFlashDrafter,
+    def __init__(self, optim: OptimizerConfig, cfg: TrainerConfig, objective_cfg: ObjectiveConfig,
+                 drafter: DFlashDrafter,
                  embed_weight: torch.Tensor, lm_head: torch.nn.Module, run_dir: Path, total_steps: int, *,
                  hooks: Hooks | None = None, **trainer_args: Any) -> None:
         hooks = hooks or Hooks()
@@ -29,7 +30,7 @@ class DrafterTrainLoop(Trainer):
         if cfg.compile_drafter and objective.backend(device) != "flex":  # the backend the step will run
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
                              f"{objective.backend(device)} attention on {device.type}")
-        super().__init__(objective, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
+        super().__init__(objective, optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
         self.drafter = drafter
 
     def _validation_mode(self) -> contextlib.AbstractContextManager[None]:

@@ -1,6 +1,6 @@
 """The Trainer: a training loop that knows nothing of the model it trains.
 
-    trainer = Trainer(objective, cfg, run_dir, total_steps, dp=..., resume_state=..., hooks=...)
+    trainer = Trainer(objective, optim, cfg, run_dir, total_steps, dp=..., resume_state=..., hooks=...)
     result = trainer.train(source)   # source.get(prof) -> Features (pipeline/sources.py)
 
 It owns the optimizer, the schedule, data parallelism (DistributedDataParallel over the
@@ -34,7 +34,7 @@ from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 from dflash_train.training.checkpoint import checkpoint_path, save_checkpoint
-from dflash_train.training.config import TrainerConfig
+from dflash_train.training.config import OptimizerConfig, TrainerConfig
 from dflash_train.training.metrics import MetricsLogger
 from dflash_train.training.update import Update, cosine_schedule, make_optimizer
 
@@ -139,22 +139,23 @@ class _Window:
 
 
 class Trainer:
-    def __init__(self, objective: Objective, cfg: TrainerConfig, run_dir: Path, total_steps: int, *,
+    def __init__(self, objective: Objective, optim: OptimizerConfig, cfg: TrainerConfig, run_dir: Path,
+                 total_steps: int, *,
                  dp: DataParallel | None = None, resume_state: dict[str, Any] | None = None, progress: bool = True,
                  hooks: Hooks | None = None, target_workers: int = 1, checkpoints: bool = True) -> None:
         """target_workers: processes computing features (the record's target capacity counts them all);
         checkpoints=False writes no checkpoint files at all (the benchmark's runs)."""
         self.objective, self.model = objective, objective.model
-        self.cfg, self.run_dir, self.total_steps = cfg, Path(run_dir), total_steps
+        self.optim, self.cfg, self.run_dir, self.total_steps = optim, cfg, Path(run_dir), total_steps
         self.dp, self.hooks = dp or DataParallel(), hooks or Hooks()
         self.prof = self.hooks.prof
         self.progress, self.target_workers, self.checkpoints = progress, target_workers, checkpoints
         self.first_step_at: float | None = None  # perf_counter when the first optimizer step had finished
         self.device = next(self.model.parameters()).device
-        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
+        self.optimizer = make_optimizer(self.model, optim.lr, optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           cosine_schedule(total_steps, cfg.warmup_ratio))
-        self.update = Update(objective, self.optimizer, self.scheduler, cfg.grad_clip, self._parallel(objective),
+                                                           cosine_schedule(total_steps, optim.warmup_ratio))
+        self.update = Update(objective, self.optimizer, self.scheduler, optim.grad_clip, self._parallel(objective),
                              self.prof)
         self.step, self.stream_state = 0, StreamState()
         self.checkpointed: int | None = None  # the step of the newest checkpoint on disk, when there is one
@@ -230,7 +231,8 @@ class Trainer:
         return UsageError(f"--run-dir: cannot write {what}: {e.strerror or e}; {kept}")
 
     def _diverged(self, what: str) -> Diverged:
-        return Diverged(f"training diverged: {what}; lower --lr (now {self.cfg.lr:g}) and start over with --overwrite")
+        return Diverged(f"training diverged: {what}; lower --lr (now {self.optim.lr:g}) and start over with "
+                        "--overwrite")
 
     def _check_record(self, record: dict[str, Any], steps: int) -> None:
         """Loss and gradient norm of the window just read back (no extra host sync)."""
@@ -325,7 +327,7 @@ class Trainer:
 
     def _step(self, source, window: _Window) -> None:
         """One optimizer step over `grad_accum` packs."""
-        accum = self.cfg.grad_accum
+        accum = self.optim.grad_accum
         for i in range(accum):
             t_get = time.perf_counter()
             item: Features = source.get(self.prof)
