@@ -278,13 +278,13 @@ def test_prepare_and_regenerate_commands(tmp_path, capsys):
     good = {"id": "g1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]}
     data.write_text(json.dumps(good) + "\n" + '{"messages": [\n' + json.dumps({"prompt": "no reply"}) + "\n")
     base = ["--target", "random:tiny", "--data", str(data), "--split", "all"]
-    err = _error(["prepare", *base, "--max-length", "64", "--out", str(tmp_path / "p")], capsys)
+    err = _error(["prepare", *base, "--max-length", "64", "--out", str(tmp_path / "p"), "--on-bad", "error"], capsys)
     assert "convs.jsonl:2: malformed JSON" in err and "--on-bad skip" in err
-    assert main(["prepare", *base, "--max-length", "64", "--out", str(tmp_path / "p"), "--on-bad", "skip"]) == 0
+    assert main(["prepare", *base, "--max-length", "64", "--out", str(tmp_path / "p")]) == 0  # skip: the default
     out = capsys.readouterr().out
     assert "skipped 2 bad records" in out and "1 sequences" in out
     assert (tmp_path / "p" / "meta.json").is_file()
-    assert main(["regenerate", *base, "--on-bad", "skip", "--max-new-tokens", "4", "--out", str(tmp_path / "r.jsonl"),
+    assert main(["regenerate", *base, "--max-new-tokens", "4", "--out", str(tmp_path / "r.jsonl"),
                  "--quiet"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["g1", "convs.jsonl:3"] and rows[0]["messages"][-1]["role"] == "assistant"

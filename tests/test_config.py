@@ -1,4 +1,4 @@
-"""The settings tree: each shared knob has one default and one check, and every command agrees on them."""
+"""The config tree: each setting has one default and one check, and every command's flags come from it."""
 
 import dataclasses
 from pathlib import Path
@@ -12,101 +12,119 @@ from dflash_train.data.regen_common import RegenConfig
 from dflash_train.errors import UsageError
 from dflash_train.eval.evaluate import EvalConfig
 from dflash_train.objective.objective import ObjectiveConfig
-from dflash_train.training.config import TrainConfig, read_toml, sections
+from dflash_train.settings.sections import DrafterConfig
+from dflash_train.settings.tree import TRAIN, TrainConfig, read_toml
 
 
 def _default(cls, name):
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
-def test_one_default_per_knob():
-    assert _default(TrainConfig, "block_size") == config.BLOCK_SIZE.default
-    assert _default(TrainConfig, "num_anchors") == config.NUM_ANCHORS.default
-    assert _default(TrainConfig, "loss_chunk_rows") == _default(ObjectiveConfig, "loss_chunk_rows") \
-        == _default(BenchConfig, "loss_chunk_rows") == config.LOSS_CHUNK_ROWS.default
-    for name, knob in (("gamma", config.GAMMA), ("kd_weight", config.KD_WEIGHT)):  # the objective's, once
-        assert _default(TrainConfig, name) == _default(ObjectiveConfig, name) == knob.default
-    assert _default(TrainConfig, "eval_max_new_tokens") == _default(EvalConfig, "max_new_tokens") \
-        == config.EVAL_MAX_NEW_TOKENS.default
-    assert _default(TrainConfig, "regen_max_new_tokens") == _default(RegenConfig, "max_new_tokens") \
-        == config.REGEN_MAX_NEW_TOKENS.default
-    # bench starts from the released drafter's shape: overrides, named once
+def _parse(command, *argv):
+    return build_parser().parse_args([command, *argv])
+
+
+def test_each_setting_has_one_default_that_every_command_shows():
+    tree = TrainConfig()
+    assert tree.objective.loss_chunk_rows == _default(ObjectiveConfig, "loss_chunk_rows") \
+        == BenchConfig().loss_chunk_rows
+    assert tree.regeneration.batch_size == _default(RegenConfig, "batch_size") \
+        == getattr(_parse("regenerate", "--out", "o"), "regeneration.batch_size")
+    assert tree.eval.max_new_tokens == _default(EvalConfig, "max_new_tokens") \
+        == getattr(_parse("eval", "--drafter", "d"), "eval.max_new_tokens")
+    assert tree.drafter.num_layers == getattr(_parse("init-drafter", "--out", "o"), "drafter.num_layers")
+    # where a command starts elsewhere, it says so in its spec: the released drafter's shape, all conversations
     assert (BenchConfig().block_size, BenchConfig().num_anchors) == (config.RELEASED["block_size"],
                                                                       config.RELEASED["num_anchors"])
+    init = _parse("init-drafter", "--out", "o")
+    assert (getattr(init, "drafter.block_size"), getattr(init, "drafter.sliding_layers")) == (config.RELEASED["block_size"], 0)
+    assert getattr(_parse("prepare", "--out", "o"), "data.num_conversations") == 0
 
 
-def test_cli_defaults_come_from_the_knobs():
-    sub = build_parser()._subparsers._group_actions[0].choices
-    ev = sub["eval"].parse_args(["--drafter", "d"])
-    assert ev.max_new_tokens == EvalConfig().max_new_tokens
-    rg = sub["regenerate"].parse_args(["--out", "o"])
-    assert rg.max_new_tokens == RegenConfig().max_new_tokens
+def test_train_flags_are_the_sections_fields_with_their_prefixes():
+    names = {flag for use in TRAIN for flag in (use.flag_name(f.name) for f in use.fields())}
+    assert {"regen_batch_size", "eval_limit", "max_length", "lr", "log_every", "profile_interval"} <= names
+    args = _parse("train", "--regen-batch-size", "8", "--eval-limit", "2", "--lr", "1e-3")
+    assert (getattr(args, "regeneration.batch_size"), getattr(args, "eval.limit"), getattr(args, "optimizer.lr")) \
+        == (8, 2, 1e-3)
+    with pytest.raises(UsageError, match="--regen-batch-size must be >= 1"):  # a section's message, train's flag
+        TrainConfig.of(regen_batch_size=0)
+    with pytest.raises(UsageError, match="--eval-limit must be >= 0"):
+        TrainConfig.of(eval_limit=-1)
 
 
 @pytest.mark.parametrize("make, flag", [
-    (lambda: TrainConfig(block_size=1), "--block-size must be >= 2"),
+    (lambda: TrainConfig.of(block_size=1), "--block-size must be >= 2"),
     (lambda: BenchConfig(block_size=1), "--block-size must be >= 2"),
     (lambda: EvalConfig(block_size=1), "--block-size must be >= 2"),
-    (lambda: TrainConfig(num_anchors=0), "--num-anchors must be >= 1"),
+    (lambda: TrainConfig.of(num_anchors=0), "--num-anchors must be >= 1"),
     (lambda: BenchConfig(num_anchors=0), "--num-anchors must be >= 1"),
     (lambda: ObjectiveConfig(loss_chunk_rows=0), "--loss-chunk-rows must be >= 1"),
-    (lambda: TrainConfig(eval_max_new_tokens=0), "--eval-max-new-tokens must be >= 1"),
+    (lambda: TrainConfig.of(eval_max_new_tokens=0), "--eval-max-new-tokens must be >= 1"),
     (lambda: EvalConfig(max_new_tokens=0), "--max-new-tokens must be >= 1"),
     (lambda: RegenConfig(max_new_tokens=0), "--max-new-tokens must be >= 1"),
     (lambda: BenchConfig(attention="fast"), "--attention must be auto, flex or dense"),
-    (lambda: TrainConfig(labels="x"), "--labels must be data or target"),
+    (lambda: TrainConfig.of(labels="x"), "--labels must be data or target"),
+    (lambda: DrafterConfig(sliding_layers=2), r"--sliding-layers must be in 0..--num-layers \(1\)"),
 ])
 def test_one_check_names_the_flag(make, flag):
     with pytest.raises(UsageError, match=flag):
         make()
 
 
-def test_toml_sections_and_flat_keys(tmp_path):
-    cfg = TrainConfig(num_anchors=64, block_size=8)
-    nested = tmp_path / "nested.toml"
-    nested.write_text(cfg.to_toml())
-    assert "[objective]" in nested.read_text() and TrainConfig(**read_toml(nested)) == cfg
+def test_toml_is_one_table_per_section(tmp_path):
+    cfg = TrainConfig.of(num_anchors=64, block_size=8, regen_batch_size=8)
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    text = path.read_text()
+    assert "[objective]\nnum_anchors = 64" in text and "[regeneration]\nmax_new_tokens" in text
+    assert TrainConfig.from_tree(read_toml(path)) == cfg
     flat = tmp_path / "flat.toml"
-    flat.write_text("num_anchors = 64\nblock_size = 8\n")
-    assert TrainConfig(**read_toml(flat)) == cfg
+    flat.write_text("num_anchors = 64\n")
+    with pytest.raises(UsageError, match=r"flat.toml: 'num_anchors' is not a section .*belongs in \[objective\]"):
+        read_toml(flat)
     wrong = tmp_path / "wrong.toml"
     wrong.write_text("[drafter]\nnum_anchors = 64\n")
     with pytest.raises(UsageError,
                        match=r"wrong.toml: \[drafter\] has no option 'num_anchors' \(it is in \[objective\]\)"):
         read_toml(wrong)
-    assert list(sections()) == ["run", "data", "drafter", "objective", "optim", "pipeline", "profiling", "eval"]
+    typed = tmp_path / "typed.toml"
+    typed.write_text("[optimizer]\nlr = \"fast\"\n")
+    with pytest.raises(UsageError, match=r"typed.toml: \[optimizer\] lr must be float"):
+        read_toml(typed)
+    assert [u.section for u in TRAIN] == ["run", "data", "regeneration", "drafter", "objective", "optimizer",
+                                          "trainer", "pipeline", "eval", "profiling"]
 
 
 def test_environment_default(monkeypatch):
     monkeypatch.setenv(config.PROFILE_INTERVAL_ENV.name, "7.5")
-    assert TrainConfig().profile_interval == 7.5
-    assert TrainConfig(profile_interval=0.0).profile_interval == 0.0  # a flag or a file wins
+    assert TrainConfig.of().profiling.profile_interval == 7.5
+    assert TrainConfig.of(profile_interval=0.0).profiling.profile_interval == 0.0  # a flag or a file wins
     monkeypatch.setenv(config.PROFILE_INTERVAL_ENV.name, "often")
     with pytest.raises(UsageError, match="DFLASH_PROFILE_INTERVAL"):
-        TrainConfig()
+        TrainConfig.of()
 
 
 def test_each_component_gets_its_own_section():
-    """The Trainer, the objective and the profiling session receive their own settings, not the tree:
-    each view is built from TrainConfig's values, and their modules do not import TrainConfig."""
+    """The Trainer, the objective and the profiling session receive their own section, not the tree:
+    their modules do not import TrainConfig."""
     from dflash_train.profiling import session
     from dflash_train.training import drafter_loop, trainer
 
-    cfg = TrainConfig(lr=5e-4, log_every=7, gamma=3.0, kd_weight=0.25, memory_history=9, torch_profile="2:4",
-                      num_anchors=12, token_budget=1024, profile_interval=0)
-    assert (cfg.trainer().lr, cfg.trainer().log_every) == (5e-4, 7)
-    assert (cfg.objective().gamma, cfg.objective().kd_weight) == (3.0, 0.25)
-    prof = cfg.profiling()
-    assert (prof.torch_profile, prof.memory_history) == ((2, 4), 9)
-    assert "--num-anchors (12)" in prof.oom_hint and "--token-budget (1024)" in prof.oom_hint
+    cfg = TrainConfig.of(lr=5e-4, log_every=7, gamma=3.0, kd_weight=0.25, memory_history=9, torch_profile="2:4",
+                         num_anchors=12, token_budget=1024, profile_interval=0)
+    assert (cfg.optimizer.lr, cfg.trainer.log_every) == (5e-4, 7)
+    assert (cfg.objective.gamma, cfg.objective.kd_weight) == (3.0, 0.25)
+    assert (cfg.profiling.torch_profile_steps(), cfg.profiling.memory_history) == ((2, 4), 9)
+    assert "--num-anchors (12)" in cfg.oom_hint() and "--token-budget (1024)" in cfg.oom_hint()
     for module in (trainer, drafter_loop, session):
         assert not hasattr(module, "TrainConfig"), module.__name__
     with pytest.raises(UsageError, match="--torch-profile must be START:END"):
-        TrainConfig(torch_profile="4:2")
+        TrainConfig.of(torch_profile="4:2")
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_load_and_validate(path):
     """A shipped recipe with a typo or a bad value would fail only after minutes on a GPU; here it fails at once."""
-    cfg = TrainConfig(**read_toml(path))
-    assert cfg.trainer() and cfg.objective()  # each section's view builds (and checks) too
+    cfg = TrainConfig.from_tree(read_toml(path))
+    assert cfg.to_toml()

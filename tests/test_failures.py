@@ -145,7 +145,7 @@ def test_eval_json_on_a_full_device_names_it(tmp_path, capsys):
 
 
 def test_regenerate_out_on_a_full_device_names_it(good, capsys):
-    err = _refused(["regenerate", "--target", "random:tiny", "--data", str(good), "--limit", "2",
+    err = _refused(["regenerate", "--target", "random:tiny", "--data", str(good), "--num-conversations", "2",
                     "--max-new-tokens", "4", "--quiet", "--out", "/dev/full"], capsys)
     assert err.startswith(f"dflash-train: error: --out /dev/full: cannot write it ({ENOSPC})"), err
     assert Path("/dev/full").is_char_device()

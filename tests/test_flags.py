@@ -41,7 +41,7 @@ def test_shape_flags_that_differ_from_the_init_drafter_are_refused(work, tmp_pat
     assert "--block-size 8 (the drafter's: 4)" in err and "--sliding-layers" not in err  # 0 is the drafter's too
     assert not (tmp_path / "r").exists()  # refused before the run directory is touched
     toml = tmp_path / "mine.toml"
-    toml.write_text("num_layers = 2\n")
+    toml.write_text("[drafter]\nnum_layers = 2\n")
     assert "--num-layers 2 (the drafter's: 1)" in cli_error([*_train(work, tmp_path / "r", "--init-drafter", init),
                                                            "--config", str(toml)], capsys)
 

@@ -592,18 +592,18 @@ def test_a_training_step_is_queued_without_a_host_sync_on_cuda():
 def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, tmp_path):
     """At the flag with --device cpu or --attention dense; at the drafter's device when --device auto lands on a CPU."""
     from dflash_train.errors import UsageError
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
     from dflash_train.training.drafter_loop import DrafterTrainLoop
 
     with pytest.raises(UsageError, match="--compile-drafter"):
-        TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="cpu")
+        TrainConfig.of(run_dir=str(tmp_path), compile_drafter=True, device="cpu")
     with pytest.raises(UsageError, match="--compile-drafter.*--attention dense"):
-        TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="cuda", attention="dense")
+        TrainConfig.of(run_dir=str(tmp_path), compile_drafter=True, device="cuda", attention="dense")
     with pytest.raises(UsageError, match="--compile-masks.*--device cpu"):
-        TrainConfig(run_dir=str(tmp_path), compile_masks=True, device="cpu")
+        TrainConfig.of(run_dir=str(tmp_path), compile_masks=True, device="cpu")
     with pytest.raises(UsageError, match="--compile-masks.*--attention dense"):
-        TrainConfig(run_dir=str(tmp_path), compile_masks=True, device="cuda", attention="dense")
-    cfg = TrainConfig(run_dir=str(tmp_path), compile_drafter=True, device="auto")
+        TrainConfig.of(run_dir=str(tmp_path), compile_masks=True, device="cuda", attention="dense")
+    cfg = TrainConfig.of(run_dir=str(tmp_path), compile_drafter=True, device="auto")
     with pytest.raises(UsageError, match="--compile-drafter"):
-        DrafterTrainLoop(cfg.trainer(), cfg.objective(), make_drafter(), tiny_target.embedding_weight,
+        DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,
                          tiny_target.lm_head, tmp_path, 1)

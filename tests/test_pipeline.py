@@ -97,14 +97,14 @@ def test_each_gpu_worker_budgets_the_share_of_the_cache_it_will_hold(monkeypatch
     from types import SimpleNamespace
 
     from dflash_train.app.local import feature_cache
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
 
     gpu = SimpleNamespace(device=torch.device("cuda", 0), hidden_size=576, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24 * 10**9, 80 * 10**9))
-    cfg = TrainConfig(run_dir=str(tmp_path), cache_features=True)
+    cfg = TrainConfig.of(run_dir=str(tmp_path), cache_features=True)
     assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27], share=4).budget is None  # 11.1 GB of 24 GB free
     assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27]).budget == int(15.6e9)
-    off = TrainConfig(run_dir=str(tmp_path), cache_features=False)
+    off = TrainConfig.of(run_dir=str(tmp_path), cache_features=False)
     assert feature_cache(off, gpu, 7_709_379, [1, 8, 14, 20, 27]) is None
 
 

@@ -248,24 +248,24 @@ def test_memory_history_runs_around_the_oom_snapshot_on_cuda_only(tmp_path, monk
 
     from dflash_train.profiling.session import profile_session
     from dflash_train.profiling.tools import oom_snapshot
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
                         lambda enabled="all", **kw: calls.append((enabled, kw)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
-    cfg = TrainConfig(memory_history=1000, profile_interval=0)
-    with profile_session(cfg.profiling(), tmp_path, "main/cpu"):  # CPU: nothing recorded
+    cfg = TrainConfig.of(memory_history=1000, profile_interval=0)
+    with profile_session(cfg.profiling, tmp_path, "main/cpu", cfg.oom_hint()):  # CPU: nothing recorded
         pass
     assert calls == []
     with pytest.raises(UsageError, match="memory snapshot"), \
-            oom_snapshot(tmp_path, "main/cuda:0", cfg.profiling().oom_hint, 1000):
+            oom_snapshot(tmp_path, "main/cuda:0", cfg.oom_hint(), 1000):
         raise torch.cuda.OutOfMemoryError("planted")
     assert calls[0] == ("all", {"max_entries": 1000, "stacks": "python"})  # from the start, with stacks
     assert calls[1] == ("dump", str(tmp_path / "oom-main_cuda_0.pickle"))  # the snapshot carries them
     assert calls[2] == (None, {})  # and recording stops when the process leaves
     with pytest.raises(UsageError, match="--memory-history must be >= 0"):
-        TrainConfig(memory_history=-1)
+        TrainConfig.of(memory_history=-1)
 
 
 # --- three clocks per span, allocator telemetry, launch-/sync-bound and allocator-churn verdicts
@@ -628,9 +628,9 @@ def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, i
     import numpy as np
 
     from dflash_train.app.local import train_local
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
 
-    cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=48, token_budget=96, block_size=4,
+    cfg = TrainConfig.of(run_dir=str(tmp_path), target="random:tiny", max_length=48, token_budget=96, block_size=4,
                       num_layers=2, max_steps=2, grad_accum=2, log_every=1, checkpoint_every=0, overlap=False)
     pairs = [(np.arange(3, 43), np.array([0] * 4 + [1] * 36)) for _ in range(4)]
     stats = ProfileStats("test")

@@ -68,7 +68,7 @@ def read_lines(path) -> list[dict]:
     (dict(temperature=-0.1), "--temperature"),
     (dict(temperature=float("nan")), "--temperature"),
     (dict(batch_size=0), "--batch-size"),
-    (dict(max_turns=0), "--max-turns"),
+    (dict(max_turns=-1), "--max-turns"),
     (dict(samples=0), "--samples"),
 ])
 def test_config_errors_name_the_flag(kwargs, flag):
@@ -84,7 +84,8 @@ def test_several_samples_need_a_temperature():
 def test_config_defaults_are_valid():
     cfg = RegenConfig()
     # 128 tokens per turn: regenerate's default is train's --regen-max-new-tokens (config.py), 256 before
-    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size, cfg.max_turns) == (128, 0.0, 16, None)
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.batch_size, cfg.max_turns, cfg.turns) == (128, 0.0, 32, 1, 1)
+    assert RegenConfig(max_turns=0).turns is None  # all
 
 
 # --- which turns are regenerated ----------------------------------------------------------------
@@ -222,7 +223,7 @@ def test_a_turn_whose_prompt_reaches_max_context_ends_the_conversation(tiny_targ
              Conversation("c1", [user("one"), asst("o1"), user("two"), asst("o2")])]
     # room for c1's second prompt, not for c0's (its second user turn alone is ~40 tokens)
     second = tiny_target.render_chat([user("one"), asst("x" * NEW), user("two")])
-    cfg = RegenConfig(max_new_tokens=NEW, max_context=len(second) + NEW)
+    cfg = RegenConfig(max_new_tokens=NEW, max_turns=0, max_context=len(second) + NEW)
     report = regenerate(tiny_target, convs, tmp_path / "r.jsonl", cfg, progress=False)
     c0, c1 = read_lines(tmp_path / "r.jsonl")
     assert [m["role"] for m in c0["messages"]] == ["user", "assistant"]  # the long user turn is dropped

@@ -220,13 +220,13 @@ def test_a_diverging_run_stops_with_one_line_and_exports_nothing(prepared, tmp_p
 
 def test_non_finite_weights_are_never_checkpointed(tiny_target, make_drafter, tmp_path):
     """The last update can break the weights after the last logged loss: checked before each checkpoint."""
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
     from dflash_train.training.drafter_loop import DrafterTrainLoop
     from dflash_train.training.trainer import Diverged
 
-    cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, block_size=4)
+    cfg = TrainConfig.of(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, block_size=4)
     drafter = make_drafter(num_layers=1, block_size=4)
-    loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, tiny_target.embedding_weight,
+    loop = DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, drafter, tiny_target.embedding_weight,
                             tiny_target.lm_head, tmp_path, 10, progress=False)
     with torch.no_grad():
         drafter.fc.weight[0, 0] = float("inf")

@@ -101,15 +101,15 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp
     leaves it guessing the wrong tokens; here every block is accepted whole."""
     from dflash_train.app.local import train_local
     from dflash_train.models.factory import drafter_config_for, new_drafter
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 250, (40,), generator=g).tolist() for _ in range(2)]
     B = 4
-    cfg = TrainConfig(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, num_anchors=64,
+    cfg = TrainConfig.of(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, num_anchors=64,
                       block_size=B, num_layers=1, max_steps=150, lr=5e-3, warmup_ratio=0.0, checkpoint_every=0,
                       log_every=50, seed=3)
-    drafter = new_drafter(drafter_config_for(tiny, num_layers=1, block_size=B, dtype="float32"), cfg.seed).float()
+    drafter = new_drafter(drafter_config_for(tiny, num_layers=1, block_size=B, dtype="float32"), cfg.run.seed).float()
     pairs = [(np.array(s), np.array([0] * 4 + [1] * (len(s) - 4))) for s in seqs]  # loss after a 4-token prompt
     train_local(cfg, tiny, drafter, in_memory_dataset(pairs), tmp_path, progress=False)
     drafter.eval()

@@ -16,8 +16,8 @@ from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.eval.speculative import target_generate
 from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
+from dflash_train.settings.tree import TrainConfig
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
-from dflash_train.training.config import TrainConfig
 
 PROMPTS = ["def add(a, b):", "count to five", "hello there", "sort a list", "what is 2+2", "name a color"]
 
@@ -37,11 +37,12 @@ def regenerated(tiny_target, tmp_path_factory):
 def _cfg(run_dir, **kw):
     base = dict(run_dir=str(run_dir), target="random:tiny", max_length=96, token_budget=192, num_anchors=16,
                 block_size=4, log_every=1, checkpoint_every=3, keep_checkpoints=5, max_steps=6, lr=3e-3, seed=3)
-    return TrainConfig(**(base | kw))
+    return TrainConfig.of(**(base | kw))
 
 
 def _drafter(tiny_target, cfg):
-    d = new_drafter(drafter_config_for(tiny_target, num_layers=1, block_size=cfg.block_size, dtype="float32"), cfg.seed)
+    shape = drafter_config_for(tiny_target, num_layers=1, block_size=cfg.drafter.block_size, dtype="float32")
+    d = new_drafter(shape, cfg.run.seed)
     return d.float()
 
 
@@ -112,7 +113,7 @@ def test_mfu_per_record_from_the_packs_flops_and_absent_on_cpu(tiny_target, in_m
     cfg = _cfg(tmp_path / "gpu", max_steps=3, checkpoint_every=0)
     result = train_local(cfg, tiny_target, drafter, data, tmp_path / "gpu", progress=False)
     records = [json.loads(line) for line in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
-    packs = list(PackStream(data, cfg.token_budget, cfg.num_anchors, cfg.seed, 1).packs(3))
+    packs = list(PackStream(data, cfg.data.token_budget, cfg.objective.num_anchors, cfg.run.seed, 1).packs(3))
     for rec, pack in zip(records, packs, strict=True):  # log_every=1: one pack per record
         assert rec["mfu"] * rec["elapsed_s"] * 2 * 989e12 == pytest.approx(counter.of(pack), rel=1e-9)
     assert result.last_record["mfu"] == records[-1]["mfu"] > 0
@@ -159,13 +160,13 @@ def test_bad_train_options(tmp_path, capsys, argv, needle):
 
 def test_toml_config_and_overrides(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('num_anchors = 0\n')
+    cfg.write_text('[objective]\nnum_anchors = 0\n')
     assert main(["train", "--config", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
     assert "--num-anchors" in capsys.readouterr().err
-    cfg.write_text('num_ankors = 5\n')
+    cfg.write_text('[objective]\nnum_ankors = 5\n')
     assert main(["train", "--config", str(cfg)]) == 2
-    assert "unknown option 'num_ankors'" in capsys.readouterr().err
-    cfg.write_text('num_anchors = "many"\n')
+    assert "[objective] has no option 'num_ankors'" in capsys.readouterr().err
+    cfg.write_text('[objective]\nnum_anchors = "many"\n')
     assert main(["train", "--config", str(cfg)]) == 2
     assert "num_anchors" in capsys.readouterr().err
 
@@ -173,11 +174,11 @@ def test_toml_config_and_overrides(tmp_path, capsys):
 def test_tau_before_training_is_measured_for_a_drafter_that_starts_trained(tmp_path):
     from dflash_train.app.train import evaluates_before
 
-    fresh, trained = TrainConfig(), TrainConfig(init_drafter="some/drafter")
+    fresh, trained = TrainConfig.of(), TrainConfig.of(init_drafter="some/drafter")
     assert not evaluates_before(fresh, None) and evaluates_before(trained, None)  # auto
-    assert evaluates_before(TrainConfig(eval_before="yes"), None)
-    assert not evaluates_before(TrainConfig(init_drafter="d", eval_before="no"), None)
-    assert not evaluates_before(TrainConfig(eval_before="yes"), tmp_path)  # resumed: part-trained
+    assert evaluates_before(TrainConfig.of(eval_before="yes"), None)
+    assert not evaluates_before(TrainConfig.of(init_drafter="d", eval_before="no"), None)
+    assert not evaluates_before(TrainConfig.of(eval_before="yes"), tmp_path)  # resumed: part-trained
 
 
 def test_train_command_end_to_end_on_tiny(tmp_path, capsys):

@@ -52,8 +52,9 @@ def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tm
     data = PreparedDataset.open(prepared)
     _, val = split_validation(data, 4, seed=3)
     held = {tuple(val[i][0].tolist()) for i in range(len(val))}
-    # per pack stream (the validation's, then training's): the sequences it packed. Keyed by the stream itself, which
-    # keeps it alive: the validation's is freed before training's is made, and id() could then hand out its number again.
+    # per pack stream (the validation's, then training's): the sequences it packed. Keyed by the stream itself,
+    # which keeps it alive: the validation's is freed before training's is made, and id() could hand out its
+    # number again.
     seen: dict[stream_mod.PackStream, set] = {}
     real_next = stream_mod.PackStream.next_step
 
@@ -85,10 +86,10 @@ def test_training_logs_the_held_out_estimate_and_never_trains_on_it(prepared, tm
 
 
 def test_val_every_must_be_positive(tmp_path):
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
 
     with pytest.raises(UsageError, match="--val-every must be >= 1"):
-        TrainConfig(run_dir=str(tmp_path), val_every=0)
+        TrainConfig.of(run_dir=str(tmp_path), val_every=0)
 
 
 @pytest.mark.slow
@@ -135,7 +136,7 @@ def test_a_resume_keeps_the_runs_held_out_conversations_and_order(prepared, tmp_
 
 def test_held_out_conversations_without_anchors_are_named_as_such(tiny_target, tmp_path):
     from dflash_train.app.validation import Validation
-    from dflash_train.training.config import TrainConfig
+    from dflash_train.settings.tree import TrainConfig
 
     class NoLabels:  # sequences with no loss-masked token: nothing to draft
         def lengths(self):
@@ -144,7 +145,7 @@ def test_held_out_conversations_without_anchors_are_named_as_such(tiny_target, t
         def __getitem__(self, i):
             return np.arange(20, dtype=np.int64) + 5, np.zeros(20, dtype=np.uint8)
 
-    cfg = TrainConfig(run_dir=str(tmp_path), max_length=96, token_budget=192, block_size=4)
+    cfg = TrainConfig.of(run_dir=str(tmp_path), max_length=96, token_budget=192, block_size=4)
     with pytest.raises(UsageError, match="--val-conversations: the held-out conversations have no two consecutive"):
         Validation.build(cfg, tiny_target, NoLabels(), [1, 2, 3])
 

@@ -19,7 +19,7 @@ SOURCE = Use("data", DataConfig, only=("data", "split", "num_conversations", "on
 INIT_DRAFTER = (
     Use("run", RunConfig, only=("target", "device", "dtype", "target_seed", "seed")),
     Use("drafter", DrafterConfig, skip=("init_drafter", "init_from_target"),
-        starts={"block_size": RELEASED["block_size"]}),
+        starts={"block_size": RELEASED["block_size"], "sliding_layers": 0}),
 )
 EVAL = (TARGET, Use("eval", EvalConfig, skip=("before",)))
 PREPARE = (TARGET, Use("data", DataConfig, only=(*SOURCE.only, "max_length"), starts=SOURCE.starts))
