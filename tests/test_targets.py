@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.models.chat import check_mask_token, default_mask_token_id, render_chat, stop_token_ids
+from dflash_train.models.chat import render_chat
 from dflash_train.models.loading import load_target
 
 
@@ -82,22 +82,6 @@ def test_target_is_frozen_and_exposes_parts(tiny_target):
     ids = torch.tensor([[3, 4]])
     torch.testing.assert_close(tiny_target.embed(ids), tiny_target.model.get_input_embeddings()(ids))
     assert tiny_target.lm_head.weight.shape == (tiny_target.vocab_size, tiny_target.hidden_size)
-    prompt = render_chat(tiny_target, [{"role": "user", "content": "hi"}])
-    assert tiny_target.tokenizer.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_mask_token_is_first_spare_row(tiny_target):
-    assert tiny_target.vocab_size > len(tiny_target.tokenizer)
-    assert default_mask_token_id(tiny_target) == len(tiny_target.tokenizer)
-
-
-def test_mask_token_inside_label_vocabulary_is_refused(tiny_target):
-    with pytest.raises(UsageError, match="mask"):
-        check_mask_token(tiny_target, 65)  # an ordinary byte token
-    with pytest.raises(UsageError, match="mask"):
-        check_mask_token(tiny_target, stop_token_ids(tiny_target)[0])
-    with pytest.raises(UsageError, match="outside"):
-        check_mask_token(tiny_target, tiny_target.vocab_size)
 
 
 @pytest.mark.parametrize("spec,match", [
