@@ -9,7 +9,7 @@ Before regeneration the job measures every ShareGPT first prompt against
 --regen-max-prompt-tokens (`data/selection.py`); regeneration renders each turn's prompts
 (`data/regenerate.py`); preparation tokenizes every conversation with offsets
 (`data/dataset.py`). Each is timed here the way the job runs it (one tokenizer call per batch:
-Target.render_chats, tokenize.encode_chats) and one conversation at a time (the loops before
+chat.render_chats, tokenize.encode_chats) and one conversation at a time (the loops before
 2026-12-02: one unbatched apply_chat_template call per prompt; encode_chat, a batch of one, for
 preparation, which is the old call's work), with a check that both give the same tokens;
 preparation once more in default_workers() processes where that is more than one (data/parallel.py). The
@@ -38,7 +38,8 @@ from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import Conversation, SourceReport, default_split, iter_conversations
 from dflash_train.data.tokenize import encode_chat, encode_chats, end_of_turn_ids, template_ids
 from dflash_train.files import write_atomic
-from dflash_train.models.targets import load_target
+from dflash_train.models.chat import render_chats
+from dflash_train.models.loading import load_target
 
 
 def _timed(fn):
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
 
     prompts = _histories(convs, 5, 4000)[:args.regen_prompts]  # user, assistant, user, assistant, user
     alone, out["regen_render_one_at_a_time_s"] = _timed(lambda: [template_ids(tok, p, True) for p in prompts])
-    batched, out["regen_render_batched_s"] = _timed(lambda: target.render_chats(prompts))
+    batched, out["regen_render_batched_s"] = _timed(lambda: render_chats(target, prompts))
     assert alone == batched, "batched rendering must give the same tokens"
     out["regen_prompts"] = len(prompts)
     out["regen_prompt_tokens_mean"] = round(sum(map(len, alone)) / max(len(alone), 1), 1)

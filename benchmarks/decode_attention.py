@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a check of the script under TRITON_INTERPRET=1")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
 
     global DEVICE
     DEVICE = torch.device(args.device)

@@ -29,7 +29,7 @@ from dflash_train.eval.speculative import compile_decode
 from dflash_train.models import graphs, static_drafter, static_lm
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.graphs import GraphStore
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 DEVICE = torch.device("cuda")
 

@@ -33,7 +33,7 @@ from dflash_train.eval import greedy_loop
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.files import write_atomic
 from dflash_train.models.factory import drafter_config_for, new_drafter
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 
 def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:

@@ -35,7 +35,7 @@ STAGES: dict[str, tuple[str, str]] = {
     # stage -> (module, attribute): the function the stage's span wraps, patched where it is looked up
     "drafter.lm_head_loss": ("dflash_train.objective.objective", "weighted_block_loss"),
     "drafter.masks": ("dflash_train.objective.objective:DFlashObjective", "masks"),
-    "target_forward": ("dflash_train.models.targets:Target", "features"),
+    "target_forward": ("dflash_train.models.target:Target", "features"),
 }
 
 

@@ -27,7 +27,7 @@ from dflash_train.data.regen_common import reply_segments
 from dflash_train.data.regenerate import POOL_BATCHES
 from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import SourceReport, iter_conversations
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 TEMPLATE_TOKENS = 5  # a chat message's role header and end-of-turn tokens in SmolLM2's template
 

@@ -29,7 +29,7 @@ import torch
 
 from dflash_train.data.dataset import LABELS, PreparedDataset
 from dflash_train.data.relabel import PACKED_TOKENS, PADDED_TOKENS, relabel
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 VARIANTS = {f"padded-{PADDED_TOKENS}": ("padded", PADDED_TOKENS), f"packed-{PACKED_TOKENS}": ("packed", PACKED_TOKENS)}
 

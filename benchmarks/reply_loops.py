@@ -16,8 +16,9 @@ import torch
 
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models import static_lm
+from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.generate import generate
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 
 def copy_predictable(row: list[int], n: int) -> list[bool]:
@@ -43,8 +44,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     target = load_target(args.target, device=args.device)
-    prompts = [target.render_chat(m) for m in load_prompts(args.dataset, args.limit)]
-    stops = set(target.stop_token_ids())
+    prompts = [render_chat(target, m) for m in load_prompts(args.dataset, args.limit)]
+    stops = set(stop_token_ids(target))
     lm = static_lm.for_model(target.model)
     if lm is None:
         raise SystemExit(f"{args.target}: no StaticLM for this architecture")

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from dflash_train.data.packing import PackedLoader  # noqa: E402
 from dflash_train.devices import resolve_device  # noqa: E402
 from dflash_train.models.config import default_target_layer_ids  # noqa: E402
-from dflash_train.models.targets import FLEX_TILE, load_target  # noqa: E402
+from dflash_train.models.document_attention import FLEX_TILE  # noqa: E402
+from dflash_train.models.loading import load_target  # noqa: E402
 from dflash_train.pipeline.features import feature_mode, packed_features, sequence_lengths  # noqa: E402
 
 PATHS = ("padded", "auto", "flex", "dense")

@@ -10,7 +10,7 @@ import torch._dynamo.config
 import torch._inductor.config
 
 from dflash_train.models.factory import drafter_config_for, new_drafter
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 
 def pytest_addoption(parser):

@@ -194,7 +194,7 @@ def test_malformed_drafter_configs_are_one_line_naming_the_flag(tiny_drafter_dir
 
 
 def test_a_target_without_chat_template_is_one_line(tiny_drafter_dir, tmp_path, capsys):
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
 
     target = load_target("random:tiny")
     target.model.save_pretrained(tmp_path / "base")

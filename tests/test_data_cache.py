@@ -7,7 +7,7 @@ import shutil
 
 from dflash_train.cli import main
 from dflash_train.data.fingerprint import tokenizer_fingerprint
-from dflash_train.models.targets import byte_tokenizer
+from dflash_train.models.loading import byte_tokenizer
 
 TRAIN = ["train", "--target", "random:tiny", "--no-regenerate", "--data-topic", "any", "--num-conversations", "0",
          "--max-length", "96", "--token-budget", "192", "--num-anchors", "16", "--block-size", "4",

@@ -8,7 +8,7 @@ from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.eval.speculative import compile_decode, rejection_sample, speculative_generate, target_generate
 from dflash_train.models.checkpoint import save_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 
 def _prompts(n, length=12, seed=0):

@@ -66,7 +66,7 @@ def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
         import os
         import torch
         from dflash_train.models import decode_attention as da, generate as gen, static_lm
-        from dflash_train.models.targets import load_target
+        from dflash_train.models.loading import load_target
 
         torch.manual_seed(0)
         target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
@@ -132,7 +132,7 @@ def test_fused_target_forward_equals_the_eager_forward():
         import os
         import torch
         from dflash_train.models import static_lm
-        from dflash_train.models.targets import load_target
+        from dflash_train.models.loading import load_target
 
         target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
         g = torch.Generator().manual_seed(4)

@@ -6,9 +6,10 @@ import torch
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.eval.speculative import target_generate
+from dflash_train.models.chat import default_mask_token_id, render_chat, stop_token_ids
 from dflash_train.models.checkpoint import load_drafter, save_drafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +20,9 @@ def smollm2():
 def test_embedded_target_shape_and_mask_token(smollm2):
     assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
     # No spare embedding row: MASK is the unused special token <empty_output>.
-    mask = smollm2.default_mask_token_id()
+    mask = default_mask_token_id(smollm2)
     assert smollm2.tokenizer.convert_ids_to_tokens(mask) == "<empty_output>"
-    assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in smollm2.stop_token_ids()
+    assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(smollm2)
     # the export names it, so an engine that resolves the mask from its text (SGLang) finds the same id
     ref = drafter_config_for(smollm2, num_layers=1, block_size=8).to_reference_dict()["dflash_config"]
     assert ref["mask_token"] == "<empty_output>" and ref["mask_token_id"] == mask
@@ -36,8 +37,8 @@ def test_our_checkpoint_decodes_losslessly_in_the_reference_loop(smollm2, tmp_pa
     drafter = load_drafter(tmp_path)
     check_compatible(drafter, smollm2)
     ref = DFlashDraftModel.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    prompt = smollm2.render_chat(load_prompts("humaneval", 1)[0])
-    stops = smollm2.stop_token_ids()
+    prompt = render_chat(smollm2, load_prompts("humaneval", 1)[0])
+    stops = stop_token_ids(smollm2)
     theirs = reference_timing.dflash_generate(ref, smollm2.model, torch.tensor([prompt]), 24, stops)
     base = target_generate(smollm2, prompt, 24, stop_ids=stops)
     assert theirs[0, len(prompt):].tolist() == base.tokens

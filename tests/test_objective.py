@@ -275,7 +275,7 @@ def test_flex_and_dense_give_the_same_loss(tiny_target, make_drafter, sliding):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
 def test_flex_and_dense_give_the_same_gradients_on_cuda():
     from dflash_train.models.factory import drafter_config_for, new_drafter
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
 
     target = load_target("random:tiny", device="cuda", dtype=torch.float32)
     cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32")
@@ -540,7 +540,7 @@ def test_validation_of_compiled_layers_runs_on_the_training_graphs(tiny_target, 
 def test_compiled_draft_layers_equal_the_eager_ones_on_cuda():
     """Inductor with FlexAttention traced into each layer: the loss and gradients of the eager layers."""
     from dflash_train.models.factory import drafter_config_for, new_drafter
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
 
     target = load_target("random:tiny", device="cuda", dtype=torch.float32)
     cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32", num_sliding_layers=1,
@@ -562,7 +562,7 @@ def test_a_training_step_is_queued_without_a_host_sync_on_cuda():
     """The step (host pack to the GPU, blocks, masks, forward, backward, clip, AdamW) never waits for the GPU,
     so the host queues step n+1 while the GPU still runs step n (a blocking host-to-device copy would wait)."""
     from dflash_train.models.factory import drafter_config_for, new_drafter
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
     from dflash_train.training.update import Update, cosine_schedule, make_optimizer
 
     target = load_target("random:tiny", device="cuda", dtype=torch.float32)

@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from dflash_train.data.packing import pack
-from dflash_train.models.targets import (
-    FLEX_TILE,
-    document_block_mask,
-    document_dense_mask,
-    document_starts,
-    load_target,
-)
+from dflash_train.models.document_attention import FLEX_TILE, document_block_mask, document_dense_mask, document_starts
+from dflash_train.models.loading import load_target
 from dflash_train.pipeline.features import feature_mode, packed_features, sequence_lengths
 
 LAYERS = [0, 2, 5]  # random:tiny has 6 layers; 5 is the last (its output gets the final norm)
@@ -145,7 +140,7 @@ def test_the_document_flex_compiles_once_for_every_row_length():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from dflash_train.models.targets import _document_flex, compiled_document_flex, document_block_mask
+    from dflash_train.models.document_attention import _document_flex, compiled_document_flex, document_block_mask
 
     gen, rows = torch.Generator().manual_seed(0), []
     for lengths in ([100, 200, 84], [37, 300, 1, 302], [128, 128]):
@@ -167,7 +162,7 @@ def test_cuda_flex_features_match_the_padded_batch(compile_target):
     """bf16 on the GPU: the packed row (compiled FlexAttention) is as close to float32 truth as the padded batch."""
     import copy
 
-    from dflash_train.models.targets import Target
+    from dflash_train.models.target import Target
 
     exact = load_target("random:smollm2-135m", device="cuda", dtype=torch.float32, seed=0)
     target = Target(copy.deepcopy(exact.model).to(torch.bfloat16), exact.tokenizer, exact.spec)

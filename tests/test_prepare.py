@@ -29,7 +29,7 @@ def tok(tiny_target):
 
 @pytest.fixture(scope="module")
 def smollm2_tok():
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
 
     return load_target("smollm2-135m").tokenizer
 

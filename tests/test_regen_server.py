@@ -21,7 +21,7 @@ from dflash_train.data import regen_client as rc
 from dflash_train.data.regen_common import RegenConfig, check_same_run
 from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
-from dflash_train.models.targets import embedded_gguf_path
+from dflash_train.models.loading import embedded_gguf_path
 
 pytestmark = pytest.mark.slow  # starts a llama.cpp server process
 

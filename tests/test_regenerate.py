@@ -11,7 +11,8 @@ from dflash_train.data.regenerate import RegenConfig, RegenReport, regenerate
 from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
 from dflash_train.eval.speculative import target_generate
-from dflash_train.models.targets import Target
+from dflash_train.models.chat import render_chat, stop_token_ids
+from dflash_train.models.target import Target
 
 NEW = 8  # tokens per turn: enough to be meaningful, cheap on CPU
 
@@ -51,8 +52,8 @@ def conversations(n: int, turns: int = 1) -> list[Conversation]:
 
 def reference_reply(target: Target, history: list[dict], max_new_tokens: int = NEW) -> tuple[list[int], str]:
     """Unbatched greedy reply: tokens up to the first stop, and the text before it."""
-    stops = target.stop_token_ids()
-    tokens = target_generate(target, target.render_chat(history), max_new_tokens, 0.0, stops).tokens
+    stops = stop_token_ids(target)
+    tokens = target_generate(target, render_chat(target, history), max_new_tokens, 0.0, stops).tokens
     text_ids = tokens[:-1] if tokens[-1] in stops else tokens
     return tokens, target.tokenizer.decode(text_ids, skip_special_tokens=False)
 
@@ -104,9 +105,9 @@ def test_reply_points():
 def test_batched_greedy_equals_unbatched(tiny_target):
     histories = [[user("hi")], [sys_("a much longer system prompt"), user("and a question " * 3)],
                  [user("mid length q")]]
-    prompts = [tiny_target.render_chat(h) for h in histories]
+    prompts = [render_chat(tiny_target, h) for h in histories]
     assert len({len(p) for p in prompts}) == 3  # distinct lengths: rows are padded differently
-    replies = regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=NEW), tiny_target.stop_token_ids())
+    replies = regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=NEW), stop_token_ids(tiny_target))
     for history, reply in zip(histories, replies, strict=True):
         ref_tokens, ref_text = reference_reply(tiny_target, history)
         assert reply.ids == ref_tokens
@@ -116,12 +117,12 @@ def test_batched_greedy_equals_unbatched(tiny_target):
 def test_each_decode_batch_holds_prompts_of_similar_length(tiny_target, monkeypatch):
     """A batch's KV cache and attention span its longest prompt: prompts are decoded shortest first, in
     batches of --batch-size, and the replies come back in the prompts' order."""
-    prompts = [tiny_target.render_chat([user("q " * n)]) for n in (9, 1, 30, 4, 17)]
+    prompts = [render_chat(tiny_target, [user("q " * n)]) for n in (9, 1, 30, 4, 17)]
     cfg = RegenConfig(max_new_tokens=NEW, batch_size=2)
-    alone = [regen._decode(tiny_target, [p], cfg, tiny_target.stop_token_ids())[0] for p in prompts]
+    alone = [regen._decode(tiny_target, [p], cfg, stop_token_ids(tiny_target))[0] for p in prompts]
     widths, decode = [], regen._decode
     monkeypatch.setattr(regen, "_decode", lambda t, ps, *a: widths.append([len(p) for p in ps]) or decode(t, ps, *a))
-    replies = regen._generate(tiny_target, prompts, cfg, tiny_target.stop_token_ids())
+    replies = regen._generate(tiny_target, prompts, cfg, stop_token_ids(tiny_target))
     assert widths == [sorted(map(len, prompts))[i:i + 2] for i in (0, 2, 4)]
     assert [r.ids for r in replies] == [r.ids for r in alone]
 
@@ -144,13 +145,13 @@ def test_a_pool_of_batches_writes_what_one_conversation_at_a_time_does(tiny_targ
 
 def test_left_padded_rows_get_their_own_positions(tiny_target):
     """RoPE is shift-invariant, so equal outputs alone would not catch padding-offset positions: look at them."""
-    prompts = [tiny_target.render_chat([user("a long enough question")]), tiny_target.render_chat([user("hi")])]
+    prompts = [render_chat(tiny_target, [user("a long enough question")]), render_chat(tiny_target, [user("hi")])]
     long, short = map(len, prompts)
     seen = []
     hook = tiny_target.model.register_forward_pre_hook(
         lambda _m, _args, kwargs: seen.append(kwargs["position_ids"].clone()), with_kwargs=True)
     try:
-        regen._hf_generate(tiny_target, prompts, RegenConfig(max_new_tokens=3), tiny_target.stop_token_ids())
+        regen._hf_generate(tiny_target, prompts, RegenConfig(max_new_tokens=3), stop_token_ids(tiny_target))
     finally:
         hook.remove()
     prefill, *steps = seen
@@ -167,12 +168,10 @@ def test_stop_tokens_cut_the_reply_and_are_counted(tiny_target):
     # Row 0 stops at the first token it emits that row 1 never emits; row 1 runs to the limit.
     k = next(k for k, t in enumerate(free[0]) if k > 0 and t not in free[0][:k] and t not in free[1])
     stop = free[0][k]
-    target = Target(model=tiny_target.model, tokenizer=tiny_target.tokenizer, spec="random:tiny")
-    target.stop_token_ids = lambda: [stop]  # instance attribute: the shared fixture stays untouched
-    prompts = [target.render_chat(h) for h in histories]
-    r0, r1 = regen._generate(target, prompts, RegenConfig(max_new_tokens=NEW), [stop])
+    prompts = [render_chat(tiny_target, h) for h in histories]
+    r0, r1 = regen._generate(tiny_target, prompts, RegenConfig(max_new_tokens=NEW), [stop])
     assert r0.ids == free[0][:k + 1] and not r0.hit_limit
-    assert r0.text == target.tokenizer.decode(free[0][:k], skip_special_tokens=False)
+    assert r0.text == tiny_target.tokenizer.decode(free[0][:k], skip_special_tokens=False)
     assert r1.ids == free[1] and r1.hit_limit and len(r1.ids) == NEW
 
 
@@ -192,7 +191,7 @@ def test_multi_turn_conditions_on_regenerated_history(tiny_target, tmp_path):
     assert msgs[2]["content"] == reference_reply(tiny_target, msgs[:2])[1]
     # the report splits the time: prefill of every turn's whole history, then decoding
     prompts = [msgs[:2], msgs[:4], c1["messages"][:1]]
-    assert report.prompt_tokens == sum(len(tiny_target.render_chat(h)) for h in prompts)
+    assert report.prompt_tokens == sum(len(render_chat(tiny_target, h)) for h in prompts)
     assert report.prefill_s > 0 and report.decode_s > 0
     assert f"prefill {report.prefill_s:.1f} s ({report.prompt_tokens} prompt tokens)" in report.summary()
     # ... and the host's share: rendering the prompts, decoding the replies' text, writing the file
@@ -222,7 +221,7 @@ def test_a_turn_whose_prompt_reaches_max_context_ends_the_conversation(tiny_targ
                                  user("third"), asst("orig 3")]),
              Conversation("c1", [user("one"), asst("o1"), user("two"), asst("o2")])]
     # room for c1's second prompt, not for c0's (its second user turn alone is ~40 tokens)
-    second = tiny_target.render_chat([user("one"), asst("x" * NEW), user("two")])
+    second = render_chat(tiny_target, [user("one"), asst("x" * NEW), user("two")])
     cfg = RegenConfig(max_new_tokens=NEW, max_turns=0, max_context=len(second) + NEW)
     report = regenerate(tiny_target, convs, tmp_path / "r.jsonl", cfg, progress=False)
     c0, c1 = read_lines(tmp_path / "r.jsonl")

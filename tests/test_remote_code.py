@@ -6,6 +6,7 @@ from dflash import DFlashDraftModel
 from transformers import AutoModel
 
 from dflash_train.eval.speculative import speculative_generate, target_generate
+from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.checkpoint import load_drafter, save_drafter
 from dflash_train.models.drafter import ContextCache
 
@@ -61,8 +62,8 @@ def test_spec_generate_is_lossless_and_equals_our_decode_loop(tiny_target, make_
     drafter = perturb_norms(make_drafter(num_layers=2, block_size=4))
     save_drafter(drafter, tmp_path, torch.float32)
     auto = _auto(tmp_path)
-    prompt = tiny_target.render_chat([{"role": "user", "content": "count to ten"}])
-    stops = tiny_target.stop_token_ids()
+    prompt = render_chat(tiny_target, [{"role": "user", "content": "count to ten"}])
+    stops = stop_token_ids(tiny_target)
     out = auto.spec_generate(tiny_target.model, torch.tensor([prompt]), max_new_tokens=20, stop_token_ids=stops)
     tokens = out[0, len(prompt):].tolist()
     assert tokens == target_generate(tiny_target, prompt, 20, stop_ids=stops).tokens
@@ -71,7 +72,7 @@ def test_spec_generate_is_lossless_and_equals_our_decode_loop(tiny_target, make_
 
 def test_spec_generate_accepts_whole_blocks_from_an_oracle_drafter(make_drafter, tmp_path):
     """All-zero logits on both sides (final norms zeroed): every draft is token 0, the target's choice too."""
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
 
     target = load_target("random:tiny", seed=1)
     target.decoder.norm.weight.data.zero_()

@@ -9,8 +9,9 @@ from dflash_train.data.regenerate import RegenConfig
 from dflash_train.eval import speculative as spec
 from dflash_train.models import static_lm
 from dflash_train.models.generate import generate
+from dflash_train.models.loading import byte_tokenizer
 from dflash_train.models.static_lm import StaticLM
-from dflash_train.models.targets import Target, byte_tokenizer
+from dflash_train.models.target import Target
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -192,7 +193,7 @@ def test_speculative_equals_hf_verifier(tiny_target, make_drafter, monkeypatch, 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replays_equal_eager():
-    from dflash_train.models.targets import load_target
+    from dflash_train.models.loading import load_target
 
     t = load_target("random:tiny", device="cuda", dtype=torch.float32, seed=0)
     eager, graphed = StaticLM(t.model, graphs=False), StaticLM(t.model, graphs=True)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.models.targets import load_target
+from dflash_train.models.chat import render_chat
+from dflash_train.models.loading import load_target
 
 
 def test_layer_ids_index_hf_hidden_states(tiny_target):
@@ -21,7 +22,8 @@ def test_layer_ids_index_hf_hidden_states(tiny_target):
 def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_train.models.targets import Target, byte_tokenizer
+    from dflash_train.models.loading import byte_tokenizer
+    from dflash_train.models.target import Target
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -80,22 +82,6 @@ def test_target_is_frozen_and_exposes_parts(tiny_target):
     ids = torch.tensor([[3, 4]])
     torch.testing.assert_close(tiny_target.embed(ids), tiny_target.model.get_input_embeddings()(ids))
     assert tiny_target.lm_head.weight.shape == (tiny_target.vocab_size, tiny_target.hidden_size)
-    prompt = tiny_target.render_chat([{"role": "user", "content": "hi"}])
-    assert tiny_target.tokenizer.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_mask_token_is_first_spare_row(tiny_target):
-    assert tiny_target.vocab_size > len(tiny_target.tokenizer)
-    assert tiny_target.default_mask_token_id() == len(tiny_target.tokenizer)
-
-
-def test_mask_token_inside_label_vocabulary_is_refused(tiny_target):
-    with pytest.raises(UsageError, match="mask"):
-        tiny_target.check_mask_token(65)  # an ordinary byte token
-    with pytest.raises(UsageError, match="mask"):
-        tiny_target.check_mask_token(tiny_target.stop_token_ids()[0])
-    with pytest.raises(UsageError, match="outside"):
-        tiny_target.check_mask_token(tiny_target.vocab_size)
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -131,7 +117,7 @@ def test_local_hf_directory_round_trip(tiny_target, tmp_path):
     ids = torch.randint(0, 256, (1, 6))
     torch.testing.assert_close(loaded.features(ids, [1, 2]), tiny_target.features(ids, [1, 2]))
     chat = [{"role": "user", "content": "x"}]
-    assert loaded.render_chat(chat) == tiny_target.render_chat(chat)
+    assert render_chat(loaded, chat) == render_chat(tiny_target, chat)
 
 
 def test_init_from_target_copies_the_last_layers(tiny_target):
@@ -206,10 +192,10 @@ def test_keep_only_head_frees_the_layers_and_keeps_embedding_and_lm_head():
 def test_an_unreachable_hub_fails_at_once_with_one_line(monkeypatch):
     """No ~50 s of retries: one connect probe, then the local cache or a one-line error."""
     from dflash_train.errors import UsageError
-    from dflash_train.models import targets
+    from dflash_train.models import loading
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(targets, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(loading, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(UsageError, match=r"^--target: someone/no-such-model: the hub is unreachable and the model "
                                          r"is not in the local cache"):
-        targets.load_target("someone/no-such-model")
+        loading.load_target("someone/no-such-model")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dflash_train.data.packing import PackedBatch
-from dflash_train.models.targets import load_target
+from dflash_train.models.chat import render_chat
+from dflash_train.models.loading import load_target
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 from dflash_train.pipeline.features import packed_features
 
@@ -90,7 +91,7 @@ def test_embedded_target_training_blocks_equal_decode_style_forward():
 
     target = load_target("smollm2-135m")
     drafter = new_drafter(drafter_config_for(target, num_layers=1, block_size=4, dtype="float32"), seed=0).float()
-    text = [target.render_chat([{"role": "user", "content": t}]) for t in ("Hi there", "Write a loop in Python")]
+    text = [render_chat(target, [{"role": "user", "content": t}]) for t in ("Hi there", "Write a loop in Python")]
     _check(target, drafter.eval(), [t[:14] for t in text], "dense")
 
 

@@ -14,6 +14,7 @@ from dflash_train.data.regenerate import RegenConfig, regenerate
 from dflash_train.data.sources import Conversation
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.eval.speculative import target_generate
+from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.settings.tree import TrainConfig
@@ -77,7 +78,7 @@ def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_pa
 
 def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, in_memory_dataset, tmp_path):
     """Train on the target's own greedy continuations of six prompts, then decode those prompts."""
-    prompts = [tiny_target.render_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    prompts = [render_chat(tiny_target, [{"role": "user", "content": p}]) for p in PROMPTS]
     pairs = []
     for prompt in prompts:
         reply = target_generate(tiny_target, prompt, 40).tokens

@@ -34,9 +34,10 @@ from dflash_train.errors import UsageError
 from dflash_train.eval.evaluate import evaluate
 from dflash_train.eval.prompts import load_eval_set
 from dflash_train.eval.speculative import check_decode
+from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 from dflash_train.profiling.compare import compare as compare_profiles
 from dflash_train.profiling.report import report as profile_report
 from dflash_train.settings import subcommands as uses
@@ -137,7 +138,7 @@ def cmd_eval(args) -> int:
     drafter = load_drafter(args.drafter)
     check_compatible(drafter, target)
     drafter = to_device(drafter, target)
-    ids = [target.render_chat(m) for m in evalset.prompts]
+    ids = [render_chat(target, m) for m in evalset.prompts]
     check_decode(target, drafter, ids, cfg.max_new_tokens, cfg.block_size)  # before the caches are sized
     report = evaluate(target, drafter, ids, cfg, progress=not args.quiet)
     if evalset.categories:

@@ -24,7 +24,7 @@ from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import Conversation, SourceReport, default_split, iter_conversations
 from dflash_train.errors import say
 from dflash_train.files import write_atomic
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.settings.tree import TrainConfig
 

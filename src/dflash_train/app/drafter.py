@@ -8,11 +8,12 @@ import torch
 
 from dflash_train.config import flag
 from dflash_train.errors import UsageError
+from dflash_train.models.chat import token_text
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 from dflash_train.settings.tree import TrainConfig
 
 # The flags that shape a fresh drafter; a starting drafter (--init-drafter, a checkpoint) has its own.
@@ -84,7 +85,7 @@ def check_mask_token_absent(dataset, mask_token_id: int, target: Target) -> None
     """The mask token marks the slots to guess; in the data it would be a token the drafter must also read."""
     hits = dataset.count_token(mask_token_id)
     if hits:
-        text = target.token_text(mask_token_id)
+        text = token_text(target, mask_token_id)
         name = f" ({text!r})" if text is not None else ""
         raise UsageError(f"{dataset.path}: the drafter's mask token {mask_token_id}{name} occurs {hits} times in "
                          "the training data; pick another (`dflash-train init-drafter --mask-token-id ID`, then "

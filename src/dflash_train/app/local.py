@@ -20,7 +20,7 @@ from dflash_train.data.label_columns import TARGET_LABELS, feature_width
 from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import say
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 from dflash_train.pipeline.sources import FeatureSource, local_source
 from dflash_train.pipeline.stream import PackStream, StreamState
 from dflash_train.pipeline.target_loop import FeatureCache

@@ -31,7 +31,7 @@ from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.targets import default_dtype, load_target
+from dflash_train.models.loading import default_dtype, load_target
 from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
 from dflash_train.pipeline.stream import PackStream, StreamState
 from dflash_train.pipeline.worker import Peers, WorkerSpec, drafter_packs, join_group, receive_features, serve_features

@@ -34,9 +34,11 @@ from dflash_train.eval.evaluate import EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.eval.speculative import check_context, check_decode
 from dflash_train.models import static_lm
+from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.targets import Target, load_target
+from dflash_train.models.loading import load_target
+from dflash_train.models.target import Target
 from dflash_train.objective.objective import check_backend_device
 from dflash_train.profiling.session import profile_session
 from dflash_train.profiling.stall import StallWatch
@@ -92,7 +94,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes the features itself
         check_num_features(target, cfg.drafter.num_features)  # before the data work
-    prompts = ([target.render_chat(m) for m in load_prompts(cfg.eval.dataset, cfg.eval.limit)]
+    prompts = ([render_chat(target, m) for m in load_prompts(cfg.eval.dataset, cfg.eval.limit)]
                if cfg.eval.limit else [])
     if prompts:  # a too-long eval fails now, not after the data work and the training
         check_context(target, max(map(len, prompts)), cfg.eval.max_new_tokens, "--eval-max-new-tokens")

@@ -21,7 +21,7 @@ import torch
 from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.files import write_atomic
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.stream import PackStream
 from dflash_train.settings.tree import TrainConfig

@@ -45,7 +45,7 @@ from dflash_train.bench.config import BenchConfig, check_gpus, parse_splits, tra
 from dflash_train.bench.multi import link_bandwidth, recommend, run_split, scaling, write_dataset
 from dflash_train.devices import resolve_device
 from dflash_train.models.factory import drafter_config_for, new_drafter
-from dflash_train.models.targets import load_target
+from dflash_train.models.loading import load_target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.stream import PackStream
 from dflash_train.pipeline.worker import die_with_parent

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from dflash_train.data import sharegpt
 from dflash_train.models import presets
-from dflash_train.models.targets import Target, embedded_gguf_path
+from dflash_train.models.loading import embedded_gguf_path
+from dflash_train.models.target import Target
 
 _CHUNK = 1 << 22
 _EDGE = 1 << 20  # bytes hashed at each end of a weights file

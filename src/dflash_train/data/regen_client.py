@@ -80,7 +80,7 @@ from dflash_train.data.regen_common import (
 from dflash_train.data.sources import Conversation
 from dflash_train.data.tokenize import template_ids
 from dflash_train.errors import UsageError
-from dflash_train.models import targets
+from dflash_train.models import loading
 
 REASONING = ("keep", "drop")
 MAX_BACKOFF_S = 30.0
@@ -515,18 +515,18 @@ def load_tokenizer(spec: str, flag: str = "--target"):
     from transformers import AutoTokenizer
 
     if spec.startswith("random:"):
-        return targets.byte_tokenizer()
+        return loading.byte_tokenizer()
     if spec == "smollm2-135m" or spec.endswith(".gguf"):
-        path = targets.embedded_gguf_path(flag) if spec == "smollm2-135m" else Path(spec)
+        path = loading.embedded_gguf_path(flag) if spec == "smollm2-135m" else Path(spec)
         if not path.is_file():
             raise UsageError(f"{flag}: GGUF file {spec} not found")
-        cached = targets._gguf_cache_dir(path)  # the HF copy load_target writes on first use
+        cached = loading.gguf_cache_dir(path)  # the HF copy load_target writes on first use
         if cached is not None and (cached / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
     local = os.path.isdir(spec)
     try:
-        cache_only = False if local else targets._cache_only(spec, flag)
+        cache_only = False if local else loading.hub_cache_only(spec, flag)
         return AutoTokenizer.from_pretrained(spec, clean_up_tokenization_spaces=False, local_files_only=cache_only)
     except (OSError, ValueError) as e:
         raise UsageError(f"{flag}: cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}") from None

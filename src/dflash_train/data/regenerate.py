@@ -71,9 +71,10 @@ from dflash_train.data.regen_common import (
 from dflash_train.data.sources import Conversation
 from dflash_train.data.tokenize import decode_rows
 from dflash_train.models import static_lm
+from dflash_train.models.chat import render_chats, stop_token_ids
 from dflash_train.models.generate import generate
 from dflash_train.models.sampling import pick
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 
 __all__ = ["RegenConfig", "RegenReport", "regenerate", "sample_ids"]
 
@@ -110,7 +111,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     t0 = time.perf_counter()
     header = {"regenerated_by": target.spec, **cfg.settings()}
     done = resume(out_path, header)
-    stops = target.stop_token_ids()  # builds the vocabulary dict: once per run, not per turn
+    stops = stop_token_ids(target)  # builds the vocabulary dict: once per run, not per turn
     report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
     torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
     total = len(conversations) * cfg.samples if hasattr(conversations, "__len__") else None
@@ -158,7 +159,7 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
         active, prompts = [], []
         turn = [job for job in jobs if k < len(job.segments)]
         t = time.perf_counter()
-        rendered = target.render_chats([job.history + job.segments[k] for job in turn])  # one batch: every core
+        rendered = render_chats(target, [job.history + job.segments[k] for job in turn])  # one batch: every core
         report.render_s += time.perf_counter() - t
         for job, prompt in zip(turn, rendered, strict=True):
             if k and cfg.max_context is not None and len(prompt) >= cfg.max_context:

@@ -13,7 +13,7 @@ agreement across them holds.
 
 On CUDA, for a target whose every layer is plain causal attention, the sequences go through it
 as packed rows, each causal within itself (the training forward's document mask,
-models/targets.py): up to PACKED_TOKENS real tokens a row (a longer sequence is a row of its
+models/document_attention.py): up to PACKED_TOKENS real tokens a row (a longer sequence is a row of its
 own; FlexAttention pads a row by < 128 tokens), one host sync per row. Elsewhere as right-padded
 batches of similar lengths, up to PADDED_TOKENS padded tokens each.
 """
@@ -33,7 +33,8 @@ from dflash_train.data.dataset import LABELS, PreparedDataset
 from dflash_train.data.packing import pack
 from dflash_train.errors import UsageError
 from dflash_train.files import write_atomic
-from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Target, document_backend, document_row
+from dflash_train.models.document_attention import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, document_backend, document_row
+from dflash_train.models.target import Target
 
 PACKED_TOKENS = 16384  # real tokens per packed row (the H200 recipe's training packs)
 PADDED_TOKENS = 4096  # padded tokens per batch: attention memory grows with the batch's longest row squared

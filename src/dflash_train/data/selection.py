@@ -9,7 +9,8 @@ from itertools import islice
 from dflash_train.data.conversations import first_prompt
 from dflash_train.data.sources import Conversation, SourceReport
 from dflash_train.data.tokenize import max_token_chars
-from dflash_train.models.targets import Target
+from dflash_train.models.chat import render_chats
+from dflash_train.models.target import Target
 
 # A first prompt "about code": a fence, a keyword of code or a language name.
 CODE_TOPIC = re.compile(r"```|\bdef |\bpython\b|\bfunction\b|\bcode\b|\bjavascript\b|\bclass\b|\bimport\b|"
@@ -24,7 +25,7 @@ def select_conversations(convs: Iterable[Conversation], report: SourceReport, *,
     target: measures the rendered first prompt against max_prompt_tokens (None: not measured, as
     without regeneration). Long prompts cost prefill time and leave no room for the reply within
     --max-length; they are skipped and counted. Sorted by prompt length so regeneration batches
-    carry little padding. Prompts are measured in batches (Target.render_chats), never more than
+    carry little padding. Prompts are measured in batches (chat.render_chats), never more than
     the count still missing, so a limit reads the source no further than one at a time did.
     """
     picked: list[tuple[int, Conversation]] = []
@@ -51,7 +52,7 @@ def _prompt_lengths(convs: list[Conversation], target: Target | None, max_prompt
         return [0] * len(convs)
     prompts = [first_prompt(conv.messages) for conv in convs]
     fits = [sum(len(m["content"]) for m in p) <= token_chars * (max_prompt_tokens + 1) for p in prompts]
-    lengths = iter(len(ids) for ids in target.render_chats([p for p, ok in zip(prompts, fits, strict=True) if ok]))
+    lengths = iter(len(ids) for ids in render_chats(target, [p for p, ok in zip(prompts, fits, strict=True) if ok]))
     return [next(lengths) if ok else max_prompt_tokens + 1 for ok in fits]
 
 

@@ -26,9 +26,10 @@ from tqdm import tqdm
 from dflash_train.config import MAX_BLOCK_SIZE, at_least, between, setting, validate
 from dflash_train.errors import UsageError
 from dflash_train.eval.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
+from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.static_lm import KV_BUCKET, bucket
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,7 +175,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
              progress: bool = True) -> EvalReport:
     """Decode every prompt (token ids, chat template applied) with and without the drafter."""
     B = cfg.block_size or drafter.block_size
-    stops = target.stop_token_ids()
+    stops = stop_token_ids(target)
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
     # Warm-up outside the clocks: first-call allocations, kernel selection and, on CUDA, the
     # graph captures of the key-length buckets the prompts reach (warm_prompts). On CPU (no

@@ -26,7 +26,7 @@ from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.graphs import GraphStore
 from dflash_train.models.host_reads import LaggedReads
 from dflash_train.models.static_lm import StaticCache, StaticLM, bucket
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 
 
 @dataclass

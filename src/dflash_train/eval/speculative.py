@@ -25,7 +25,7 @@ from dflash_train.models.drafter import ContextCache, DFlashDrafter
 from dflash_train.models.generate import generate, now
 from dflash_train.models.host_reads import LAG
 from dflash_train.models.sampling import pick, probs
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 
 
 @dataclass

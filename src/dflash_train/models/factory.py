@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.errors import UsageError
+from dflash_train.models.chat import check_mask_token, default_mask_token_id, token_text
 from dflash_train.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -13,7 +14,7 @@ from dflash_train.models.config import (
     default_target_layer_ids,
 )
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 
 DEFAULT_NUM_FEATURES = 5
 
@@ -37,8 +38,8 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         raise UsageError(f"--target-layer-ids: {n - 1} is the target's last layer; serving engines capture a layer's "
                          f"output before the next layer runs, so ids go up to {n - 2}")
     if mask_token_id is None:
-        mask_token_id = target.default_mask_token_id()
-    target.check_mask_token(mask_token_id, "--mask-token-id")
+        mask_token_id = default_mask_token_id(target)
+    check_mask_token(target, mask_token_id, "--mask-token-id")
     heads = c.num_attention_heads
     if num_layers > n:  # before it sizes layer_types (DFlashConfig holds a config.json to the same bound)
         raise UsageError(f"--num-layers must be <= the target's {n} layers, got {num_layers}")
@@ -62,7 +63,7 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         rope_parameters=dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4}),
         max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
         dtype=dtype,
-        mask_token=target.token_text(mask_token_id),
+        mask_token=token_text(target, mask_token_id),
     )
 
 
@@ -85,7 +86,7 @@ def check_compatible(drafter: DFlashDrafter, target: Target, where: str = "--dra
     cfg = drafter.config
     check_against_target(cfg, hidden_size=target.hidden_size, num_layers=target.num_layers,
                          vocab_size=target.vocab_size, where=where)
-    target.check_mask_token(cfg.mask_token_id, f"{where}: dflash_config.mask_token_id")
+    check_mask_token(target, cfg.mask_token_id, f"{where}: dflash_config.mask_token_id")
 
 
 def to_device(drafter: DFlashDrafter, target: Target) -> DFlashDrafter:

@@ -21,7 +21,8 @@ import torch
 
 from dflash_train.data.label_columns import TARGET_LABELS, with_labels
 from dflash_train.data.packing import PackedBatch
-from dflash_train.models.targets import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, Target, document_backend, document_row
+from dflash_train.models.document_attention import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, document_backend, document_row
+from dflash_train.models.target import Target
 from dflash_train.profiling.stats import NULL_LOOP
 
 

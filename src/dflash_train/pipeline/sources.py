@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Protocol
 
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 from dflash_train.pipeline.handoff import Features, LocalHandoff, PipelineStopped
 from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
 from dflash_train.profiling.stats import NULL_LOOP, NULL_PROFILE

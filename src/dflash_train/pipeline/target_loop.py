@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from dflash_train.data.packing import select
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.handoff import Features, LocalHandoff, P2PSender, PipelineStopped
 from dflash_train.pipeline.stream import Pack

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dflash_train.config import DEBUG_STACKS_ENV
 from dflash_train.config import FAULT_ENV as FAULT
 from dflash_train.errors import UsageError
-from dflash_train.models.targets import Target
+from dflash_train.models.target import Target
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.stream import Pack, PackStream
 from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop

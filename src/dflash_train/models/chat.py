@@ -1,0 +1,90 @@
+"""The target's chat format: prompts through its chat template, the tokens that end a reply,
+and which token may serve as the drafter's MASK (one that never appears as a label)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dflash_train.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflash_train.models.target import Target
+
+# Unused special tokens that can serve as MASK when the embedding has no spare row.
+_MASK_CANDIDATES = ("<|MASK|>", "<mask>", "<|mask|>", "<empty_output>", "<|reserved_special_token_0|>", "<|fim_pad|>")
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+
+def render_chat(target: Target, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` through the target's chat template."""
+    return render_chats(target, [messages], add_generation_prompt)[0]
+
+
+def render_chats(target: Target, conversations: list[list[dict[str, str]]],
+                 add_generation_prompt: bool = True) -> list[list[int]]:
+    """render_chat of each conversation, tokenized as one batch: a fast tokenizer encodes a batch on
+    every core (16,988 ShareGPT first prompts: 9.1 s one by one, 3.7 s batched on 2 cores)."""
+    tok = target.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise UsageError(f"--target {target.spec}: its tokenizer has no chat template, which renders every prompt "
+                         "and conversation; give a chat model, or add a chat_template to its tokenizer_config.json")
+    if not conversations:
+        return []
+    out = tok.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [list(ids) for ids in out]
+
+
+def stop_token_ids(target: Target) -> list[int]:
+    """EOS ids from the generation config plus the chat end-of-turn tokens the tokenizer knows."""
+    ids: set[int] = set()
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    vocab = target.tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _STOP_TOKENS if t in vocab)
+    return sorted(ids)
+
+
+def reserved_token_ids(target: Target) -> set[int]:
+    """Tokens that appear in training labels: stop, bos and chat-template tokens."""
+    tok = target.tokenizer
+    ids = set(stop_token_ids(target))
+    ids.update(i for i in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) if i is not None)
+    vocab = tok.get_vocab()
+    ids.update(vocab[t] for t in ("<|im_start|>", "<|im_end|>") if t in vocab)
+    return ids
+
+
+def token_text(target: Target, token_id: int) -> str | None:
+    """The token's text in the tokenizer; None for a spare embedding row past it."""
+    tok = target.tokenizer
+    return tok.convert_ids_to_tokens(token_id) if token_id < len(tok) else None
+
+
+def default_mask_token_id(target: Target) -> int:
+    """First spare embedding row past the tokenizer, else an unused special token."""
+    n_tok = len(target.tokenizer)
+    if target.vocab_size > n_tok:
+        return n_tok
+    vocab = target.tokenizer.get_vocab()
+    for tok in _MASK_CANDIDATES:
+        if tok in vocab and vocab[tok] not in reserved_token_ids(target):
+            return vocab[tok]
+    raise UsageError(f"--mask-token-id: target {target.spec} has no spare embedding row and none of the unused "
+                     f"special tokens {list(_MASK_CANDIDATES)}; pass an unused special token id")
+
+
+def check_mask_token(target: Target, mask_token_id: int, name: str = "mask_token_id") -> None:
+    """MASK must never be a label: a spare row, or a special token the chat format does not use."""
+    if not 0 <= mask_token_id < target.vocab_size:
+        raise UsageError(f"{name}: {mask_token_id} is outside the target's embedding (0..{target.vocab_size - 1})")
+    if mask_token_id >= len(target.tokenizer):
+        return
+    specials = {i for i, t in getattr(target.tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(t, "special", False)}
+    if mask_token_id not in specials or mask_token_id in reserved_token_ids(target):
+        raise UsageError(f"{name}: token {mask_token_id} ({token_text(target, mask_token_id)!r}) "
+                         "is in the target's normal vocabulary of labels; "
+                         "use a spare row or an unused special token")

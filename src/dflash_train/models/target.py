@@ -1,0 +1,185 @@
+"""The frozen target LLM: its forward, the features DFlash trains on, its embedding and LM head.
+
+Feature convention: layer id L is the OUTPUT of decoder layer L = HF `hidden_states[L + 1]`.
+For L = N-1 HF's last hidden state has the final norm applied; `Target.capture` matches that.
+Loading is models/loading.py; the chat format (template, stop tokens, MASK) models/chat.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.errors import UsageError
+from dflash_train.models.document_attention import flex_attention_for
+
+_HEAD_ROWS = 4096  # LM head rows at a time in greedy_labels: [4096, vocab] logits, not a whole row's
+
+
+@dataclass
+class Target:
+    """A frozen causal LM with the accessors DFlash needs."""
+
+    model: nn.Module  # a transformers *ForCausalLM, eval mode, requires_grad False
+    tokenizer: object
+    spec: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding (may exceed the tokenizer: spare rows)."""
+        return self.embedding_weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding_weight.dtype
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embedding_weight)
+
+    @torch.no_grad()
+    def greedy_labels(self, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """The target labels [S] of packed tokens from their final-normed hidden states [S, H]: at a loss
+        token with a prefix (position > 0; every packed sequence starts at 0), the target's greedy token
+        after that prefix (its LM head one position back); elsewhere the token itself, never a label."""
+        pred = torch.cat([self.lm_head(h).argmax(-1) for h in final.split(_HEAD_ROWS)])
+        keep = loss_mask.to(final.device).bool() & (positions.to(final.device) > 0)
+        return torch.where(keep, pred.roll(1), input_ids.to(final.device))
+
+    def keep_only_head(self, device: torch.device) -> None:
+        """Free the decoder layers and move what is left (embedding, final norm, LM head) to `device`.
+
+        For drafter-only workers: they embed block tokens and score with the LM head, and never
+        run the target; for Qwen3-8B this leaves 13.9 GB of layers (bf16) off their GPU.
+        """
+        self.decoder.layers = nn.ModuleList()
+        self.model.to(device)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm) without the LM head."""
+        return self.model.base_model
+
+    @property
+    def full_attention_only(self) -> bool:
+        """Every layer is plain causal attention (no sliding window, no logit soft-capping).
+
+        Only then may a packed row's document mask (which replaces the model's own masks in
+        every layer) stand in for the padded batch.
+        """
+        cfg = self.model.config
+        types = getattr(cfg, "layer_types", None) or ["full_attention"]
+        return all(t == "full_attention" for t in types) and not getattr(cfg, "attn_logit_softcapping", None)
+
+    @torch.inference_mode()
+    def features(self, input_ids: torch.Tensor, layer_ids: Sequence[int], *,
+                 position_ids: torch.Tensor | None = None, attention_mask=None) -> torch.Tensor:
+        """Concatenated features [b, n, len(layer_ids) * H]; runs layers 0..max(layer_ids) only, no LM head.
+
+        attention_mask: None (causal), a [b, n] padding mask, a [b, 1, n, n] boolean mask (True =
+        may attend) or a FlexAttention BlockMask; the last two are used as given (e.g. a packed
+        row's document mask, models/document_attention.py) and a BlockMask runs this forward's
+        attention through FlexAttention.
+        """
+        self.check_layer_ids(layer_ids, "target_layer_ids")
+        with self.capture(layer_ids) as features, self._truncated(max(layer_ids) + 1), \
+                flex_attention_for(self.model.config, attention_mask):
+            self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+        return features()
+
+    @contextlib.contextmanager
+    def capture(self, layer_ids: Sequence[int]) -> Iterator[Callable[[], torch.Tensor]]:
+        """Inside: forwards record the outputs of decoder layers `layer_ids`; the function yielded
+        concatenates the last ones recorded, [b, n, len(layer_ids) * H], in the order of `layer_ids`.
+
+        The one feature extractor, for any forward: the truncated one above and a decode or verify
+        forward with a KV cache and logits. Hooks rather than HF's output_hidden_states: those keep
+        every layer's states, and under truncation HF would final-norm the last layer run instead
+        of layer N-1. Id N-1 gets the final norm here, as HF's hidden_states[N] has it.
+        """
+        captured: dict[int, torch.Tensor] = {}
+        layers = self.decoder.layers
+        hooks = [layers[i].register_forward_hook(_capture(captured, i)) for i in set(layer_ids)]
+
+        def features() -> torch.Tensor:
+            return torch.cat([self.decoder.norm(captured[i]) if i == self.num_layers - 1 else captured[i]
+                              for i in layer_ids], dim=-1)
+
+        try:
+            yield features
+        finally:
+            for h in hooks:
+                h.remove()
+
+    @contextlib.contextmanager
+    def compiled_layers(self, enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
+        """Inside: the decoder layers' forward under torch.compile (the feature forwards of training).
+
+        Only `forward` is compiled, so the capture hooks stay outside the graph; every layer runs
+        the same code with its parameters as inputs, so all layers share one graph (recompiled
+        once as dynamic when the pack length first changes). The graph guards on the attention
+        implementation, so packed rows (FlexAttention, traced into the graph) and unpadded
+        batches (sdpa) each get their own. On exit the layers are eager again, so decoding
+        (eval, regeneration) never compiles its many cache shapes.
+        """
+        if not enabled:
+            yield
+            return
+        from dflash_train.models.compiled import compiled_forwards
+
+        with compiled_forwards(self.decoder.layers, backend=backend):
+            yield
+
+    @contextlib.contextmanager
+    def _truncated(self, n_layers: int) -> Iterator[None]:
+        """Temporarily keep only the first n_layers decoder layers (not thread-safe: one target per worker)."""
+        full = self.decoder.layers
+        if n_layers >= len(full):
+            yield
+            return
+        self.decoder.layers = nn.ModuleList(list(full)[:n_layers])
+        try:
+            yield
+        finally:
+            self.decoder.layers = full
+
+    def check_layer_ids(self, layer_ids: Sequence[int], name: str) -> None:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise UsageError(f"{name}: {bad} out of range for target {self.spec} with {self.num_layers} layers "
+                             f"(valid 0..{self.num_layers - 1})")
+
+
+def _capture(store: dict[int, torch.Tensor], idx: int):
+    def hook(_module, _args, output):
+        store[idx] = output[0] if isinstance(output, tuple) else output
+    return hook

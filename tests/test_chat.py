@@ -1,0 +1,43 @@
+"""The target's chat format: the template, the stop tokens and the choice of the drafter's MASK token."""
+
+import pytest
+
+from dflash_train.errors import UsageError
+from dflash_train.models.chat import check_mask_token, default_mask_token_id, render_chat, render_chats, stop_token_ids
+
+
+def test_a_prompt_renders_through_the_chat_template(tiny_target):
+    prompt = render_chat(tiny_target, [{"role": "user", "content": "hi"}])
+    assert tiny_target.tokenizer.decode(prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    convs = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "longer"}]]
+    assert render_chats(tiny_target, convs) == [render_chat(tiny_target, c) for c in convs]
+    assert render_chats(tiny_target, []) == []
+
+
+def test_the_end_of_turn_token_stops_a_reply(tiny_target):
+    assert tiny_target.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(tiny_target)
+
+
+def test_mask_token_is_first_spare_row(tiny_target):
+    assert tiny_target.vocab_size > len(tiny_target.tokenizer)
+    assert default_mask_token_id(tiny_target) == len(tiny_target.tokenizer)
+
+
+def test_mask_token_inside_label_vocabulary_is_refused(tiny_target):
+    with pytest.raises(UsageError, match="mask"):
+        check_mask_token(tiny_target, 65)  # an ordinary byte token
+    with pytest.raises(UsageError, match="mask"):
+        check_mask_token(tiny_target, stop_token_ids(tiny_target)[0])
+    with pytest.raises(UsageError, match="outside"):
+        check_mask_token(tiny_target, tiny_target.vocab_size)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tiny_target):
+    from dflash_train.models.loading import byte_tokenizer
+    from dflash_train.models.target import Target
+
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    target = Target(model=tiny_target.model, tokenizer=tok, spec="random:tiny")
+    with pytest.raises(UsageError, match="no chat template"):
+        render_chat(target, [{"role": "user", "content": "hi"}])
