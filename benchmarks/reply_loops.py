@@ -14,9 +14,9 @@ import argparse
 
 import torch
 
+from dflash_train.decode import static_lm
+from dflash_train.decode.generate import generate
 from dflash_train.eval.prompts import load_prompts
-from dflash_train.models import static_lm
-from dflash_train.models.generate import generate
 from dflash_train.models.targets import load_target
 
 
