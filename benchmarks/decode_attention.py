@@ -1,4 +1,4 @@
-"""Regeneration's decode attention: the Triton kernel (models/decode_attention.py) against the batched-matmul
+"""Regeneration's decode attention: the Triton kernel (decode/attention_kernel.py) against the batched-matmul
 path, alone at one layer's shape and inside whole regeneration batches.
 
     python3 benchmarks/decode_attention.py --json benchmarks/results/decode-attention-h200.json
@@ -10,7 +10,7 @@ path, alone at one layer's shape and inside whole regeneration batches.
    moves), against the H200's ~4.3 TB/s copy rate. Kernel tile shapes are timed side by side.
 2. Regeneration (benchmarks/decode_speed.py's regen_rate: 2,048 random-weight rows of 600-900-token
    prompts, 256 new tokens, no stops) with the kernel off and on, on with the fused elementwise chains
-   (models/fused_target.py), and on with compiled steps.
+   (decode/fused_target.py), and on with compiled steps.
 3. `--profile FILE`: torch.profiler tables of one prefill of the batch (the other half of regeneration's
    device time on the shipped config's data).
 
@@ -33,9 +33,9 @@ from functools import partial
 
 import torch
 
-from dflash_train.models import decode_attention as da
-from dflash_train.models import static_lm
-from dflash_train.models.static_lm import bucket, cached_attention
+from dflash_train.decode import attention_kernel as da
+from dflash_train.decode import static_lm
+from dflash_train.decode.static_lm import bucket, cached_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_speed import _prompts, regen_rate  # noqa: E402  (benchmarks/ is not a package)
@@ -95,7 +95,7 @@ def attention_layer(rows: int, lo: int, hi: int, heads: int = 9, kv_heads: int =
 def prefill_profile(target, prompts, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from dflash_train.models.generate import prefill
+    from dflash_train.decode.generate import prefill
 
     cuda = DEVICE.type == "cuda"
     lm = static_lm.for_model(target.model)
@@ -145,10 +145,10 @@ def main(argv=None) -> int:
         target = load_target(args.target, device=DEVICE)
         lo, hi = (600, 900) if DEVICE.type == "cuda" else (args.min_len, args.max_len)  # CPU: the check's lengths
         rows = _prompts(args.regen_rows, lo, hi, min(len(target.tokenizer), target.vocab_size))
-        for name, kernel, fused in (("regen_batched", "0", "0"), ("regen_kernel", "1", "0"),
-                                    ("regen_kernel_fused", "1", "1")):
-            os.environ[da.ENV], os.environ["DFLASH_FUSED_TARGET"] = kernel, fused
-            static_lm.release(target.model)  # fresh graphs: captured with this path's kernels
+        for name, kernel, fused in (("regen_batched", False, False), ("regen_kernel", True, False),
+                                    ("regen_kernel_fused", True, True)):
+            # a fresh engine (and graphs: captured with this path's kernels) for regeneration to use
+            static_lm.use(static_lm.StaticLM(target.model, attention_kernel=kernel, fused=fused))
             out[name] = regen_rate(target, rows, args.new_tokens, hf=False)
             print(name, out[name], flush=True)
         if args.profile:

@@ -24,11 +24,10 @@ from datetime import date
 
 import torch
 
-from dflash_train.eval import greedy_loop
-from dflash_train.eval.speculative import compile_decode
-from dflash_train.models import graphs, static_drafter, static_lm
+from dflash_train.decode import graphs, greedy_loop, static_drafter, static_lm
+from dflash_train.decode.graphs import GraphStore
+from dflash_train.decode.speculative import compile_decode
 from dflash_train.models.factory import drafter_config_for, new_drafter
-from dflash_train.models.graphs import GraphStore
 from dflash_train.models.loading import load_target
 
 DEVICE = torch.device("cuda")

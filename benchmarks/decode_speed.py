@@ -29,9 +29,8 @@ import torch
 
 from dflash_train.data import regenerate as regen
 from dflash_train.data.regenerate import RegenConfig, RegenReport
-from dflash_train.eval import greedy_loop
-from dflash_train.eval import speculative as spec
-from dflash_train.models import static_lm
+from dflash_train.decode import greedy_loop, static_lm
+from dflash_train.decode import speculative as spec
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.loading import load_target
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from decode_speed import _sync, device_steps  # a sibling script: benchmarks/ is sys.path[0]
 
-from dflash_train.eval import greedy_loop
+from dflash_train.decode import greedy_loop
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.files import write_atomic
 from dflash_train.models.factory import drafter_config_for, new_drafter

@@ -26,7 +26,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from dflash_train.models.fused import _rms_norm as rms  # the drafter's own norm math
+from dflash_train.models.fused import eager_rms_norm as rms  # the drafter's own norm math
 
 VARIANTS = [("default", {}), ("non_strict", {"triton.mix_order_reduction_non_strict_mode": True}),
             ("mix_off", {"triton.mix_order_reduction": False})]

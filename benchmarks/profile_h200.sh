@@ -8,9 +8,9 @@
 #   warm     a short SmolLM2 run that prepares the data (CONVS ShareGPT conversations, raw
 #            replies: --no-regenerate) and fills the compile caches, so a, b, c start alike  ~60 s
 #   a        the clean run: configs/smollm2-h200.toml's drafter and packs; target not compiled
-#            (--no-compile-target), drafter unfused (DFLASH_FUSED_DRAFTER=0), no CUDA graphs (only
-#            eval and regeneration use them; both off); --profile-cuda-events every INTERVAL s;
-#            TRAIN_SECONDS of training after the first step, then stop. Expected: drafter-bound
+#            (--no-compile-target), no CUDA graphs (only eval and regeneration use them; both
+#            off); --profile-cuda-events every INTERVAL s; TRAIN_SECONDS of training after the
+#            first step, then stop. Expected (measured with the drafter's chains unfused): drafter-bound
 #            (the target waits on a full queue: 6 of 6 steady windows on 2026-12-04, the launch
 #            rule holding in 1)                                                                 ~50 s
 #   b        a + PLANT_B: 15 ms of host time at the end of drafter.lm_head_loss (a real
@@ -79,7 +79,7 @@ train() {  # run dir, extra flags...
   # --regen-samples 1: the raw replies are one chain per conversation, whatever the config samples
   # (--no-regenerate refuses a config's regen_samples > 1); TRAIN_FLAGS come last and win
   # shellcheck disable=SC2086
-  DFLASH_FUSED_DRAFTER=0 python3 benchmarks/planted.py train --config "$CONFIG" --run-dir "$dir" --target "$TARGET" \
+  python3 benchmarks/planted.py train --config "$CONFIG" --run-dir "$dir" --target "$TARGET" \
     --device "$DEVICE" --no-regenerate --regen-samples 1 --num-conversations "$CONVS" --no-compile-target --max-steps "$MAX_STEPS" \
     --eval-limit 0 --checkpoint-every 0 --log-every 50 --profile-interval "$INTERVAL" --profile-cuda-events --val-conversations 0 \
     --quiet --overwrite $TRAIN_FLAGS "$@"

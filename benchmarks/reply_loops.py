@@ -14,10 +14,10 @@ import argparse
 
 import torch
 
+from dflash_train.decode import static_lm
+from dflash_train.decode.generate import generate
 from dflash_train.eval.prompts import load_prompts
-from dflash_train.models import static_lm
 from dflash_train.models.chat import render_chat, stop_token_ids
-from dflash_train.models.generate import generate
 from dflash_train.models.loading import load_target
 
 

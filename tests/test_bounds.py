@@ -14,8 +14,8 @@ from dflash_train.config import MAX_BLOCK_SIZE, MAX_MLP_RATIO
 from dflash_train.data import dataset as ds_module
 from dflash_train.data.dataset import PreparedDataset, prepare_dataset
 from dflash_train.data.sources import Conversation
+from dflash_train.decode.speculative import speculative_generate, target_generate
 from dflash_train.errors import UsageError
-from dflash_train.eval.speculative import speculative_generate, target_generate
 from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
 

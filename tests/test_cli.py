@@ -73,8 +73,8 @@ def test_a_real_divergence_is_a_mismatch_and_fails_require_lossless(tiny_drafter
     """A DFlash loop that commits a wrong token: listed with its gap, `eval --require-lossless` exits 1."""
     import torch
 
+    from dflash_train.decode.speculative import speculative_generate
     from dflash_train.eval import evaluate as ev
-    from dflash_train.eval.speculative import speculative_generate
 
     def broken(target, drafter, prompt, *args, **kwargs):  # commits the target's least likely token third
         res = speculative_generate(target, drafter, prompt, *args, **kwargs)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dflash_train.eval import greedy_loop
+from dflash_train.decode import greedy_loop
+from dflash_train.decode.speculative import compile_decode, rejection_sample, speculative_generate, target_generate
 from dflash_train.eval.evaluate import EvalConfig, evaluate
-from dflash_train.eval.speculative import compile_decode, rejection_sample, speculative_generate, target_generate
 from dflash_train.models.checkpoint import save_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.loading import load_target

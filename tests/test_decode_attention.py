@@ -1,4 +1,4 @@
-"""The decode-attention kernel (models/decode_attention.py) computes the batched-matmul path's attention,
+"""The decode-attention kernel (decode/attention_kernel.py) computes the batched-matmul path's attention,
 and regeneration through it gives the same tokens. Triton's interpreter runs the kernel on the CPU; it is
 chosen when triton is imported, so the checks run in a child process with TRITON_INTERPRET=1."""
 
@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from dflash_train.models import decode_attention as da
+from dflash_train.decode import attention_kernel as da
 
 triton = pytest.importorskip("triton")
 # triton 3.6's interpreter cannot run the kernel (numpy 2.5: "only 0-dimensional arrays can be converted to
@@ -34,8 +34,8 @@ def test_kernel_equals_the_batched_matmul_attention():
     float32 and float16; a cache of more rows and slots than the step's (the compacted batch's views)."""
     _run_interpreted("""
         import torch
-        from dflash_train.models import decode_attention as da
-        from dflash_train.models.static_lm import cached_attention
+        from dflash_train.decode import attention_kernel as da
+        from dflash_train.decode.static_lm import cached_attention
 
         torch.manual_seed(0)
         b, H, hkv, d, C = 5, 9, 3, 64, 160
@@ -63,22 +63,20 @@ def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
     """generate() on the tiny target with the kernel on (its one-token steps, every compaction's views) and
     off: the same tokens at T=0 in float32, and the kernel ran at every layer of every step."""
     out = _run_interpreted("""
-        import os
         import torch
-        from dflash_train.models import decode_attention as da, generate as gen, static_lm
+        from dflash_train.decode import attention_kernel as da, generate as gen, static_lm
         from dflash_train.models.loading import load_target
 
         torch.manual_seed(0)
         target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
-        lm = static_lm.for_model(target.model)
+        lm = static_lm.StaticLM(target.model, attention_kernel=False)
         g = torch.Generator().manual_seed(4)
         prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(4)]
-        os.environ[da.ENV] = "0"
         free = gen.generate(lm, prompts, 10, []).rows
         stops = [free[0][2], free[2][5]]  # rows stop at different steps: compactions
         gen.COMPACT_MIN_ROWS, gen.COMPACT_MIN_SHARE = 1, 0.0
         want = gen.generate(lm, prompts, 10, stops)
-        os.environ[da.ENV] = "1"
+        lm = static_lm.StaticLM(target.model)
         da.MIN_PROGRAMS = 1  # the tiny batch would stay on the batched-matmul path
         calls = []
         kernel = da.decode_attention
@@ -95,21 +93,18 @@ def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
 def test_the_kernel_takes_one_token_steps_of_wide_half_precision_batches_on_cuda(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(da.ENV, raising=False)
     wide = da.MIN_PROGRAMS // 3
     assert da.applies(wide, 1, 3, 64, torch.bfloat16, cuda)
     assert not da.applies(wide - 1, 1, 3, 64, torch.bfloat16, cuda)  # eval's batch 1 keeps its GEMVs
     assert not da.applies(wide, 8, 3, 64, torch.bfloat16, cuda)  # a verify block
     assert not da.applies(wide, 1, 3, 64, torch.float32, cuda)
     assert not da.applies(wide, 1, 3, 64, torch.float32, cpu)
-    monkeypatch.setenv(da.ENV, "0")
-    assert not da.applies(wide, 1, 3, 64, torch.bfloat16, cuda)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
     """SmolLM2's attention shape at a regeneration batch's width, compiled for the GPU (not interpreted)."""
-    from dflash_train.models.static_lm import cached_attention
+    from dflash_train.decode.static_lm import cached_attention
 
     torch.manual_seed(0)
     b, H, hkv, d, C = 512, 9, 3, 64, 1024
@@ -126,22 +121,20 @@ def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
 @pytest.mark.slow
 @interpreted
 def test_fused_target_forward_equals_the_eager_forward():
-    """StaticLM with its elementwise chains as Triton kernels (models/fused_target.py: residual add + RMSNorm,
+    """StaticLM with its elementwise chains as Triton kernels (decode/fused_target.py: residual add + RMSNorm,
     RoPE in place, SiLU x up) gives the eager forward's logits and features: a prefill, then one-token steps."""
     _run_interpreted("""
-        import os
         import torch
-        from dflash_train.models import static_lm
+        from dflash_train.decode import static_lm
         from dflash_train.models.loading import load_target
 
         target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
         g = torch.Generator().manual_seed(4)
         prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(3)]
         outs = []
-        for flag in ("0", "1"):
-            os.environ["DFLASH_FUSED_TARGET"] = flag
-            lm = static_lm.StaticLM(target.model)
-            assert lm._fused == (flag == "1") and lm._fused_mlp
+        for fused in (False, True):
+            lm = static_lm.StaticLM(target.model, fused=fused)
+            assert lm._fused == fused and lm._fused_mlp
             cache = lm.cache_for(3, 64)
             width = max(map(len, prompts))
             ids = torch.zeros(3, width, dtype=torch.long)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from dflash_train.decode.speculative import target_generate
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.eval.prompts import load_prompts
-from dflash_train.eval.speculative import target_generate
 from dflash_train.models.chat import default_mask_token_id, render_chat, stop_token_ids
 from dflash_train.models.checkpoint import load_drafter, save_drafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device

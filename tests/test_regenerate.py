@@ -9,8 +9,8 @@ from dflash_train.data import regen_common
 from dflash_train.data import regenerate as regen
 from dflash_train.data.regenerate import RegenConfig, RegenReport, regenerate
 from dflash_train.data.sources import Conversation
+from dflash_train.decode.speculative import target_generate
 from dflash_train.errors import UsageError
-from dflash_train.eval.speculative import target_generate
 from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.target import Target
 

@@ -5,7 +5,7 @@ import torch
 from dflash import DFlashDraftModel
 from transformers import AutoModel
 
-from dflash_train.eval.speculative import speculative_generate, target_generate
+from dflash_train.decode.speculative import speculative_generate, target_generate
 from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.checkpoint import load_drafter, save_drafter
 from dflash_train.models.drafter import ContextCache

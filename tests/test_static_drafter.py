@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from dflash_train.decode.static_drafter import StaticDrafter
+from dflash_train.decode.static_lm import bucket
 from dflash_train.models.drafter import ContextCache
-from dflash_train.models.static_drafter import StaticDrafter
-from dflash_train.models.static_lm import bucket
 
 
 @pytest.mark.parametrize("sliding", [0, 1])
@@ -36,7 +36,7 @@ def test_static_steps_match_the_eager_drafter(tiny_target, make_drafter, perturb
 
 
 def test_the_engine_and_its_cache_are_reused_across_prompts(tiny_target, make_drafter):
-    from dflash_train.models.static_drafter import for_drafter
+    from dflash_train.decode.static_drafter import for_drafter
 
     drafter = make_drafter(num_layers=1, block_size=4)
     embed, head = tiny_target.model.get_input_embeddings(), tiny_target.lm_head

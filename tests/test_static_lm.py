@@ -6,11 +6,11 @@ import torch
 
 from dflash_train.data import regenerate as regen
 from dflash_train.data.regenerate import RegenConfig
-from dflash_train.eval import speculative as spec
-from dflash_train.models import static_lm
-from dflash_train.models.generate import generate
+from dflash_train.decode import speculative as spec
+from dflash_train.decode import static_lm
+from dflash_train.decode.generate import generate
+from dflash_train.decode.static_lm import StaticLM
 from dflash_train.models.loading import byte_tokenizer
-from dflash_train.models.static_lm import StaticLM
 from dflash_train.models.target import Target
 
 
@@ -119,7 +119,7 @@ def test_dropping_finished_rows_keeps_every_rows_tokens(target, monkeypatch, lag
     """A batch that compacts whenever a row has stopped gives each row the tokens of a batch that never
     does (cut at the first stop): rows that stop after a compaction, and the longest prompt's row
     stopping early (the width shrinks), with the stop count read at once or late."""
-    from dflash_train.models import generate as gen
+    from dflash_train.decode import generate as gen
 
     lm = static_lm.for_model(target.model)
     prompts = _prompts(6, seed=5)
@@ -137,7 +137,7 @@ def test_compaction_when_the_last_rows_stop_after_the_count_was_read(tiny_target
     """Two rows stopping at consecutive steps: the count read one step late says one row runs, the
     compaction finds none, and the batch ends with both rows' tokens (the qwen3 tiny target: the
     llama one repeats one token per row)."""
-    from dflash_train.models import generate as gen
+    from dflash_train.decode import generate as gen
 
     lm = static_lm.for_model(tiny_target.model)
     prompts = _prompts(6, seed=5)

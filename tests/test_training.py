@@ -12,8 +12,8 @@ from dflash_train.cli import main
 from dflash_train.data.dataset import PreparedDataset, prepare_dataset
 from dflash_train.data.regenerate import RegenConfig, regenerate
 from dflash_train.data.sources import Conversation
+from dflash_train.decode.speculative import target_generate
 from dflash_train.eval.evaluate import EvalConfig, evaluate
-from dflash_train.eval.speculative import target_generate
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.factory import drafter_config_for, new_drafter

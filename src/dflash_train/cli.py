@@ -29,11 +29,11 @@ from dflash_train.data.regen_client import load_tokenizer, regenerate_via_server
 from dflash_train.data.regenerate import regenerate
 from dflash_train.data.relabel import PACKED_TOKENS, PADDED_TOKENS, relabel
 from dflash_train.data.sources import SourceReport, default_split, iter_conversations
+from dflash_train.decode.limits import check_decode
 from dflash_train.devices import resolve_device
 from dflash_train.errors import UsageError
 from dflash_train.eval.evaluate import evaluate
 from dflash_train.eval.prompts import load_eval_set
-from dflash_train.eval.speculative import check_decode
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device

@@ -195,15 +195,10 @@ class EnvKnob:
 
 
 PROFILE_INTERVAL_ENV = EnvKnob("DFLASH_PROFILE_INTERVAL", "default of train --profile-interval (seconds; 0 = off)")
-FUSED_DRAFTER_ENV = EnvKnob("DFLASH_FUSED_DRAFTER", "0 = the drafter's unfused PyTorch kernels (default 1)")
-DECODE_KERNEL_ENV = EnvKnob("DFLASH_DECODE_KERNEL",
-                            "0 = one-token decode attention without the Triton kernel (default 1)")
-FUSED_TARGET_ENV = EnvKnob("DFLASH_FUSED_TARGET", "0 = the target decode forward's unfused PyTorch kernels (default 1)")
 TRACEBACK_ENV = EnvKnob("DFLASH_TRAIN_TRACEBACK", "1 = show the traceback of an OSError instead of one line")
 DEBUG_STACKS_ENV = EnvKnob("DFLASH_TRAIN_DEBUG_STACKS", "seconds after which each worker dumps its stacks")
 FAULT_ENV = EnvKnob("DFLASH_TRAIN_FAULT", "ROLE:PACK: raise in that worker loop at that pack (tests)")
 CACHE_ENV = EnvKnob("DFLASH_TRAIN_CACHE", "download cache (default $XDG_CACHE_HOME/dflash-train)")
 TOKENIZE_WORKERS_ENV = EnvKnob("DFLASH_TRAIN_TOKENIZE_WORKERS",
                                "processes preparing data tokenize in (default: cores - 1, at most 16; 1 = this one)")
-ENVIRONMENT = (PROFILE_INTERVAL_ENV, FUSED_DRAFTER_ENV, FUSED_TARGET_ENV, DECODE_KERNEL_ENV, TRACEBACK_ENV,
-               DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV, TOKENIZE_WORKERS_ENV)
+ENVIRONMENT = (PROFILE_INTERVAL_ENV, TRACEBACK_ENV, DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV, TOKENIZE_WORKERS_ENV)

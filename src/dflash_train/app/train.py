@@ -27,13 +27,12 @@ from dflash_train.app.ranks import launch_workers, run_torchrun_rank, under_torc
 from dflash_train.app.run_dir import export_drafter, prepare_run_dir, run_dir_lock
 from dflash_train.app.validation import VALIDATION_FILE, Validation
 from dflash_train.data.validation_split import split_validation
+from dflash_train.decode import greedy_loop, static_lm
+from dflash_train.decode.limits import check_context, check_decode
 from dflash_train.devices import resolve_device
 from dflash_train.errors import say
-from dflash_train.eval import greedy_loop
 from dflash_train.eval.evaluate import EvalReport, evaluate
 from dflash_train.eval.prompts import load_prompts
-from dflash_train.eval.speculative import check_context, check_decode
-from dflash_train.models import static_lm
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter

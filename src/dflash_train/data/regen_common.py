@@ -127,7 +127,7 @@ class RegenReport:
     decode_s: float = 0.0
     """In-process StaticLM path: seconds spent in decode steps."""
     compactions: int = 0
-    """In-process StaticLM path: times a batch dropped its finished rows (models/generate.py)."""
+    """In-process StaticLM path: times a batch dropped its finished rows (decode/generate.py)."""
     cache_s: float = 0.0
     """In-process StaticLM path: seconds getting each batch's KV cache (reused, or freed and allocated anew)."""
     render_s: float = 0.0

@@ -70,10 +70,10 @@ from dflash_train.data.regen_common import (
 )
 from dflash_train.data.sources import Conversation
 from dflash_train.data.tokenize import decode_rows
-from dflash_train.models import static_lm
+from dflash_train.decode import static_lm
+from dflash_train.decode.generate import generate
+from dflash_train.decode.sampling import pick
 from dflash_train.models.chat import render_chats, stop_token_ids
-from dflash_train.models.generate import generate
-from dflash_train.models.sampling import pick
 from dflash_train.models.target import Target
 
 __all__ = ["RegenConfig", "RegenReport", "regenerate", "sample_ids"]

@@ -1,1 +1,1 @@
-"""Speculative decoding and acceptance-length (tau) evaluation."""
+"""Acceptance-length (tau) and speedup evaluation of a drafter over prompt sets."""

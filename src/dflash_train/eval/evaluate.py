@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.config import MAX_BLOCK_SIZE, at_least, between, setting, validate
+from dflash_train.decode.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
+from dflash_train.decode.static_lm import KV_BUCKET, bucket
 from dflash_train.errors import UsageError
-from dflash_train.eval.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.static_lm import KV_BUCKET, bucket
 from dflash_train.models.target import Target
 
 

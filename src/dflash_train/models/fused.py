@@ -4,12 +4,12 @@ Eager PyTorch runs each chain as a string of full passes over the activations: a
 float32 is ~8 kernels (cast, square, mean, add, rsqrt, multiply, cast, scale), RoPE ~6, SwiGLU
 3, and autograd doubles that in backward. At Qwen3-8B drafter shapes (8,192 block tokens x
 4,096, 12,288 MLP columns) these passes are ~40 GB of HBM traffic per training step; fused they
-read and write each tensor once. The functions below are the eager math (used on CPU, and the
-reference for the tests); on CUDA each is compiled once per process behind the compile lock
-(`models/compiled.py`) with the token dimension dynamic from the start, so a new token count
-compiles nothing.
+read and write each tensor once. The `eager_*` functions are the math (run on CPU, and the
+reference the tests compare against); `rms_norm`, `norm_rope` and `swiglu` run them, on CUDA
+compiled once per process behind the compile lock (`models/compiled.py`) with the token dimension
+dynamic from the start, so a new token count compiles nothing.
 
-DFLASH_FUSED_DRAFTER=0 keeps the eager math on CUDA too (to compare, or to rule the compiler out).
+The drafter's forward is training's and decoding's alike, so these live with the drafter in models/.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash_train.config import FUSED_DRAFTER_ENV
 from dflash_train.models.compiled import compile_serialized
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, as Qwen3 computes it, then cast back and scaled."""
     dtype = x.dtype
     x32 = x.float()
@@ -36,29 +35,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
+def eager_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
     """Per-head RMSNorm then RoPE. x [b, n, heads, d]; cos, sin [b, n, d]."""
-    x = _rms_norm(x, weight, eps)
+    x = eager_rms_norm(x, weight, eps)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + _rotate_half(x) * sin
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def eager_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
 _COMPILED: dict[str, Callable] = {}
 # the token dimension of each tensor argument, dynamic from the first compile
-_TOKEN_DIMS = {"_rms_norm": {0: -2}, "_norm_rope": {0: 1, 3: 1, 4: 1}, "_swiglu": {0: -2, 1: -2}}
-
-
-def _enabled() -> bool:
-    return FUSED_DRAFTER_ENV.flag(default=True)
+_TOKEN_DIMS = {"eager_rms_norm": {0: -2}, "eager_norm_rope": {0: 1, 3: 1, 4: 1}, "eager_swiglu": {0: -2, 1: -2}}
 
 
 def _pick(fn: Callable, x: torch.Tensor) -> Callable:
-    if not (x.is_cuda and _enabled()) or torch.compiler.is_compiling():
+    if not x.is_cuda or torch.compiler.is_compiling():
         return fn  # inside a caller's torch.compile: its trace fuses the plain function
     if fn.__name__ not in _COMPILED:  # compiled on first CUDA use, not at import
         _COMPILED[fn.__name__] = compile_serialized(fn, dynamic=_TOKEN_DIMS[fn.__name__])
@@ -66,12 +61,12 @@ def _pick(fn: Callable, x: torch.Tensor) -> Callable:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _pick(_rms_norm, x)(x, weight, eps)
+    return _pick(eager_rms_norm, x)(x, weight, eps)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _pick(_norm_rope, x)(x, weight, eps, cos, sin)
+    return _pick(eager_norm_rope, x)(x, weight, eps, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _pick(_swiglu, gate)(gate, up)
+    return _pick(eager_swiglu, gate)(gate, up)

@@ -26,11 +26,11 @@ import weakref
 import torch
 from torch import nn
 
-from dflash_train.models import graphs
-from dflash_train.models.compiled import CompiledSteps
+from dflash_train.decode import graphs
+from dflash_train.decode.compiled_steps import CompiledSteps
+from dflash_train.decode.static_lm import StaticCache, cached_attention
 from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.static_lm import StaticCache, cached_attention
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

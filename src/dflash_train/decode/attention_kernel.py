@@ -15,7 +15,8 @@ probabilities rounded to the cache's dtype for the P.V product (as flash attenti
 batched-matmul path rounds its scores to the cache's dtype first, so the two agree to bf16 rounding,
 not bit for bit: at T=0 a near-tie of the target's logits can pick another token (either is the
 target's greedy choice up to its own rounding). The CPU, and batches too small to fill the GPU
-(`applies`), keep the batched-matmul path: batch-1 eval decoding is unchanged.
+(`applies`), keep the batched-matmul path: batch-1 eval decoding is unchanged. A StaticLM built with
+attention_kernel=False keeps it everywhere (the reference the kernel is tested and timed against).
 
 Triton is optional: without it (the CPU build of torch ships none) `applies` is False. Under
 TRITON_INTERPRET=1 the kernel runs on CPU tensors (how the tests check it on a machine without a GPU).
@@ -27,8 +28,6 @@ import os
 
 import torch
 
-from dflash_train.config import DECODE_KERNEL_ENV
-
 try:
     import triton
     import triton.language as tl
@@ -39,11 +38,6 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
 # latency-bound; the batched-matmul path (two GEMVs, eval's batch 1) stays there. 2x the H200's 132 SMs.
 MIN_PROGRAMS = 264
 BLOCK_N = 64  # key slots per tile: 8 KB of K and 8 KB of V at head_dim 64 in bf16
-ENV = DECODE_KERNEL_ENV.name  # "0" turns the kernel off (the batched-matmul path everywhere): A/B runs
-
-
-def enabled() -> bool:
-    return triton is not None and DECODE_KERNEL_ENV.flag(default=True)
 
 
 def _dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
@@ -60,7 +54,7 @@ def _dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
 def applies(rows: int, queries: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a step of `queries` query tokens per row over a cache of this shape and dtype goes
     through the kernel: one-token steps of batches that fill the GPU, in half precision on CUDA."""
-    return (enabled() and queries == 1 and dtype in _dtypes(device) and head_dim & (head_dim - 1) == 0
+    return (triton is not None and queries == 1 and dtype in _dtypes(device) and head_dim & (head_dim - 1) == 0
             and head_dim >= 16 and rows * kv_heads >= MIN_PROGRAMS)
 
 

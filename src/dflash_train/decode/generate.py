@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from dflash_train.models.host_reads import LaggedReads
-from dflash_train.models.sampling import greedy
-from dflash_train.models.static_lm import StaticCache, StaticLM, bucket
+from dflash_train.decode.host_reads import LaggedReads
+from dflash_train.decode.sampling import greedy
+from dflash_train.decode.static_lm import StaticCache, StaticLM, bucket
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [b, V] -> tokens [b]
 PREFILL_TOKENS = 32768  # padded tokens per prefill chunk: bounds the activations of a long batch

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.models import graphs, static_drafter, static_lm
+from dflash_train.decode import graphs, static_drafter, static_lm
+from dflash_train.decode.graphs import GraphStore
+from dflash_train.decode.host_reads import LaggedReads
+from dflash_train.decode.static_lm import StaticCache, StaticLM, bucket
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.graphs import GraphStore
-from dflash_train.models.host_reads import LaggedReads
-from dflash_train.models.static_lm import StaticCache, StaticLM, bucket
 from dflash_train.models.target import Target
 
 

@@ -10,7 +10,8 @@ were 60% of the device time (benchmarks/decode_attention.py --profile, H200, 202
 
 Each kernel keeps eager's roundings: products, sums and the SiLU are computed in float32 and rounded
 to the activations' dtype where eager rounds them, so outputs equal the eager chain's up to the
-order of the RMSNorm's sum. On CPU (and DFLASH_FUSED_TARGET=0) the eager modules run: the HF math.
+order of the RMSNorm's sum. On CPU (and in a StaticLM built with fused=False) the eager modules run:
+the HF math.
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (the tests).
 """
 
@@ -22,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.config import FUSED_TARGET_ENV
-
 try:
     import triton
     import triton.language as tl
@@ -32,8 +31,8 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
 
 
 def applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernels run for activations of this dtype on this device (see decode_attention._dtypes)."""
-    if triton is None or not FUSED_TARGET_ENV.flag(default=True):
+    """Whether the kernels run for activations of this dtype on this device (see attention_kernel._dtypes)."""
+    if triton is None:
         return False
     if device.type == "cuda":
         return dtype in (torch.float16, torch.bfloat16)

@@ -16,6 +16,11 @@ cache is just decoding from an earlier position.
 
 Supported: Llama-style decoders without sliding windows (llama, mistral, qwen2, qwen3 -
 SmolLM2 and the Qwen3 presets included). `supports(model)` says; callers fall back to HF.
+
+On CUDA in half precision, Triton kernels take the parts eager PyTorch runs as many small passes:
+one-token attention of wide batches (`attention_kernel`) and the elementwise chains (`fused_target`).
+`StaticLM(model, attention_kernel=False, fused=False)` runs the PyTorch math instead: the CPU's path,
+and the reference the kernels are tested and timed against.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.models import decode_attention, fused_target, graphs
+from dflash_train.decode import attention_kernel, fused_target, graphs
+from dflash_train.decode.compiled_steps import CompiledSteps
+from dflash_train.decode.graphs import GraphStore
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
-from dflash_train.models.compiled import CompiledSteps
-from dflash_train.models.graphs import GraphStore
 
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
@@ -60,6 +65,12 @@ def for_model(model: nn.Module) -> StaticLM | None:
     if model not in _INSTANCES:
         _INSTANCES[model] = StaticLM(model)
     return _INSTANCES[model]
+
+
+def use(lm: StaticLM) -> None:
+    """Make `lm` what for_model returns for its model: an engine built with other options (the kernels
+    off, to time them against the PyTorch math)."""
+    _INSTANCES[lm.model] = lm
 
 
 def release(model: nn.Module) -> None:
@@ -119,7 +130,8 @@ class StepOut:
 class StaticLM(CompiledSteps):
     """Decode forwards of a frozen HF causal LM over a StaticCache (see module docstring)."""
 
-    def __init__(self, model: nn.Module, graphs: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, graphs: bool | None = None, attention_kernel: bool = True,
+                 fused: bool = True) -> None:
         if not supports(model):
             raise ValueError(f"StaticLM does not support {model.config.model_type} targets")
         self.model = model
@@ -130,8 +142,9 @@ class StaticLM(CompiledSteps):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._graphs = graphs
         self._cache: StaticCache | None = None
-        # the elementwise chains as Triton kernels (models/fused_target.py) where they run: CUDA, half precision
-        self._fused = fused_target.applies(self.device, self.dtype)
+        self._attention_kernel = attention_kernel
+        # the elementwise chains as Triton kernels (fused_target.py) where they run: CUDA, half precision
+        self._fused = fused and fused_target.applies(self.device, self.dtype)
         self._fused_mlp = fused_target.fusable_mlp(model)
 
     @property
@@ -203,11 +216,14 @@ class StaticLM(CompiledSteps):
     def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor | Lengths:
         """What each query may see: slots 0..pos. A one-token step of a wide batch on CUDA gets each row's
         key count (Lengths: the decode kernel reads only those slots); others get a mask [b, q, kv_len]."""
-        b, q = ids.shape
-        kernel = decode_attention.applies(b, q, self.kv_heads, self.head_dim, self.dtype, ids.device)
-        if kernel and not torch.compiler.is_compiling():  # compiled steps keep the batched matmuls
+        if self._kernel_applies(ids) and not torch.compiler.is_compiling():  # compiled steps keep the batched matmuls
             return Lengths(pos[:, 0] + 1)
         return torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
+
+    def _kernel_applies(self, ids: torch.Tensor) -> bool:
+        """Whether a step of these ids [b, q] attends through the Triton kernel (attention_kernel.applies)."""
+        return self._attention_kernel and attention_kernel.applies(*ids.shape, self.kv_heads, self.head_dim,
+                                                                   self.dtype, ids.device)
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                    visible: torch.Tensor | Lengths | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -227,7 +243,7 @@ class StaticLM(CompiledSteps):
         if visible is None:  # a prefill from position 0: causal over the q slots just written
             out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
         elif isinstance(visible, Lengths):  # each row up to its own length, whatever kv_len the batch has
-            out = decode_attention.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling)
+            out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling)
         else:
             out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
@@ -242,7 +258,7 @@ class StaticLM(CompiledSteps):
         overwrites them, so read (or clone) them before stepping again.
         """
         kv_len = self.step_kv(cache, kv_len)
-        if decode_attention.applies(*ids.shape, self.kv_heads, self.head_dim, self.dtype, ids.device):
+        if self._kernel_applies(ids):
             kv_len = cache.capacity  # the kernel reads each row's own slots: one graph per batch, not per bucket
         if not self.graphs:
             return self.step_forward(ids, pos, cache, kv_len, layers=layers, logits=logits)
