@@ -26,7 +26,6 @@ from dflash_train.app.drafter import drafter_config, make_drafter
 from dflash_train.app.local import feature_cache, features_here, flop_counter, total_steps
 from dflash_train.app.run_dir import export_drafter, run_dir_lock, write_config
 from dflash_train.app.validation import Validation
-from dflash_train.data.label_columns import feature_width
 from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
@@ -223,8 +222,9 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
                   heartbeat=lambda step: peers.stepped(spec.rank, step),
                   flops=flop_counter(cfg, target, drafter, layer_ids, devices), validate=validate)
     loop = DrafterTrainLoop(cfg.trainer(), cfg.objective(), drafter, target.embedding_weight, target.lm_head,
-                            Path(work.run_dir),
-                            work.total_steps, dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
+                            Path(work.run_dir), work.total_steps,
+                            compile_drafter=cfg.compile_drafter, compile_masks=cfg.compile_masks,
+                            dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
                             resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
                             progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
                             checkpoints=work.checkpoints)
@@ -234,8 +234,8 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
         cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))
         source = features_here(cfg, target, packs, layer_ids, cache, session.stats, session.trace)
     else:
-        source = receive_features(spec, packs, feature_width(layer_ids, target.hidden_size, target.dtype),
-                                  cfg.token_budget, target.dtype, device, cfg.queue_depth)
+        source = receive_features(spec, packs, layer_ids, target.hidden_size, cfg.token_budget, target.dtype, device,
+                                  cfg.queue_depth)
     try:
         with target.compiled_layers(cfg.compile_target and spec.role == "both"):
             loop.train(source)

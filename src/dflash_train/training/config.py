@@ -262,8 +262,6 @@ class TrainerConfig:
     log_every: int
     checkpoint_every: int
     keep_checkpoints: int
-    compile_drafter: bool
-    compile_masks: bool
 
 
 # The tree's sections, by the first field of each run of fields in TrainConfig's order.
