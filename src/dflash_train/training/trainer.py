@@ -40,17 +40,20 @@ from dflash_train.training.metrics import MetricsLogger
 from dflash_train.training.update import Update, cosine_schedule, make_optimizer
 
 
-class Unit(Protocol):
+class DataUnit(Protocol):
     """What a sample was computed from, as far as the Trainer reads it (pipeline/stream.py's Pack is one)."""
 
-    num_tokens: int  # the target tokens it covers: the records' rates
     resume: StreamState  # the stream's position after it: where a checkpoint taken after it continues
+
+    @property
+    def num_tokens(self) -> int:
+        """The target tokens it covers: the records' rates."""
 
 
 class Sample(Protocol):
     """One micro-batch from a feature source (pipeline/handoff.py's Features is one)."""
 
-    pack: Unit  # opaque beyond Unit: the step function and the FLOP counter read the rest
+    pack: DataUnit  # opaque beyond DataUnit: the step function and the FLOP counter read the rest
     target_busy_s: float | torch.Tensor  # seconds the target spent on it (a device scalar on NCCL)
 
 
