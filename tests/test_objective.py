@@ -498,8 +498,6 @@ def test_validation_of_compiled_layers_runs_on_the_training_graphs(tiny_target, 
     layers compiled in the grad mode compiles a layer graph of its own. The drafter loop validates compiled
     layers in the grad mode instead: new pack sizes compile nothing, and the loss is the eager no-grad one.
     Eager layers validate without grad. (The grad mode without grads: FlexAttention has no CPU backward.)"""
-    from types import SimpleNamespace
-
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -507,7 +505,7 @@ def test_validation_of_compiled_layers_runs_on_the_training_graphs(tiny_target, 
 
     def mode(compiled: bool) -> bool:  # the grad mode the drafter loop validates in, entered under no_grad
         loop = DrafterTrainLoop.__new__(DrafterTrainLoop)  # its mode alone: no model, no run directory
-        loop.cfg = SimpleNamespace(compile_drafter=compiled)
+        loop.compile_drafter = compiled
         with torch.no_grad(), loop._validation_mode():
             return torch.is_grad_enabled()
 
@@ -606,4 +604,4 @@ def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, t
     cfg = TrainConfig.of(run_dir=str(tmp_path), compile_drafter=True, device="auto")
     with pytest.raises(UsageError, match="--compile-drafter"):
         DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,
-                         tiny_target.lm_head, tmp_path, 1)
+                         tiny_target.lm_head, tmp_path, 1, compile_drafter=cfg.trainer.compile_drafter)

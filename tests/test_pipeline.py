@@ -87,8 +87,8 @@ def test_a_feature_cache_that_cannot_fit_the_gpu_keeps_what_fits_and_says_so(cap
     24 GB GPU it would run out of memory in the middle of the first epoch, so it keeps 65% of 24 GB."""
     from dflash_train.app.local import cache_budget
 
-    assert cache_budget(7_709_379, 5 * 576, torch.bfloat16, free_bytes=139 * 10**9) is None
-    assert cache_budget(7_709_379, 5 * 576, torch.bfloat16, free_bytes=24 * 10**9) == int(15.6e9)
+    assert cache_budget(7_709_379, 5 * 576 * 2, free_bytes=139 * 10**9) is None
+    assert cache_budget(7_709_379, 5 * 576 * 2, free_bytes=24 * 10**9) == int(15.6e9)
     assert "44.4 GB, more than 65% of the GPU's 24.0 GB free: keeping 15.6 GB of them (35%)" in capsys.readouterr().err
 
 
@@ -97,34 +97,40 @@ def test_each_gpu_worker_budgets_the_share_of_the_cache_it_will_hold(monkeypatch
     from types import SimpleNamespace
 
     from dflash_train.app.local import feature_cache
+    from dflash_train.pipeline.target_features import FeatureSpec
     from dflash_train.settings.tree import TrainConfig
 
     gpu = SimpleNamespace(device=torch.device("cuda", 0), hidden_size=576, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24 * 10**9, 80 * 10**9))
     cfg = TrainConfig.of(run_dir=str(tmp_path), cache_features=True)
-    assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27], share=4).budget is None  # 11.1 GB of 24 GB free
-    assert feature_cache(cfg, gpu, 7_709_379, [1, 8, 14, 20, 27]).budget == int(15.6e9)
+    spec = FeatureSpec((1, 8, 14, 20, 27))
+    assert feature_cache(cfg, gpu, 7_709_379, spec, share=4).budget is None  # 11.1 GB of 24 GB free
+    assert feature_cache(cfg, gpu, 7_709_379, spec).budget == int(15.6e9)
     off = TrainConfig.of(run_dir=str(tmp_path), cache_features=False)
-    assert feature_cache(off, gpu, 7_709_379, [1, 8, 14, 20, 27]) is None
+    assert feature_cache(off, gpu, 7_709_379, spec) is None
 
 
 def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_features(tiny_target, prepared):
     """Packs of cached and uncached sequences: the uncached ones go through the target on their own, and
     each pack's features are those the target gives the whole pack; the cache stays within its budget."""
     from dflash_train.data.dataset import PreparedDataset
-    from dflash_train.pipeline.features import packed_features
+    from dflash_train.pipeline.features import target_features
     from dflash_train.pipeline.stream import PackStream
+    from dflash_train.pipeline.target_features import FeatureSpec
     from dflash_train.pipeline.target_loop import FeatureCache
 
     packs = list(PackStream(PreparedDataset.open(prepared), 160, 4, 0, 1).packs(40))  # epochs packed anew
-    compute = lambda p: packed_features(tiny_target, p.batch, [0, 1])  # noqa: E731
-    width_bytes = 2 * tiny_target.hidden_size * 4
+    spec = FeatureSpec((0, 1), labels=True)  # the labels are cached and counted with the hidden states
+    compute = lambda p: target_features(tiny_target, p.batch, spec)  # noqa: E731
+    width_bytes = spec.token_bytes(tiny_target.hidden_size, tiny_target.dtype)
     cache = FeatureCache(budget_bytes=200 * width_bytes)  # about a third of the data's tokens
     calls = []
     for pack in packs:
         got = cache.features(pack,
                              lambda p, whole=pack.num_tokens: calls.append((p.batch.num_tokens, whole)) or compute(p))
-        torch.testing.assert_close(got, compute(pack), rtol=1e-5, atol=1e-6)
+        want = compute(pack)
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-5, atol=1e-6)
+        assert got.labels.tolist() == want.labels.tolist()
     assert 0 < cache.bytes <= 200 * width_bytes
     assert 0 < len(cache.parts) < len({i for p in packs for i in p.sequence_ids})
     assert any(0 < ran < whole for ran, whole in calls)  # packs of both kinds: only their uncached sequences ran
@@ -316,11 +322,12 @@ def test_a_target_thread_that_runs_out_of_packs_fails_the_drafter_instead_of_han
     from dflash_train.data.dataset import PreparedDataset
     from dflash_train.pipeline.sources import ThreadedSource
     from dflash_train.pipeline.stream import PackStream
+    from dflash_train.pipeline.target_features import FeatureSpec
 
     packs = PackStream(PreparedDataset.open(prepared), 192, 16, 0, 1).packs(1)  # one step's packs, then the end
-    source = ThreadedSource(tiny_target, packs, [0, 1], depth=2)
+    source = ThreadedSource(tiny_target, packs, FeatureSpec((0, 1)), depth=2)
     try:
-        assert source.get().features.shape[0] > 0
+        assert source.get().features.num_tokens > 0
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="pack stream ended before the drafter's last step"):
             source.get()

@@ -113,33 +113,38 @@ def test_train_with_target_labels_computes_them_in_the_feature_forward(tiny_targ
 
 @pytest.mark.parametrize("mode", ["padded", "dense"])
 def test_feature_forward_labels_are_relabels_and_leave_the_features_as_they_were(tiny_target, data_dir, mode):
-    from dflash_train.data.label_columns import TARGET_LABELS, feature_width, split_labels
-    from dflash_train.pipeline.features import packed_features
+    from dflash_train.pipeline.features import packed_features, target_features
+    from dflash_train.pipeline.target_features import FeatureSpec
 
     relabel(tiny_target, data_dir, progress=False)
     ds = PreparedDataset.open(data_dir, labels=True)
     batch = pack([ds[i] for i in range(4)], 400)
     layers = [0, 1]
     plain = packed_features(tiny_target, batch, layers, mode=mode)
-    both = packed_features(tiny_target, batch, [*layers, TARGET_LABELS], mode=mode)
-    assert both.shape[1] == feature_width([*layers, TARGET_LABELS], tiny_target.hidden_size, both.dtype)
-    feats, labels = split_labels(both)
-    torch.testing.assert_close(feats, plain, rtol=0, atol=0)
-    assert labels.tolist() == batch.labels.tolist()
+    both = target_features(tiny_target, batch, FeatureSpec(tuple(layers), labels=True), mode=mode)
+    assert both.hidden.is_contiguous() and both.labels.dtype == torch.int32
+    torch.testing.assert_close(both.hidden, plain, rtol=0, atol=0)
+    assert both.labels.tolist() == batch.labels.tolist()
+    assert target_features(tiny_target, batch, FeatureSpec(tuple(layers)), mode=mode).labels is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_label_columns_survive_the_copies_features_go_through(dtype):
-    from dflash_train.data.label_columns import split_labels, with_labels
+def test_target_labels_survive_the_copies_features_go_through():
+    from dflash_train.pipeline.handoff import META_WORDS, side_message
+    from dflash_train.pipeline.target_features import FeatureSpec, TargetFeatures
 
-    labels = torch.tensor([0, 1, 49151, 65535, 65536, 2**31 - 1, 12345])  # every bit pattern kind: NaN/inf/denormal
-    feats = torch.randn(len(labels), 6).to(dtype)
-    carried = with_labels(feats, labels)
-    # the feature cache's split and concatenation, a device copy's clone, a saved validation pack's slice
-    moved = torch.cat(list(carried.clone().split([3, 4])))[:, :].contiguous()
-    back, got = split_labels(moved)
-    assert got.tolist() == labels.tolist() and got.dtype == torch.int64
-    torch.testing.assert_close(back, feats, rtol=0, atol=0)
+    labels = torch.tensor([0, 1, 49151, 65535, 65536, 2**31 - 1, 12345], dtype=torch.int32)
+    feats = TargetFeatures(torch.randn(len(labels), 6).bfloat16(), labels)
+    # the feature cache's split and concatenation, a device copy's clone
+    moved = TargetFeatures.cat(feats.clone().split([3, 4])).to("cpu")
+    assert moved.labels.tolist() == labels.tolist() and moved.labels.dtype == torch.int32
+    torch.testing.assert_close(moved.hidden, feats.hidden, rtol=0, atol=0)
+    assert feats.nbytes == len(labels) * (6 * 2 + 4) == len(labels) * FeatureSpec((0, 1), labels=True).token_bytes(
+        3, torch.bfloat16)
+    # the P2P side message: the pack's meta data, then the labels
+    side = side_message(41, torch.tensor(0.25, dtype=torch.float64), labels, torch.device("cpu"))
+    assert side[:META_WORDS].view(torch.float64).tolist() == [41.0, 0.25]
+    assert side[META_WORDS:].tolist() == labels.tolist()
+    assert side_message(41, 0.25, None, torch.device("cpu")).numel() == META_WORDS
 
 
 def test_a_failed_write_names_the_file_and_leaves_nothing_behind(tiny_target, data_dir):

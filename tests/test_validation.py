@@ -97,8 +97,8 @@ def test_worker_processes_validate_as_one_process_does(prepared, tmp_path, monke
     """A target worker and two drafter workers (gloo), started by the launcher or by torchrun, against
     one process with 2 packs a step: the same training losses and the same held-out values at the same
     steps; the launcher's saved held-out packs are removed (torchrun's drafter ranks build their own).
-    With target labels computed in the feature forward: they ride in the features through the P2P
-    buffers and the saved held-out packs (data/label_columns.py)."""
+    With target labels computed in the feature forward: they travel beside the hidden states through
+    the P2P side messages and the saved held-out packs (pipeline/target_features.py)."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     one, three, tr = tmp_path / "one", tmp_path / "three", tmp_path / "torchrun"
     val = ["--val-conversations", "4", "--val-every", "3", "--max-steps", "6", "--labels", "target"]
@@ -136,6 +136,7 @@ def test_a_resume_keeps_the_runs_held_out_conversations_and_order(prepared, tmp_
 
 def test_held_out_conversations_without_anchors_are_named_as_such(tiny_target, tmp_path):
     from dflash_train.app.validation import Validation
+    from dflash_train.pipeline.target_features import FeatureSpec
     from dflash_train.settings.tree import TrainConfig
 
     class NoLabels:  # sequences with no loss-masked token: nothing to draft
@@ -147,7 +148,7 @@ def test_held_out_conversations_without_anchors_are_named_as_such(tiny_target, t
 
     cfg = TrainConfig.of(run_dir=str(tmp_path), max_length=96, token_budget=192, block_size=4)
     with pytest.raises(UsageError, match="--val-conversations: the held-out conversations have no two consecutive"):
-        Validation.build(cfg, tiny_target, NoLabels(), [1, 2, 3])
+        Validation.build(cfg, tiny_target, NoLabels(), FeatureSpec((1, 2, 3)))
 
 
 def test_validation_runs_in_the_updates_precision(prepared, tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ from dflash_train.errors import say
 from dflash_train.files import write_atomic
 from dflash_train.models.target import Target
 from dflash_train.objective.objective import feature_layer_ids
+from dflash_train.pipeline.target_features import FeatureSpec
 from dflash_train.settings.tree import TrainConfig
 
 
@@ -48,11 +49,11 @@ def open_prepared(cfg: TrainConfig, path: str | Path) -> PreparedDataset:
     return PreparedDataset.open(path, labels=cfg.data.labels == "target" and (Path(path) / LABELS).is_file())
 
 
-def feature_layers(cfg: TrainConfig, drafter_config, dataset: PreparedDataset) -> list[int]:
+def feature_layers(cfg: TrainConfig, drafter_config, dataset: PreparedDataset) -> FeatureSpec:
     """What each pack's features carry: the drafter's target layers, the target's last one with --kd-weight,
-    and the target's labels (TARGET_LABELS) with --labels target on data without labels.npy."""
-    labels = cfg.data.labels == "target" and dataset.labels is None
-    return feature_layer_ids(drafter_config, cfg.objective.kd_weight > 0, labels)
+    and the target's labels with --labels target on data without labels.npy."""
+    return FeatureSpec(tuple(feature_layer_ids(drafter_config, cfg.objective.kd_weight > 0)),
+                       labels=cfg.data.labels == "target" and dataset.labels is None)
 
 
 def _prepared(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool, phases: Phases) -> PreparedDataset:

@@ -16,13 +16,13 @@ import torch
 
 from dflash_train.app.dataset import feature_layers
 from dflash_train.app.validation import Validation
-from dflash_train.data.label_columns import TARGET_LABELS, feature_width
 from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
 from dflash_train.pipeline.sources import FeatureSource, local_source
 from dflash_train.pipeline.stream import PackStream, StreamState
+from dflash_train.pipeline.target_features import FeatureSpec
 from dflash_train.pipeline.target_loop import FeatureCache
 from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_PROFILE
@@ -47,20 +47,20 @@ def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
 CACHE_HEADROOM = 0.65
 
 
-def cache_budget(tokens: int, width: int, dtype: torch.dtype, free_bytes: int) -> int | None:
+def cache_budget(tokens: int, token_bytes: int, free_bytes: int) -> int | None:
     """Bytes --cache-features may keep on a GPU: None (no limit) when every sequence's features (tokens x
-    width) fit beside the run's working memory, else CACHE_HEADROOM of the free memory, said with the
+    token_bytes) fit beside the run's working memory, else CACHE_HEADROOM of the free memory, said with the
     figures: the sequences that fit are kept, the target runs on the others every epoch (FeatureCache)."""
-    need, room = tokens * width * dtype.itemsize, int(CACHE_HEADROOM * free_bytes)
+    need, room = tokens * token_bytes, int(CACHE_HEADROOM * free_bytes)
     if need <= room:
         return None
-    say(f"--cache-features: the target features of {tokens:,} tokens x {width} take {need / 1e9:.1f} GB, more than "
-        f"{CACHE_HEADROOM:.0%} of the GPU's {free_bytes / 1e9:.1f} GB free: keeping {room / 1e9:.1f} GB of them "
-        f"({room / need:.0%}); the target runs on the other sequences every epoch")
+    say(f"--cache-features: the target features of {tokens:,} tokens x {token_bytes} B take {need / 1e9:.1f} GB, "
+        f"more than {CACHE_HEADROOM:.0%} of the GPU's {free_bytes / 1e9:.1f} GB free: keeping {room / 1e9:.1f} GB "
+        f"of them ({room / need:.0%}); the target runs on the other sequences every epoch")
     return room
 
 
-def feature_cache(cfg: TrainConfig, target: Target, tokens: int, layer_ids: list[int],
+def feature_cache(cfg: TrainConfig, target: Target, tokens: int, features: FeatureSpec,
                   share: int = 1) -> FeatureCache | None:
     """The feature cache of a process that caches 1/share of the prepared tokens' features (a worker keeps
     the packs it serves or trains on: about an equal share of them), or None without --cache-features."""
@@ -68,20 +68,19 @@ def feature_cache(cfg: TrainConfig, target: Target, tokens: int, layer_ids: list
         return None
     if target.device.type != "cuda":
         return FeatureCache()
-    width = feature_width(layer_ids, target.hidden_size, target.dtype)
-    return FeatureCache(cache_budget(-(-tokens // share), width, target.dtype,
+    return FeatureCache(cache_budget(-(-tokens // share), features.token_bytes(target.hidden_size, target.dtype),
                                      torch.cuda.mem_get_info(target.device)[0]))
 
 
-def features_here(cfg: TrainConfig, target: Target, packs, layer_ids: list[int], cache: FeatureCache | None,
+def features_here(cfg: TrainConfig, target: Target, packs, features: FeatureSpec, cache: FeatureCache | None,
                   stats=NULL_PROFILE, trace=NO_TRACE, overlap: bool | None = None) -> FeatureSource:
     """Features from this process's own target, as --overlap says (or its default), kept in `cache` if any."""
     overlap = use_overlap(cfg, target.device) if overlap is None else overlap
-    return local_source(target, packs, layer_ids, overlap=overlap, cache=cache, depth=cfg.pipeline.queue_depth,
+    return local_source(target, packs, features, overlap=overlap, cache=cache, depth=cfg.pipeline.queue_depth,
                         stats=stats, trace=trace)
 
 
-def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, layer_ids: list[int],
+def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, features: FeatureSpec,
                  devices: int = 1) -> PackFlops | None:
     """Model FLOPs per pack for each metrics record's `mfu`, over `devices` GPUs; None off CUDA (no MFU).
 
@@ -90,8 +89,8 @@ def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, layer
     device = next(drafter.parameters()).device
     if device.type != "cuda":
         return None
-    if TARGET_LABELS in layer_ids:  # the labels' forward runs the whole target (its LM head is not counted)
-        layer_ids = [target.num_layers - 1]
+    # the labels' forward runs the whole target (its LM head is not counted)
+    layer_ids = [target.num_layers - 1] if features.labels else list(features.layers)
     return PackFlops.build(target.config, drafter.config, layer_ids, target.vocab_size, devices=devices,
                            with_target=not cache_features(cfg, device))
 
@@ -105,7 +104,8 @@ def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir
                **trainer_args: Any) -> DrafterTrainLoop:
     """The drafter's train loop on the target's frozen embedding and LM head: one device's or one rank's."""
     return DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, drafter, target.embedding_weight,
-                            target.lm_head, run_dir, steps, **trainer_args)
+                            target.lm_head, run_dir, steps, compile_drafter=cfg.trainer.compile_drafter,
+                            compile_masks=cfg.trainer.compile_masks, **trainer_args)
 
 
 def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:

@@ -26,7 +26,6 @@ from dflash_train.app.drafter import drafter_config, make_drafter
 from dflash_train.app.local import feature_cache, features_here, flop_counter, pack_stream, total_steps, train_loop
 from dflash_train.app.run_dir import export_drafter, run_dir_lock, write_config
 from dflash_train.app.validation import Validation
-from dflash_train.data.label_columns import feature_width
 from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
@@ -232,8 +231,8 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
         cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))
         source = features_here(cfg, target, packs, layer_ids, cache, session.stats, session.trace)
     else:
-        source = receive_features(spec, packs, feature_width(layer_ids, target.hidden_size, target.dtype),
-                                  cfg.data.token_budget, target.dtype, device, cfg.pipeline.queue_depth)
+        source = receive_features(spec, packs, layer_ids, target.hidden_size, cfg.data.token_budget, target.dtype,
+                                  device, cfg.pipeline.queue_depth)
     try:
         with target.compiled_layers(cfg.pipeline.compile_target and spec.role == "both"):
             loop.train(source)

@@ -22,8 +22,9 @@ from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.files import write_atomic
 from dflash_train.models.target import Target
-from dflash_train.pipeline.features import packed_features
+from dflash_train.pipeline.features import target_features
 from dflash_train.pipeline.stream import PackStream
+from dflash_train.pipeline.target_features import FeatureSpec, TargetFeatures
 from dflash_train.settings.tree import TrainConfig
 
 KEYS = ("loss", "acc", "expected_tau")  # of the objective's record values
@@ -31,11 +32,11 @@ VALIDATION_FILE = "validation.pt"
 
 
 class Validation:
-    def __init__(self, every: int, packs: list[tuple[PackedBatch, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, every: int, packs: list[tuple[PackedBatch, torch.Tensor, TargetFeatures]]) -> None:
         self.every, self.packs = every, packs  # (batch, target features) on one device; anchors on the host
 
     @classmethod
-    def build(cls, cfg: TrainConfig, target: Target, held_out, layer_ids: list[int]) -> Validation:
+    def build(cls, cfg: TrainConfig, target: Target, held_out, features: FeatureSpec) -> Validation:
         """The held-out packs, one pass, with their target features, on the target's device."""
         stream = PackStream(held_out, cfg.data.token_budget, cfg.objective.num_anchors, cfg.run.seed, 1)
         loader, packs = stream.loader, []
@@ -47,7 +48,7 @@ class Validation:
                     break
                 if loader.state.epoch > 0:
                     break  # packs without anchors were skipped into the next pass
-                feats = packed_features(target, pack.batch, layer_ids)
+                feats = target_features(target, pack.batch, features)
                 packs.append((pack.batch.to(target.device), pack.anchors, feats))
         if not packs:
             raise UsageError("--val-conversations: the held-out conversations have no two consecutive loss-masked "
@@ -56,8 +57,8 @@ class Validation:
 
     def save(self, path: Path) -> None:
         """The packs as host tensors (a worker process loads them with weights_only)."""
-        packs = [([t.cpu() if t is not None else None for t in (b.input_ids, b.loss_mask, b.seq_ids, b.positions,
-                                                                 b.labels)], anchors.cpu(), feats.cpu())
+        packs = [(_host([b.input_ids, b.loss_mask, b.seq_ids, b.positions, b.labels]), anchors.cpu(),
+                  _host([feats.hidden, feats.labels]))
                  for b, anchors, feats in self.packs]
         write_atomic(path, lambda f: torch.save({"every": self.every, "packs": packs}, f))
 
@@ -65,7 +66,7 @@ class Validation:
     def load(cls, path: Path, device: torch.device) -> Validation:
         """Memory-mapped, so the drafter workers reading it at once do not each hold it in host memory."""
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return cls(saved["every"], [(PackedBatch(*batch).to(device), anchors, feats.to(device))
+        return cls(saved["every"], [(PackedBatch(*batch).to(device), anchors, TargetFeatures(*feats).to(device))
                                     for batch, anchors, feats in saved["packs"]])
 
     def due(self, step: int, last: int) -> bool:
@@ -77,6 +78,10 @@ class Validation:
         device = self.packs[0][0].input_ids.device
         sums = torch.zeros(objective.metric_width, device=device)
         for batch, anchors, feats in self.packs:
-            objective.add_metrics(sums, objective(batch, anchors.to(device), feats), anchors)
+            objective.add_metrics(sums, objective(batch, anchors.to(device), feats.hidden, feats.labels), anchors)
         values, _ = objective.metrics(sums.cpu())  # host sync: once per validation
         return {f"val_{k}": values[k] for k in KEYS}
+
+
+def _host(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [t.cpu() if t is not None else None for t in tensors]

@@ -36,6 +36,7 @@ from dflash_train.bench.config import Split, train_config
 from dflash_train.data.dataset import write_sequences
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.launcher import free_port
+from dflash_train.pipeline.target_features import TargetFeatures
 from dflash_train.pipeline.worker import die_with_parent
 from dflash_train.profiling.flops import PEAK_BF16
 
@@ -204,7 +205,7 @@ def _link_worker(rank: int, port: int, width: int, budget: int, depth: int, mess
     warm = 2
     packs = [SimpleNamespace(index=i, num_tokens=budget) for i in range(warm + messages)]
     if rank == 0:
-        feats = torch.randn(budget, width, dtype=torch.bfloat16, device=dev)
+        feats = TargetFeatures(torch.randn(budget, width, dtype=torch.bfloat16, device=dev))
         sender = P2PSender(depth, 120, str)
         for p in packs[:warm]:
             sender.send(p.index, 1, feats, 0.0)

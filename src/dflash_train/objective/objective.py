@@ -2,6 +2,7 @@
 
     objective = DFlashObjective(drafter, embed_weight, lm_head, ObjectiveConfig(...))
     out = objective(batch, anchors, features)   # features [S, n*H] of batch's context tokens
+    out = objective(batch, anchors, features, labels)   # with the target's labels [S] (--labels target)
     out.loss.backward()
 
 The target side (features) and the drafter side (this module) are separate so a pipeline can
@@ -20,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.config import AttentionBackend, above, at_least, in_range, setting, validate
-from dflash_train.data.label_columns import TARGET_LABELS, feature_width, split_labels
 from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
@@ -54,16 +54,14 @@ def check_backend_device(attention: str, device: torch.device) -> None:
                          "use --attention dense (or auto, which picks it off CUDA)")
 
 
-def feature_layer_ids(drafter_config, kd: bool, labels: bool = False) -> list[int]:
+def feature_layer_ids(drafter_config, kd: bool) -> list[int]:
     """The target layers whose hidden states a pack's features carry, in order.
 
     The drafter's context layers, then with distillation the target's last layer (final-normed:
-    its LM head over it gives the target's logits), which the objective splits off again; with
-    `labels` (target labels computed in the feature forward) TARGET_LABELS last: the labels'
-    columns (data/label_columns.py).
+    its LM head over it gives the target's logits), which the objective splits off again.
     """
     ids = list(drafter_config.target_layer_ids)
-    return ids + [drafter_config.num_target_layers - 1] * kd + [TARGET_LABELS] * labels
+    return ids + [drafter_config.num_target_layers - 1] * kd
 
 
 class DFlashObjective(nn.Module):
@@ -116,11 +114,14 @@ class DFlashObjective(nn.Module):
         positions = torch.cat([batch.positions, blocks.positions])[None]  # context, then blocks
         return self.drafter(embeds[None], features[None].to(dtype), positions, masks=masks)
 
-    def forward(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor) -> LossOutput:
+    def forward(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor,
+                labels: torch.Tensor | None = None) -> LossOutput:
         """batch and anchors on the drafter's device; features [S, n*H] (no grad needed), with
-        distillation [S, (n+1)*H]: the target's final hidden states last (feature_layer_ids)."""
+        distillation [S, (n+1)*H]: the target's final hidden states last (feature_layer_ids);
+        labels: the target's labels [S] computed in the feature forward, which replace the batch's."""
         prof = self.prof
-        batch, features = self._inline_labels(batch, features)
+        if labels is not None:
+            batch = replace(batch, labels=labels.to(batch.input_ids.device, torch.long))
         with prof.span("drafter.masks", device=True):
             blocks = self.blocks(batch, anchors)
             masks = self.masks(batch, blocks)
@@ -136,18 +137,6 @@ class DFlashObjective(nn.Module):
         with prof.span("drafter.lm_head_loss", device=True):
             return weighted_block_loss(hidden[0], blocks.labels, blocks.weights, self.lm_head, blocks.block_size,
                                        self.cfg.loss_chunk_rows, teacher)
-
-    def _inline_labels(self, batch: PackedBatch, features: torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:
-        """The batch with the target labels its features carry (feature_layer_ids(labels=True)), and the
-        features without them; both as given when the features are only hidden states (by their width)."""
-        width = feature_width(feature_layer_ids(self.drafter.config, self.cfg.kd_weight > 0),
-                              self.embed_weight.shape[1], features.dtype)  # the hidden states alone
-        if features.shape[1] == width:
-            return batch, features
-        features, labels = split_labels(features)
-        if features.shape[1] != width:  # a static shape check: no sync
-            raise ValueError(f"features of width {features.shape[1]} (labels split off), expected {width}")
-        return replace(batch, labels=labels.to(batch.input_ids.device)), features
 
     # --- metrics: device-side sums between two log records, read back only when one is written ---
 

@@ -9,20 +9,20 @@ The target must see each packed sequence alone (causal within it, nothing across
              order. Used when it pads nothing (one sequence, or equal lengths: plain causal
              attention, the fastest kernel) and for long rows on CPU (a dense mask is L x L).
 
-Target labels in the same forward (TARGET_LABELS among the layer ids, `--labels target` on data
-without labels.npy): the target runs to its last layer and its LM head gives, at every position p,
-the greedy token after x_<p (data/relabel.py's labels, without relabel's own pass over the data).
-They travel as the features' last columns (data/label_columns.py); the objective splits them off.
+Target labels in the same forward (a FeatureSpec with labels, `--labels target` on data without
+labels.npy): the target runs to its last layer and its LM head gives, at every position p, the
+greedy token after x_<p (data/relabel.py's labels, without relabel's own pass over the data).
+They travel beside the hidden states as their own tensor (pipeline/target_features.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dflash_train.data.label_columns import TARGET_LABELS, with_labels
 from dflash_train.data.packing import PackedBatch
 from dflash_train.models.document_attention import DENSE_MASK_MAX_TOKENS, FORWARD_MODES, document_backend, document_row
 from dflash_train.models.target import Target
+from dflash_train.pipeline.target_features import LABEL_DTYPE, FeatureSpec, TargetFeatures
 from dflash_train.profiling.stats import NULL_LOOP
 
 
@@ -57,21 +57,30 @@ def feature_mode(lengths: torch.Tensor, device: torch.device) -> str:
     return "dense" if int(lengths.sum()) <= DENSE_MASK_MAX_TOKENS else "padded"
 
 
+def target_features(target: Target, batch: PackedBatch, spec: FeatureSpec, prof=NULL_LOOP,
+                    mode: str = "auto") -> TargetFeatures:
+    """What a target loop hands on for one pack: the spec's hidden states and, when it asks for them,
+    the target's greedy labels (module docstring), on the target's device."""
+    layers = list(spec.layers)
+    if not spec.labels:
+        return TargetFeatures(packed_features(target, batch, layers, prof, mode))
+    H = target.hidden_size
+    feats = packed_features(target, batch, [*layers, target.num_layers - 1], prof, mode)  # final-normed last
+    with prof.span("target_labels", device=True):  # Target.greedy_labels runs without autograd
+        labels = target.greedy_labels(feats[:, -H:], batch.input_ids, batch.loss_mask, batch.positions)
+        # contiguous: the hidden states alone, without the last layer's columns (the cache keeps them)
+        return TargetFeatures(feats[:, :-H].contiguous(), labels.to(LABEL_DTYPE))
+
+
 def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP,
                     mode: str = "auto") -> torch.Tensor:
-    """Target features [S, n*H] of the packed context tokens (sequences kept apart), on the target's device;
-    with TARGET_LABELS among layer_ids, the target's greedy labels as the last columns (module docstring).
+    """Target features [S, n*H] of the packed context tokens (sequences kept apart), on the target's device.
 
     mode: 'auto' (see feature_mode), 'padded', 'packed' (flex on CUDA, dense elsewhere), or
     'flex' / 'dense' to force one document-mask backend (tests, benchmarks).
     """
     if mode not in FORWARD_MODES:
         raise ValueError(f"packed_features: mode {mode!r} not in {FORWARD_MODES}")
-    if TARGET_LABELS in layer_ids:
-        layers = [i for i in layer_ids if i != TARGET_LABELS] + [target.num_layers - 1]
-        feats = packed_features(target, batch, layers, prof, mode)
-        with prof.span("target_labels", device=True):  # Target.greedy_labels runs without autograd
-            return _with_labels(target, batch, feats)
     if mode == "auto":
         mode = feature_mode(sequence_lengths(batch), target.device) if target.full_attention_only else "padded"
     elif mode == "packed":
@@ -79,13 +88,6 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     if mode == "padded":
         return padded_features(target, batch, layer_ids, prof)
     return document_features(target, batch, layer_ids, prof, flex=mode == "flex")
-
-
-def _with_labels(target: Target, batch: PackedBatch, features: torch.Tensor) -> torch.Tensor:
-    """features [S, n*H + H] (the final-normed last layer last) -> [S, n*H + label columns]."""
-    H = target.hidden_size
-    labels = target.greedy_labels(features[:, -H:], batch.input_ids, batch.loss_mask, batch.positions)
-    return with_labels(features[:, :-H], labels)
 
 
 def padded_features(target: Target, batch: PackedBatch, layer_ids: list[int], prof=NULL_LOOP) -> torch.Tensor:

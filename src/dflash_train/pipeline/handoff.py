@@ -8,8 +8,10 @@
     P2PReceiver    drafter process: irecv posted ahead into a ring of pre-allocated buffers
                    sized by the token budget, at most `depth` in flight.
 
-Each feature message is followed by a small meta message [pack index, target busy seconds]:
-the drafter checks the order on CPU and accounts the target role's busy time without asking.
+Each pack is two messages: its hidden states, then a small int32 side message of the pack's meta
+data [pack index, target busy seconds] (two float64, 16 bytes) followed by the target's labels
+when the features carry them (4 bytes a token, next to the hidden states' layers x H x 2 in bf16).
+The drafter checks the order on CPU and accounts the target role's busy time without asking.
 A peer that sends or receives nothing for `timeout` seconds is reported by rank and device.
 """
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.pipeline.stream import Pack
+from dflash_train.pipeline.target_features import LABEL_DTYPE, TargetFeatures
 from dflash_train.profiling.stats import NULL_LOOP
 
 
@@ -40,7 +43,7 @@ class PipelineStopped(Exception):
 @dataclass
 class Features:
     pack: Pack
-    features: torch.Tensor  # [S, n*H] on the drafter's device
+    features: TargetFeatures  # on the drafter's device
     target_busy_s: float | torch.Tensor  # seconds the target spent on this pack (a device scalar on NCCL)
 
 
@@ -121,12 +124,28 @@ def _wait(work, timeout: float, what: str) -> None:
     work.wait()
 
 
+META_WORDS = 4  # int32 words of the side message's meta data: [pack index, busy seconds] as two float64
+
+
+def side_message(pack_index: int, busy_s: float | torch.Tensor, labels: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor:
+    """int32 [META_WORDS + S]: the meta data's float64 pair viewed as int32 words, then the labels if any."""
+    # Filled on the device by kernels: a host tensor copied over would sync (pageable memory).
+    side = torch.empty(META_WORDS + (0 if labels is None else len(labels)), dtype=LABEL_DTYPE, device=device)
+    meta = side[:META_WORDS].view(torch.float64)
+    meta[0] = float(pack_index)
+    meta[1] = busy_s
+    if labels is not None:
+        side[META_WORDS:] = labels
+    return side
+
+
 class P2PSender:
     def __init__(self, depth: int, timeout: float, describe) -> None:
         self.depth, self.timeout, self.describe = depth, timeout, describe
         self.inflight: collections.deque = collections.deque()
 
-    def send(self, pack_index: int, dst: int, features: torch.Tensor, busy_s: float | torch.Tensor,
+    def send(self, pack_index: int, dst: int, features: TargetFeatures, busy_s: float | torch.Tensor,
              prof=NULL_LOOP) -> None:
         t0 = time.perf_counter()
         while len(self.inflight) >= self.depth:  # the bound: wait for the oldest send to be received
@@ -136,12 +155,10 @@ class P2PSender:
             self.inflight.popleft()
         prof.add("hs_queue_full_wait", time.perf_counter() - t0)
         with prof.span("handoff"):
-            # Filled on the device by kernels: a host tensor copied over would sync (pageable memory).
-            meta = torch.empty(2, dtype=torch.float64, device=features.device)
-            meta[0] = float(pack_index)
-            meta[1] = busy_s
-            works = [dist.isend(features.contiguous(), dst), dist.isend(meta, dst)]
-        self.inflight.append((dst, works, (features, meta)))  # keep tensors alive until sent
+            hidden = features.hidden.contiguous()
+            side = side_message(pack_index, busy_s, features.labels, hidden.device)
+            works = [dist.isend(hidden, dst), dist.isend(side, dst)]
+        self.inflight.append((dst, works, (hidden, side)))  # keep tensors alive until sent
         prof.gauge("hs_queue_depth", len(self.inflight))
 
     def flush(self) -> None:
@@ -152,14 +169,18 @@ class P2PSender:
 
 
 class P2PReceiver:
-    """Receives the features of `packs` (this drafter's, in order) from their target ranks."""
+    """Receives the features of `packs` (this drafter's, in order) from their target ranks.
+
+    width: the hidden states' columns; labels: whether the target's labels come with them."""
 
     def __init__(self, packs, source_of, width: int, budget: int, dtype: torch.dtype, device: torch.device,
-                 depth: int, timeout: float, describe) -> None:
+                 depth: int, timeout: float, describe, labels: bool = False) -> None:
         self.packs, self.source_of, self.timeout, self.describe = iter(packs), source_of, timeout, describe
+        self.labels = labels
         # depth buffers in flight + one held by the step that is using it
         self.buffers = [torch.empty(budget, width, dtype=dtype, device=device) for _ in range(depth + 1)]
-        self.metas = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(depth + 1)]
+        side = META_WORDS + (budget if labels else 0)
+        self.sides = [torch.zeros(side, dtype=LABEL_DTYPE, device=device) for _ in range(depth + 1)]
         self.pending: collections.deque = collections.deque()
         self.held: list[int] = []
         self.check_order = device.type == "cpu"
@@ -175,11 +196,12 @@ class P2PReceiver:
             slot = self.slots.pop()
             src = self.source_of(pack)
             buf = self.buffers[slot][: pack.num_tokens]
-            works = [dist.irecv(buf, src), dist.irecv(self.metas[slot], src)]
+            side = self.sides[slot][: META_WORDS + (pack.num_tokens if self.labels else 0)]
+            works = [dist.irecv(buf, src), dist.irecv(side, src)]
             self.pending.append((pack, slot, src, works))
 
     def get(self, prof=NULL_LOOP) -> Features:
-        """The next pack's features; the buffer stays valid until release()."""
+        """The next pack's features; the buffers stay valid until release()."""
         self.release()
         if not self.pending:
             raise StopIteration
@@ -189,13 +211,15 @@ class P2PReceiver:
         for w in works:
             _wait(w, self.timeout, f"receiving features from {self.describe(src)}")
         prof.add("hs_queue_wait", time.perf_counter() - t0)
-        meta = self.metas[slot]
+        meta = self.sides[slot][:META_WORDS].view(torch.float64)
         if self.check_order and int(meta[0]) != pack.index:
             raise RuntimeError(f"pack order mismatch: expected pack {pack.index} from {self.describe(src)}, "
                                f"got {int(meta[0])}")
         self.held.append(slot)
         busy = float(meta[1]) if self.check_order else meta[1].clone()
-        return Features(pack, self.buffers[slot][: pack.num_tokens], busy)
+        n = pack.num_tokens
+        labels = self.sides[slot][META_WORDS:META_WORDS + n] if self.labels else None
+        return Features(pack, TargetFeatures(self.buffers[slot][:n], labels), busy)
 
     def release(self) -> None:
         """The step is done with the buffers it got: post receives into them."""

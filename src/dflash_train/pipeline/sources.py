@@ -18,6 +18,7 @@ from typing import Protocol
 
 from dflash_train.models.target import Target
 from dflash_train.pipeline.handoff import Features, LocalHandoff, PipelineStopped
+from dflash_train.pipeline.target_features import FeatureSpec
 from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
 from dflash_train.profiling.stats import NULL_LOOP, NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
@@ -34,9 +35,9 @@ class FeatureSource(Protocol):
 class InlineSource:
     """Features computed on demand, on the drafter's thread (optionally cached per sequence)."""
 
-    def __init__(self, target: Target, packs, layer_ids: list[int], cache: FeatureCache | None, prof=NULL_LOOP) -> None:
+    def __init__(self, target: Target, packs, spec: FeatureSpec, cache: FeatureCache | None, prof=NULL_LOOP) -> None:
         self.packs = iter(packs)
-        self.loop = TargetForwardLoop(target, layer_ids, prof, cache=cache)
+        self.loop = TargetForwardLoop(target, spec, prof, cache=cache)
 
     def get(self, prof=NULL_LOOP) -> Features:
         """The drafter's `hs_queue_wait` here is the whole inline target step: it waits for it."""
@@ -53,11 +54,11 @@ class InlineSource:
 class ThreadedSource:
     """A TargetForwardLoop thread (own CUDA stream) -> LocalHandoff -> the drafter loop."""
 
-    def __init__(self, target: Target, packs, layer_ids: list[int], depth: int, prof=NULL_LOOP, trace=NO_TRACE,
+    def __init__(self, target: Target, packs, spec: FeatureSpec, depth: int, prof=NULL_LOOP, trace=NO_TRACE,
                  cache: FeatureCache | None = None) -> None:
         self.handoff = LocalHandoff(depth)
         self.batches = BatchQueue(packs, depth, prof)
-        self.loop = TargetForwardLoop(target, layer_ids, prof, trace=trace, cache=cache)
+        self.loop = TargetForwardLoop(target, spec, prof, trace=trace, cache=cache)
         self.thread = threading.Thread(target=self.loop.run_local, args=(self.batches, self.handoff),
                                        name="target-forward", daemon=True)
         self.thread.start()
@@ -74,9 +75,9 @@ class ThreadedSource:
         self.thread.join(timeout=30)
 
 
-def local_source(target: Target, packs, layer_ids: list[int], *, overlap: bool, cache: FeatureCache | None, depth: int,
+def local_source(target: Target, packs, spec: FeatureSpec, *, overlap: bool, cache: FeatureCache | None, depth: int,
                  stats=NULL_PROFILE, trace=NO_TRACE) -> FeatureSource:
     """Features from this process's own target: a thread on its own CUDA stream (overlap), or inline."""
     if overlap:
-        return ThreadedSource(target, packs, layer_ids, depth, stats.loop("target"), trace, cache)
-    return InlineSource(target, packs, layer_ids, cache, stats.loop("target"))
+        return ThreadedSource(target, packs, spec, depth, stats.loop("target"), trace, cache)
+    return InlineSource(target, packs, spec, cache, stats.loop("target"))

@@ -19,9 +19,10 @@ import torch
 
 from dflash_train.data.packing import select
 from dflash_train.models.target import Target
-from dflash_train.pipeline.features import packed_features
+from dflash_train.pipeline.features import target_features
 from dflash_train.pipeline.handoff import Features, LocalHandoff, P2PSender, PipelineStopped
 from dflash_train.pipeline.stream import Pack
+from dflash_train.pipeline.target_features import FeatureSpec, TargetFeatures
 from dflash_train.profiling.device_time import DeviceTimer
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
@@ -81,21 +82,22 @@ class BatchQueue:
 class FeatureCache:
     """Each sequence's target features, kept from its first pack on: later epochs skip the target.
 
-    Costs tokens x features x H x dtype bytes of the target's device memory (15.2M tokens x 5 x 576
-    x 2 B = 87 GB for SmolLM2 on the H200 recipe's data). With `budget_bytes` it keeps sequences in the
-    order they first come until the budget is spent; the rest are computed again each time they come, on
-    their own (a batch of just them, data/packing.select), beside the cached ones of their pack.
+    Costs FeatureSpec.token_bytes a token of the target's device memory (15.2M tokens x 5 x 576 x 2 B
+    = 87 GB for SmolLM2 on the H200 recipe's data; target labels add 4 B a token). With `budget_bytes`
+    it keeps sequences in the order they first come until the budget is spent; the rest are computed
+    again each time they come, on their own (a batch of just them, data/packing.select), beside the
+    cached ones of their pack.
     """
 
     def __init__(self, budget_bytes: int | None = None) -> None:
-        self.parts: dict[int, torch.Tensor] = {}
+        self.parts: dict[int, TargetFeatures] = {}
         self.budget, self.bytes = budget_bytes, 0
 
-    def features(self, pack: Pack, compute: Callable[[Pack], torch.Tensor]) -> torch.Tensor:
+    def features(self, pack: Pack, compute: Callable[[Pack], TargetFeatures]) -> TargetFeatures:
         ids = pack.sequence_ids
         missing = [k for k, i in enumerate(ids) if i not in self.parts]
         if not missing:
-            return torch.cat([self.parts[i] for i in ids])
+            return TargetFeatures.cat([self.parts[i] for i in ids])
         lengths = torch.bincount(pack.batch.seq_ids).tolist()  # the loader's host copy: no device sync
         if len(missing) == len(ids):
             feats = compute(pack)
@@ -104,10 +106,10 @@ class FeatureCache:
         sub = compute(replace(pack, batch=select(pack.batch, missing)))
         fresh = dict(zip(missing, sub.split([lengths[k] for k in missing]), strict=True))
         self._keep([ids[k] for k in missing], list(fresh.values()))
-        return torch.cat([fresh[k] if k in fresh else self.parts[i] for k, i in enumerate(ids)])
+        return TargetFeatures.cat([fresh[k] if k in fresh else self.parts[i] for k, i in enumerate(ids)])
 
-    def _keep(self, ids: list[int], parts: list[torch.Tensor]) -> None:
-        sizes = [p.numel() * p.element_size() for p in parts]
+    def _keep(self, ids: list[int], parts: list[TargetFeatures]) -> None:
+        sizes = [p.nbytes for p in parts]
         room = sum(sizes) if self.budget is None else self.budget - self.bytes
         whole = sum(sizes) <= room  # all of them: views of the pack's tensor, which they use up
         for i, part, size in zip(ids, parts, sizes, strict=True):
@@ -119,10 +121,10 @@ class FeatureCache:
 
 
 class TargetForwardLoop:
-    def __init__(self, target: Target, layer_ids: list[int], prof=NULL_LOOP,
+    def __init__(self, target: Target, spec: FeatureSpec, prof=NULL_LOOP,
                  fault: Callable[[Pack], None] | None = None, trace=NO_TRACE,
                  cache: FeatureCache | None = None) -> None:
-        self.target, self.layer_ids, self.prof, self.trace, self.cache = target, layer_ids, prof, trace, cache
+        self.target, self.spec, self.prof, self.trace, self.cache = target, spec, prof, trace, cache
         self.device = target.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # the target's busy seconds per pack: CUDA events on its stream, read once the GPU has passed
@@ -130,7 +132,7 @@ class TargetForwardLoop:
         self.timer = DeviceTimer(self.device.type == "cuda")
         self.fault = fault or (lambda pack: None)
 
-    def compute(self, pack: Pack) -> tuple[torch.Tensor, float]:
+    def compute(self, pack: Pack) -> tuple[TargetFeatures, float]:
         """Features of one pack, on the target's stream, and the target's busy seconds."""
         self.fault(pack)
         self.trace.at(pack.step)
@@ -141,8 +143,8 @@ class TargetForwardLoop:
         self.prof.count("tokens", pack.num_tokens)
         return feats, busy
 
-    def _forward(self, pack: Pack) -> torch.Tensor:
-        return packed_features(self.target, pack.batch, self.layer_ids, self.prof)
+    def _forward(self, pack: Pack) -> TargetFeatures:
+        return target_features(self.target, pack.batch, self.spec, self.prof)
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

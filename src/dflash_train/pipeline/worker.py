@@ -38,6 +38,7 @@ from dflash_train.errors import UsageError
 from dflash_train.models.target import Target
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.stream import Pack, PackStream
+from dflash_train.pipeline.target_features import FeatureSpec
 from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
@@ -173,12 +174,12 @@ def join_group(spec: WorkerSpec, peers: Peers) -> Any:
     return dist.new_group(spec.drafter_ranks)  # every rank takes part in creating it
 
 
-def serve_features(spec: WorkerSpec, peers: Peers, target: Target, layer_ids: list[int], stream: PackStream,
+def serve_features(spec: WorkerSpec, peers: Peers, target: Target, features: FeatureSpec, stream: PackStream,
                    total_steps: int, *, depth: int, cache: FeatureCache | None, prof=NULL_LOOP, trace=NO_TRACE) -> None:
     """A target rank: the features of its share of the packs, each sent to the drafter rank that trains on it."""
     me, n = spec.target_ranks.index(spec.rank), len(spec.target_ranks)
     packs = stream.packs(total_steps, keep=lambda p: p.index % n == me)
-    loop = TargetForwardLoop(target, layer_ids, prof, _fault("target"), trace, cache)
+    loop = TargetForwardLoop(target, features, prof, _fault("target"), trace, cache)
     sender = P2PSender(depth, spec.peer_timeout, spec.describe)
     loop.run_p2p(BatchQueue(packs, depth, prof), sender, spec.drafter_of, lambda: peers.beat(spec.rank))
 
@@ -192,7 +193,8 @@ def drafter_packs(spec: WorkerSpec, stream: PackStream, total_steps: int):
     return packs
 
 
-def receive_features(spec: WorkerSpec, packs, width: int, budget: int, dtype: torch.dtype, device: torch.device,
-                     depth: int) -> P2PReceiver:
+def receive_features(spec: WorkerSpec, packs, features: FeatureSpec, hidden: int, budget: int, dtype: torch.dtype,
+                     device: torch.device, depth: int) -> P2PReceiver:
     """A drafter-only rank's feature source: each pack's features from the target rank that computed them."""
-    return P2PReceiver(packs, spec.target_of, width, budget, dtype, device, depth, spec.peer_timeout, spec.describe)
+    return P2PReceiver(packs, spec.target_of, features.width(hidden), budget, dtype, device, depth, spec.peer_timeout,
+                       spec.describe, labels=features.labels)

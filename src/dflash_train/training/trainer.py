@@ -1,14 +1,16 @@
 """The Trainer: a training loop that knows nothing of the model it trains.
 
-    trainer = Trainer(objective, optim, cfg, run_dir, total_steps, dp=..., resume_state=..., hooks=...)
-    result = trainer.train(source)   # source.get(prof) -> Features (pipeline/sources.py)
+    trainer = Trainer(step_fn, optim, cfg, run_dir, total_steps, dp=..., resume_state=..., hooks=...)
+    result = trainer.train(source)   # source.get(prof) -> a Sample (pipeline/sources.py has the sources)
 
 It owns the optimizer, the schedule, data parallelism (DistributedDataParallel over the
 training ranks; rank 0 writes metrics and checkpoints), metrics, checkpoints, graceful stop and
 resume; resume restores every piece of state, so an interrupted run continues with exactly the
-losses of an uninterrupted one. What is trained, its loss and its metrics are the `objective`'s
-(see `Objective`); where features come from is the `source`'s (computed inline, a local
-hand-off queue, or point-to-point from target processes).
+losses of an uninterrupted one. Two protocols are all it knows of the rest: a `FeatureSource`
+hands it samples (computed inline, a local hand-off queue, or point-to-point from target
+processes), and a `StepFunction` turns each into its objective's inputs and reads its metrics;
+what is trained, its loss and its metrics are the step function's (training/drafter_loop.py
+binds the DFlash objective).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_train.errors import UsageError
-from dflash_train.pipeline.handoff import Features
 from dflash_train.pipeline.stream import StreamState
 from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_LOOP
@@ -39,16 +40,50 @@ from dflash_train.training.metrics import MetricsLogger
 from dflash_train.training.update import Update, cosine_schedule, make_optimizer
 
 
+class DataUnit(Protocol):
+    """What a sample was computed from, as far as the Trainer reads it (pipeline/stream.py's Pack is one)."""
+
+    resume: StreamState  # the stream's position after it: where a checkpoint taken after it continues
+
+    @property
+    def num_tokens(self) -> int:
+        """The target tokens it covers: the records' rates."""
+
+
+class Sample(Protocol):
+    """One micro-batch from a feature source (pipeline/handoff.py's Features is one)."""
+
+    pack: DataUnit  # opaque beyond DataUnit: the step function and the FLOP counter read the rest
+    target_busy_s: float | torch.Tensor  # seconds the target spent on it (a device scalar on NCCL)
+
+
+class FeatureSource(Protocol):
+    def get(self, prof=NULL_LOOP) -> Sample:
+        """The next sample, on the training loop's device; prof times the wait."""
+
+    def close(self) -> None:
+        """Stop the threads or receives behind it (the run ended or failed)."""
+
+
 class Objective(Protocol):
-    """What the Trainer needs of an objective (an nn.Module; DFlashObjective is one)."""
+    """The module whose forward gives a micro-batch's loss (data parallel wraps it)."""
 
     model: nn.Module  # what is trained: the optimizer's parameters, the checkpoints' weights
-    metric_width: int  # the width of its metric sums
 
-    def __call__(self, batch, anchors: torch.Tensor, features: torch.Tensor) -> Any:
+    def __call__(self, *inputs: Any) -> Any:
         """The loss of one micro-batch: an output with a differentiable scalar `.loss`."""
 
-    def add_metrics(self, sums: torch.Tensor, out: Any, anchors: torch.Tensor) -> None:
+
+class StepFunction(Protocol):
+    """What is trained on each sample: the objective, its inputs and its metrics."""
+
+    objective: Objective
+    metric_width: int  # the width of its metric sums
+
+    def inputs(self, sample: Sample, device: torch.device) -> tuple[Any, ...]:
+        """The objective's forward arguments for `sample` on `device`, copies queued without a host sync."""
+
+    def add_metrics(self, sums: torch.Tensor, out: Any, sample: Sample) -> None:
         """Adds one micro-batch's output to the device-side sums (no host sync)."""
 
     def metrics(self, sums: torch.Tensor) -> tuple[dict[str, Any], dict[str, float]]:
@@ -92,8 +127,8 @@ class Hooks:
     heartbeat: Callable[[int], None] = lambda step: None  # after every step (the launcher's liveness watch)
     # a PackFlops (profiling/flops.py): model FLOPs per pack, each record's mfu; None: no mfu
     flops: PackFlops | None = None
-    # held-out packs (app/validation.py): .due(step, last_step), and called with the objective, the val_* values
-    # that join the next metrics record
+    # held-out packs (app/validation.py): .due(step, last_step), and called with the step function's objective,
+    # the val_* values that join the next metrics record
     validate: Any = None
 
 
@@ -139,13 +174,15 @@ class _Window:
 
 
 class Trainer:
-    def __init__(self, objective: Objective, optim: OptimizerConfig, cfg: TrainerConfig, run_dir: Path,
+    def __init__(self, step_fn: StepFunction, optim: OptimizerConfig, cfg: TrainerConfig, run_dir: Path,
                  total_steps: int, *,
                  dp: DataParallel | None = None, resume_state: dict[str, Any] | None = None, progress: bool = True,
                  hooks: Hooks | None = None, target_workers: int = 1, checkpoints: bool = True) -> None:
         """target_workers: processes computing features (the record's target capacity counts them all);
         checkpoints=False writes no checkpoint files at all (the benchmark's runs)."""
-        self.objective, self.model = objective, objective.model
+        self.step_fn = step_fn
+        objective = self.objective = step_fn.objective
+        self.model = objective.model
         self.optim, self.cfg, self.run_dir, self.total_steps = optim, cfg, Path(run_dir), total_steps
         self.dp, self.hooks = dp or DataParallel(), hooks or Hooks()
         self.prof = self.hooks.prof
@@ -251,7 +288,7 @@ class Trainer:
 
     # --- loop ----------------------------------------------------------------------------
 
-    def train(self, source) -> TrainResult:
+    def train(self, source: FeatureSource) -> TrainResult:
         """Run steps until total_steps, taking `grad_accum` packs per step from `source`."""
         t_start = time.perf_counter()
         self.model.train()
@@ -271,7 +308,7 @@ class Trainer:
         self.model.eval()
         return TrainResult(self.step, time.perf_counter() - t_start, last)
 
-    def _train(self, source, metrics: MetricsLogger | None) -> dict[str, Any] | None:
+    def _train(self, source: FeatureSource, metrics: MetricsLogger | None) -> dict[str, Any] | None:
         """The steps, then the last checkpoint (also after a stop request); the last metrics record."""
         try:
             last = self._steps(source, metrics)
@@ -281,10 +318,10 @@ class Trainer:
         self.checkpoint()  # raises Diverged if the last update broke the weights
         return last
 
-    def _steps(self, source, metrics: MetricsLogger | None) -> dict[str, Any] | None:
+    def _steps(self, source: FeatureSource, metrics: MetricsLogger | None) -> dict[str, Any] | None:
         """The optimizer steps up to total_steps; the last metrics record."""
         cfg = self.cfg
-        window, last = _Window(self.objective.metric_width, self.device), None
+        window, last = _Window(self.step_fn.metric_width, self.device), None
         while self.step < self.total_steps:
             if self.hooks.stop_requested(self.step):
                 raise GracefulStop()
@@ -301,7 +338,7 @@ class Trainer:
                     with self._writing(None):
                         metrics.log(last)  # a non-finite record too: the diagnostic of the stop below
                 self._check_record(last, window.steps)  # every training rank: the sums are all-reduced
-                window = _Window(self.objective.metric_width, self.device)
+                window = _Window(self.step_fn.metric_width, self.device)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < self.total_steps:
                 self.checkpoint()
         return last
@@ -325,20 +362,18 @@ class Trainer:
         validate in training's mode)."""
         return torch.no_grad()
 
-    def _step(self, source, window: _Window) -> None:
-        """One optimizer step over `grad_accum` packs."""
+    def _step(self, source: FeatureSource, window: _Window) -> None:
+        """One optimizer step over `grad_accum` samples."""
         accum = self.optim.grad_accum
         for i in range(accum):
             t_get = time.perf_counter()
-            item: Features = source.get(self.prof)
+            sample = source.get(self.prof)
             window.wait_s += time.perf_counter() - t_get
-            pack = item.pack
-            # non_blocking: a blocking copy from host memory synchronizes the stream, so the host would wait
-            # for the previous step's backward instead of queueing this step behind it
-            batch, anchors = pack.batch.to(self.device), pack.anchors.to(self.device, non_blocking=True)
-            out = self.update.micro(batch, anchors, item.features, 1.0 / accum, sync=i == accum - 1)
-            self.objective.add_metrics(window.objective_sums, out, pack.anchors)
-            window.add_micro(pack.num_tokens, item.target_busy_s)
+            pack = sample.pack
+            inputs = self.step_fn.inputs(sample, self.device)
+            out = self.update.micro(*inputs, scale=1.0 / accum, sync=i == accum - 1)
+            self.step_fn.add_metrics(window.objective_sums, out, sample)
+            window.add_micro(pack.num_tokens, sample.target_busy_s)
             if self.hooks.flops is not None:
                 window.flops += self.hooks.flops.of(pack)  # host arithmetic on the pack's host tensors
             self.prof.count("tokens", pack.num_tokens)
@@ -361,7 +396,7 @@ class Trainer:
         sums = sums.cpu()  # host sync: only on logging steps
         dt = max(time.perf_counter() - w.t0, 1e-9)
         grad_norm, t_tok, busy, flops = sums[:4].tolist()
-        values, counts = self.objective.metrics(sums[4:])
+        values, counts = self.step_fn.metrics(sums[4:])
         record = {
             "step": self.step,
             "epoch": self.stream_state.epoch,

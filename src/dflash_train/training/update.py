@@ -7,7 +7,6 @@ import math
 
 import torch
 
-from dflash_train.data.packing import PackedBatch
 from dflash_train.profiling.stats import NULL_LOOP
 
 
@@ -44,14 +43,13 @@ class Update:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()  # CPU path: plain float32, the same math
 
-    def micro(self, batch: PackedBatch, anchors: torch.Tensor, features: torch.Tensor, scale: float = 1.0,
-              sync: bool = True):
-        """Forward and backward of one pack; `scale` = 1 / micro-batches per step; sync=False skips DDP's all-reduce."""
-        dev = batch.input_ids.device
+    def micro(self, *inputs, scale: float = 1.0, sync: bool = True):
+        """Forward (of the objective's `inputs`) and backward of one micro-batch; `scale` = 1 / micro-batches per
+        step; sync=False skips DDP's all-reduce."""
         no_sync = getattr(self.module, "no_sync", None)
         with (contextlib.nullcontext() if sync or no_sync is None else no_sync()):
-            with self.prof.span("drafter_forward", device=True), self.autocast(dev):
-                out = self.module(batch, anchors, features)
+            with self.prof.span("drafter_forward", device=True), self.autocast(self.params[0].device):
+                out = self.module(*inputs)
             with self.prof.span("backward", device=True):
                 (out.loss * scale if scale != 1.0 else out.loss).backward()
         return out
