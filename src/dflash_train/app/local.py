@@ -8,20 +8,17 @@ epochs run only the drafter (pipeline/sources.py).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_train.app.dataset import feature_layers
+from dflash_train.app.plan import RunPlan
 from dflash_train.app.validation import Validation
-from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
 from dflash_train.pipeline.sources import FeatureSource, local_source
-from dflash_train.pipeline.stream import PackStream, StreamState
 from dflash_train.pipeline.target_features import FeatureSpec
 from dflash_train.pipeline.target_loop import FeatureCache
 from dflash_train.profiling.flops import PackFlops
@@ -95,11 +92,6 @@ def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, featu
                            with_target=not cache_features(cfg, device))
 
 
-def pack_stream(cfg: TrainConfig, dataset, packs_per_step: int, state: StreamState | None = None) -> PackStream:
-    """The packs of the run's training sequences, `packs_per_step` to an optimizer step (all drafter ranks')."""
-    return PackStream(dataset, cfg.data.token_budget, cfg.objective.num_anchors, cfg.run.seed, packs_per_step, state)
-
-
 def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir: Path, steps: int,
                **trainer_args: Any) -> DrafterTrainLoop:
     """The drafter's train loop on the target's frozen embedding and LM head: one device's or one rank's."""
@@ -108,33 +100,24 @@ def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir
                             compile_masks=cfg.trainer.compile_masks, **trainer_args)
 
 
-def total_steps(cfg: TrainConfig, dataset, packs_per_step: int, resume_state: dict[str, Any] | None = None) -> int:
-    """--max-steps, else the resumed run's total (its schedule), else --epochs over the data."""
-    if cfg.optimizer.max_steps:
-        return cfg.optimizer.max_steps
-    if resume_state is not None:
-        return resume_state["total_steps"]
-    return max(1, math.ceil(cfg.optimizer.epochs * pack_stream(cfg, dataset, packs_per_step).steps_per_epoch()))
-
-
 def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,
                 resume_state: dict[str, Any] | None = None, progress: bool = True, stats=NULL_PROFILE,
                 trace=NO_TRACE, overlap: bool | None = None, checkpoints: bool = True,
-                on_loop=lambda loop: None, heartbeat=lambda step: None) -> TrainResult:
-    """Train on one device: the target's features inline, or from a target thread with overlap."""
-    layer_ids = feature_layers(cfg, drafter.config, dataset)
-    dataset, held_out = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)  # training: the rest
-    steps = total_steps(cfg, dataset, cfg.optimizer.grad_accum, resume_state)
-    cache = feature_cache(cfg, target, int(dataset.lengths().sum()), layer_ids)
+                on_loop=lambda loop: None, heartbeat=lambda step: None, plan: RunPlan | None = None) -> TrainResult:
+    """Train on one device: the target's features inline, or from a target thread with overlap.
+    plan: the job's (app/plan.py); made here from the same inputs when the caller has none."""
+    plan = plan or RunPlan.make(cfg, dataset, drafter.config, cfg.optimizer.grad_accum, resume_state)
+    steps, features, held_out = plan.total_steps, plan.features, plan.held_out_data(dataset)
+    cache = feature_cache(cfg, target, int(plan.training_data(dataset).lengths().sum()), features)
     hooks = Hooks(prof=stats.loop("drafter"), trace=trace, heartbeat=heartbeat,
-                  flops=flop_counter(cfg, target, drafter, layer_ids),
-                  validate=Validation.build(cfg, target, held_out, layer_ids) if held_out is not None else None)
+                  flops=flop_counter(cfg, target, drafter, features),
+                  validate=Validation.build(cfg, target, held_out, features) if held_out is not None else None)
     loop = train_loop(cfg, target, drafter, run_dir, steps, resume_state=resume_state, progress=progress, hooks=hooks,
                       checkpoints=checkpoints)
     on_loop(loop)
-    stream = pack_stream(cfg, dataset, cfg.optimizer.grad_accum, loop.stream_state)
+    stream = plan.stream(cfg, dataset, loop.stream_state)
     packs = stream.packs(steps)
-    source = features_here(cfg, target, packs, layer_ids, cache, stats, trace, overlap)
+    source = features_here(cfg, target, packs, features, cache, stats, trace, overlap)
     try:
         with target.compiled_layers(cfg.pipeline.compile_target):
             return loop.train(source)

@@ -17,22 +17,21 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
-from dflash_train.app.dataset import feature_layers, open_prepared
+from dflash_train.app.dataset import open_prepared
 from dflash_train.app.drafter import drafter_config, make_drafter
-from dflash_train.app.local import feature_cache, features_here, flop_counter, pack_stream, total_steps, train_loop
+from dflash_train.app.local import feature_cache, features_here, flop_counter, train_loop
+from dflash_train.app.plan import RunPlan
 from dflash_train.app.run_dir import export_drafter, run_dir_lock, write_config
 from dflash_train.app.validation import Validation
-from dflash_train.data.validation_split import split_validation
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.loading import default_dtype, load_target
 from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
-from dflash_train.pipeline.stream import PackStream, StreamState
 from dflash_train.pipeline.worker import Peers, WorkerSpec, drafter_packs, join_group, receive_features, serve_features
 from dflash_train.profiling.session import profile_session
 from dflash_train.settings.tree import TrainConfig
@@ -49,8 +48,7 @@ class TrainWork:
     data_dir: str
     drafter_dir: str | None  # initial weights (fresh init or the checkpoint resumed from); None = a fresh init here
     resume_state_path: str | None  # drafter ranks restore optimizer, schedule and RNGs from it
-    stream: StreamState  # where the run's pack stream starts (a resumed run's position)
-    total_steps: int
+    plan: RunPlan | None  # the job's (app/plan.py); None under torchrun, where each rank makes the same one
     progress: bool
     checkpoints: bool = True  # False: no checkpoint files at all (the benchmark's runs)
     validation_path: str | None = None  # the held-out packs (app/validation.py): every drafter rank validates
@@ -76,18 +74,19 @@ def worker_roles(cfg: TrainConfig) -> list[tuple[str, str]]:
     return out
 
 
-def stream_state(state: dict[str, Any] | None) -> StreamState:
-    """Where a run's pack stream starts: a resumed trainer state's position, or the beginning."""
-    return StreamState(**state["stream"]) if state else StreamState()
+def drafter_count(roles) -> int:
+    """The processes that train a drafter (one on the one-device path, which has no roles)."""
+    return sum(1 for role, _ in roles if role != "target") or 1
 
 
 def launch_workers(cfg: TrainConfig, roles, run_dir: Path, data_dir, drafter_dir: str | None, ckpt: Path | None,
-                   state, steps: int, progress: bool, checkpoints: bool = True, validation: Path | None = None) -> int:
+                   plan: RunPlan | None, progress: bool, checkpoints: bool = True,
+                   validation: Path | None = None) -> int:
     """One process per (role, device) on this host, started and watched by the Launcher; its exit code."""
     port = cfg.pipeline.dist_port or free_port()
     work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(data_dir), drafter_dir=drafter_dir,
-                     resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state), total_steps=steps,
-                     progress=progress, checkpoints=checkpoints,
+                     resume_state_path=str(ckpt) if ckpt else None, plan=plan, progress=progress,
+                     checkpoints=checkpoints,
                      validation_path=str(validation) if validation is not None else None)
     specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, init_method=f"tcp://127.0.0.1:{port}",
                         peer_timeout=cfg.pipeline.peer_timeout) for r, (role, dev) in enumerate(roles)]
@@ -120,15 +119,11 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
     writer = rank == next(r for r, (role, _) in enumerate(devices) if role != "target")
     with run_dir_lock(run_dir) if writer else nullcontext():
         ckpt = latest_checkpoint(run_dir) if resume else None
-        state = load_state(ckpt) if ckpt else None
-        n_drafters = sum(1 for role, _ in devices if role != "target")
         spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices,
                           init_method="env://", peer_timeout=cfg.pipeline.peer_timeout)
         work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(dataset.path),
                          drafter_dir=str(ckpt / "drafter") if ckpt else cfg.drafter.init_drafter,
-                         resume_state_path=str(ckpt) if ckpt else None, stream=stream_state(state),
-                         total_steps=total_steps(cfg, dataset, n_drafters * cfg.optimizer.grad_accum, state),
-                         progress=progress)
+                         resume_state_path=str(ckpt) if ckpt else None, plan=None, progress=progress)
         if writer:
             write_config(run_dir, cfg)
         drafter = run_rank(work, spec, Peers.unwatched(len(devices)))
@@ -157,7 +152,7 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
             return None
 
 
-def _validation(work: TrainWork, dataset, target, layer_ids: list[int], device: torch.device) -> Validation | None:
+def _validation(work: TrainWork, plan: RunPlan, dataset, target, device: torch.device) -> Validation | None:
     """The held-out packs a drafter rank validates on: the launcher's saved ones, or, under torchrun,
     where no job process holds the target before the ranks start, built here. Every drafter rank
     builds the same ones (the split and the packing are seeded), on its own device: a drafter-only
@@ -165,17 +160,20 @@ def _validation(work: TrainWork, dataset, target, layer_ids: list[int], device: 
     cfg = work.cfg
     if work.validation_path:
         return Validation.load(Path(work.validation_path), device)
-    if not cfg.trainer.val_conversations:
+    held_out = plan.held_out_data(dataset)
+    if held_out is None:
         return None
     target.model.to(device)
-    _, held_out = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)
-    return Validation.build(cfg, target, held_out, layer_ids)
+    return Validation.build(cfg, target, held_out, plan.features)
 
 
-def _stream(work: TrainWork, dataset, spec: WorkerSpec, state: StreamState) -> PackStream:
-    cfg = work.cfg
-    dataset, _ = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)  # held out: never trained on
-    return pack_stream(cfg, dataset, len(spec.drafter_ranks) * cfg.optimizer.grad_accum, state)
+def _plan(work: TrainWork, spec: WorkerSpec, dataset, drafter_config) -> RunPlan:
+    """The job's plan, or under torchrun the one every rank makes alike (the split and the steps are seeded)."""
+    if work.plan is not None:
+        return work.plan
+    state = load_state(Path(work.resume_state_path)) if work.resume_state_path else None
+    return RunPlan.make(work.cfg, dataset, drafter_config, len(spec.drafter_ranks) * work.cfg.optimizer.grad_accum,
+                        state)
 
 
 def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
@@ -184,12 +182,12 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
     target = load_target(cfg.run.target, device=device)
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
     dataset = open_prepared(cfg, work.data_dir)
-    layer_ids = feature_layers(cfg, drafter_cfg, dataset)
-    stream = _stream(work, dataset, spec, work.stream)
+    plan = _plan(work, spec, dataset, drafter_cfg)
+    stream = plan.stream(cfg, dataset)
     # of the packs it serves
-    cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(spec.target_ranks))
+    cache = feature_cache(cfg, target, stream.tokens(), plan.features, share=len(spec.target_ranks))
     with target.compiled_layers(cfg.pipeline.compile_target):
-        serve_features(spec, peers, target, layer_ids, stream, work.total_steps, depth=cfg.pipeline.queue_depth,
+        serve_features(spec, peers, target, plan.features, stream, plan.total_steps, depth=cfg.pipeline.queue_depth,
                        cache=cache, prof=session.stats.loop("target"), trace=session.trace)
 
 
@@ -208,8 +206,9 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
         drafter = make_drafter(cfg, target, None).to(device)
     dataset = open_prepared(cfg, work.data_dir)
-    layer_ids = feature_layers(cfg, drafter.config, dataset)
-    validate = _validation(work, dataset, target, layer_ids, device)  # while this rank still holds the whole target
+    plan = _plan(work, spec, dataset, drafter.config)
+    layer_ids = plan.features
+    validate = _validation(work, plan, dataset, target, device)  # while this rank still holds the whole target
     if head_only:
         target.keep_only_head(device)
         if device.type == "cuda":
@@ -220,13 +219,13 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     hooks = Hooks(prof=session.stats.loop("drafter"), trace=session.trace, stop_requested=peers.stop_requested,
                   heartbeat=lambda step: peers.stepped(spec.rank, step),
                   flops=flop_counter(cfg, target, drafter, layer_ids, devices), validate=validate)
-    loop = train_loop(cfg, target, drafter, Path(work.run_dir), work.total_steps,
+    loop = train_loop(cfg, target, drafter, Path(work.run_dir), plan.total_steps,
                       dp=DataParallel(me, len(d_ranks), group if len(d_ranks) > 1 else None),
                       resume_state=load_state(Path(work.resume_state_path)) if work.resume_state_path else None,
                       progress=work.progress and me == 0, hooks=hooks, target_workers=len(spec.target_ranks),
                       checkpoints=work.checkpoints)
-    stream = _stream(work, dataset, spec, loop.stream_state)
-    packs = drafter_packs(spec, stream, work.total_steps)
+    stream = plan.stream(cfg, dataset, loop.stream_state)
+    packs = drafter_packs(spec, stream, plan.total_steps)
     if spec.role == "both":
         cache = feature_cache(cfg, target, stream.tokens(), layer_ids, share=len(d_ranks))
         source = features_here(cfg, target, packs, layer_ids, cache, session.stats, session.trace)

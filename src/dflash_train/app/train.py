@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.app.dataset import build_dataset, feature_layers
+from dflash_train.app.dataset import build_dataset
 from dflash_train.app.drafter import check_mask_token_absent, check_num_features, make_drafter
-from dflash_train.app.local import total_steps, train_local
+from dflash_train.app.local import train_local
 from dflash_train.app.phases import Phases
-from dflash_train.app.ranks import launch_workers, run_torchrun_rank, under_torchrun, worker_roles
+from dflash_train.app.plan import RunPlan
+from dflash_train.app.ranks import drafter_count, launch_workers, run_torchrun_rank, under_torchrun, worker_roles
 from dflash_train.app.run_dir import export_drafter, prepare_run_dir, run_dir_lock
 from dflash_train.app.validation import VALIDATION_FILE, Validation
-from dflash_train.data.validation_split import split_validation
 from dflash_train.decode import greedy_loop, static_lm
 from dflash_train.decode.limits import check_context, check_decode
 from dflash_train.devices import resolve_device
@@ -98,9 +98,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     if prompts:  # a too-long eval fails now, not after the data work and the training
         check_context(target, max(map(len, prompts)), cfg.eval.max_new_tokens, "--eval-max-new-tokens")
     dataset = build_dataset(cfg, target, run_dir, progress, phases)
-    # fails now, not after the drafter is built
-    training_part, held_out = split_validation(dataset, cfg.trainer.val_conversations, cfg.run.seed)
     drafter = make_drafter(cfg, target, ckpt)
+    plan = RunPlan.make(cfg, dataset, drafter.config, drafter_count(roles) * cfg.optimizer.grad_accum, state)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)
     if prompts:  # the eval's KV caches must fit the device: known now, before the training
         check_decode(target, drafter, prompts, cfg.eval.max_new_tokens, flag="--eval-max-new-tokens")
@@ -123,13 +122,13 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
                                                                   "--run-dir")
             try:
                 # the workers' held-out packs
-                validation = save_validation(cfg, target, drafter, dataset, held_out, run_dir)
+                validation = save_validation(cfg, target, plan, dataset, run_dir)
                 static_lm.release(target.model)
                 del target, drafter  # the workers load their own; free this process's device memory
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset.path, training_part, run_dir,
-                                                        ckpt, state, progress, validation)
+                code, steps, seconds = _train_processes(cfg, roles, init_dir, dataset.path, plan, run_dir, ckpt,
+                                                        state, progress, validation)
             finally:  # ~0.7 GB for 200 conversations of SmolLM2: not kept (after a hard kill, the next run removes it)
                 (run_dir / VALIDATION_FILE).unlink(missing_ok=True)
             if code:
@@ -137,7 +136,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
             target = load_target(cfg.run.target, device=device)  # released while the workers ran
             drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
         else:
-            steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress)
+            steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress, plan)
     export = export_drafter(drafter, run_dir, cfg)
     if prompts:
         with phases.time("eval after"):
@@ -156,7 +155,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
 
 
 def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path, state,
-                progress: bool) -> tuple[int, float]:
+                progress: bool, plan: RunPlan) -> tuple[int, float]:
     """One device, one process; SIGTERM stops like Ctrl-C: after a checkpoint."""
 
     def on_term(signum, frame):
@@ -167,7 +166,7 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
         with profile_session(cfg.profiling, run_dir, f"main/{target.device}", cfg.oom_hint()) as session, \
                 StallWatch(run_dir / "stall-stacks.txt", cfg.pipeline.peer_timeout) as watch:
             result = train_local(cfg, target, drafter, dataset, run_dir, state, progress, session.stats,
-                                 trace=session.trace, heartbeat=watch.beat)
+                                 trace=session.trace, heartbeat=watch.beat, plan=plan)
     except GracefulStop:
         say("SIGTERM: stopped after writing a checkpoint")
         raise SystemExit(143) from None
@@ -176,26 +175,22 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
     return result.steps, result.seconds
 
 
-def save_validation(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, held_out,
-                    run_dir: Path) -> Path | None:
+def save_validation(cfg: TrainConfig, target: Target, plan: RunPlan, dataset, run_dir: Path) -> Path | None:
     """The held-out packs and their target features, saved for the workers (app/validation.py); None without."""
+    held_out = plan.held_out_data(dataset)
     if held_out is None:
         return None
     path = run_dir / VALIDATION_FILE
-    layer_ids = feature_layers(cfg, drafter.config, dataset)  # held_out's packs carry what training's do
-    Validation.build(cfg, target, held_out, layer_ids).save(path)
+    Validation.build(cfg, target, held_out, plan.features).save(path)  # the packs carry what training's do
     return path
 
 
-def _train_processes(cfg: TrainConfig, roles, init_dir: Path, data_dir: Path, training_part, run_dir: Path,
+def _train_processes(cfg: TrainConfig, roles, init_dir: Path, data_dir: Path, plan: RunPlan, run_dir: Path,
                      ckpt: Path | None, state, progress: bool, validation: Path | None) -> tuple[int, int, float]:
-    """training_part: the data less the held-out conversations, which the workers split off the same way."""
-    n_drafters = sum(1 for role, _ in roles if role != "target")
-    steps = total_steps(cfg, training_part, n_drafters * cfg.optimizer.grad_accum, state)
+    steps = plan.total_steps
     start = state["step"] if state else 0
     say(f"training {steps - start} steps through {len(roles)} processes: "
         + ", ".join(f"{role} {dev}" for role, dev in roles))
     t0 = time.perf_counter()
-    code = launch_workers(cfg, roles, run_dir, data_dir, str(init_dir), ckpt, state, steps, progress,
-                          validation=validation)
+    code = launch_workers(cfg, roles, run_dir, data_dir, str(init_dir), ckpt, plan, progress, validation=validation)
     return code, steps, time.perf_counter() - t0

@@ -69,7 +69,8 @@ def run_split(bench_cfg, split: Split, kind: str, data_dir: Path, timed_flops: f
                            drafter_devices=d_dev, profile_interval=1.0, init_from_target=False)
         t0 = time.perf_counter()
         # drafter_dir None: every drafter worker builds the same seeded drafter; no checkpoint files
-        code = launch_workers(cfg, worker_roles(cfg), Path(tmp), data_dir, None, None, None, total, progress=False,
+        # plan None: every rank makes the same one (total is cfg's --max-steps)
+        code = launch_workers(cfg, worker_roles(cfg), Path(tmp), data_dir, None, None, None, progress=False,
                               checkpoints=False)
         if code:
             raise RuntimeError(f"--splits {split.name}: the worker processes failed (exit {code}); see above")
