@@ -245,7 +245,7 @@ def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, pla
         tcfg = train_config(cfg, Path(tmp), variant, 2 * cfg.steps)
         profiled = "+" in variant
         # as `train` profiles: allocator telemetry on CUDA too; the records go to tmp/profile.jsonl for the verdicts
-        stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profile_cuda_events,
+        stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profiling.profile_cuda_events,
                              memory_stats=(lambda: torch.cuda.memory_stats(device)) if cuda else None) \
             if profiled else NULL_PROFILE
         reporter = ProfileReporter(stats, 10.0, Path(tmp), log=lambda text: None, tensorboard=False).start() \
