@@ -34,6 +34,10 @@ def use_overlap(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
+    """--cache-features, by default on for CPU; never for a target split by --target-tp, whose ranks must run
+    every forward together (a cache's budget can differ between their devices)."""
+    if cfg.pipeline.target_tp > 1:
+        return False
     return cfg.pipeline.cache_features if cfg.pipeline.cache_features is not None else device.type == "cpu"
 
 

@@ -31,6 +31,7 @@ from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.loading import default_dtype, load_target
+from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
 from dflash_train.pipeline.worker import Peers, WorkerSpec, drafter_packs, join_group, receive_features, serve_features
 from dflash_train.profiling.session import profile_session
@@ -60,6 +61,10 @@ def worker_roles(cfg: TrainConfig) -> list[tuple[str, str]]:
         return []
     targets = parse_devices(cfg.pipeline.target_devices, "--target-devices")
     drafters = parse_devices(cfg.pipeline.drafter_devices, "--drafter-devices")
+    tp = cfg.pipeline.target_tp
+    if tp > 1 and (targets == drafters or len(targets) % tp):
+        raise UsageError(f"--target-tp {tp}: --target-devices lists {len(targets)} devices, which must be a multiple "
+                         f"of {tp} and apart from --drafter-devices (the target's replicas, {tp} devices each)")
     if targets == drafters:  # every device runs a whole pipeline; the drafters are data parallel
         out = [("both", d) for d in targets]
     else:
@@ -89,7 +94,8 @@ def launch_workers(cfg: TrainConfig, roles, run_dir: Path, data_dir, drafter_dir
                      checkpoints=checkpoints,
                      validation_path=str(validation) if validation is not None else None)
     specs = [WorkerSpec(rank=r, role=role, device=dev, devices=roles, init_method=f"tcp://127.0.0.1:{port}",
-                        peer_timeout=cfg.pipeline.peer_timeout) for r, (role, dev) in enumerate(roles)]
+                        peer_timeout=cfg.pipeline.peer_timeout, tp=cfg.pipeline.target_tp)
+             for r, (role, dev) in enumerate(roles)]
     return Launcher(specs, functools.partial(run_rank, work)).run(cfg.pipeline.peer_timeout)
 
 
@@ -120,7 +126,7 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
     with run_dir_lock(run_dir) if writer else nullcontext():
         ckpt = latest_checkpoint(run_dir) if resume else None
         spec = WorkerSpec(rank=rank, role=roles[local_rank][0], device=roles[local_rank][1], devices=devices,
-                          init_method="env://", peer_timeout=cfg.pipeline.peer_timeout)
+                          init_method="env://", peer_timeout=cfg.pipeline.peer_timeout, tp=cfg.pipeline.target_tp)
         work = TrainWork(cfg=cfg, run_dir=str(run_dir), data_dir=str(dataset.path),
                          drafter_dir=str(ckpt / "drafter") if ckpt else cfg.drafter.init_drafter,
                          resume_state_path=str(ckpt) if ckpt else None, plan=None, progress=progress)
@@ -141,13 +147,13 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
 def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter | None:
     """Join the process group and run this rank's loop; a drafter rank returns its trained drafter
     (None after the launcher's coordinated stop: the checkpoint of that step is written)."""
-    group = join_group(spec, peers)
+    groups = join_group(spec, peers)
     label = f"rank{spec.rank}/{spec.role}/{spec.device}"
     with profile_session(work.cfg.profiling, Path(work.run_dir), label, work.cfg.oom_hint()) as session:
         if spec.role == "target":
-            return _serve(work, spec, peers, session)
+            return _serve(work, spec, peers, session, groups.tp)
         try:
-            return _train(work, spec, peers, session, group)
+            return _train(work, spec, peers, session, groups.drafters)
         except GracefulStop:
             return None
 
@@ -176,10 +182,13 @@ def _plan(work: TrainWork, spec: WorkerSpec, dataset, drafter_config) -> RunPlan
                         state)
 
 
-def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session) -> None:
-    """A target rank: the target's features of its share of the packs, to the drafter ranks."""
+def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session, tp_group) -> None:
+    """A target rank: the target's features of its replica's share of the packs, to the drafter ranks."""
     cfg, device = work.cfg, torch.device(spec.device)
-    target = load_target(cfg.run.target, device=device)
+    if tp_group is not None:  # this rank's slices of the target only (models/sharded_loading.py)
+        target = load_sharded_target(cfg.run.target, tp_group, device)
+    else:
+        target = load_target(cfg.run.target, device=device)
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
     dataset = open_prepared(cfg, work.data_dir)
     plan = _plan(work, spec, dataset, drafter_cfg)

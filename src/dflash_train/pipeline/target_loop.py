@@ -170,6 +170,17 @@ class TargetForwardLoop:
         finally:
             batches.close()
 
+    def run_follower(self, batches: BatchQueue, heartbeat: Callable[[], None]) -> None:
+        """Process body of a tensor-parallel replica's other ranks: the leader's forwards, in its order (their
+        collectives pair up), with nothing sent: the leader holds the same features."""
+        try:
+            with self._on_stream():
+                for pack in batches:
+                    self.compute(pack)
+                    heartbeat()
+        finally:
+            batches.close()
+
     def run_p2p(self, batches: BatchQueue, sender: P2PSender, drafter_rank_of: Callable[[Pack], int],
                 heartbeat: Callable[[], None]) -> None:
         """Process body: features to the drafter rank that trains on each pack."""

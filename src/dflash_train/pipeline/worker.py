@@ -2,8 +2,11 @@
 
 Ranks 0..T-1 are target workers, T..T+D-1 drafter workers. Every process joins one
 torch.distributed group (NCCL on GPU, gloo on CPU); the drafter ranks also form the group
-their DistributedDataParallel all-reduces over. Pack p is computed by target rank p % T and
-trained on by drafter rank T + p % D.
+their DistributedDataParallel all-reduces over. The target ranks form replicas of `tp`
+consecutive ranks each (--target-tp): a replica's ranks hold one target split by tensor
+parallelism and run every forward together, and its first rank, the leader, sends the
+features. Pack p is computed by replica p % R (R = T / tp) and trained on by drafter rank
+T + p % D.
 
 A "both" rank holds a whole pipeline on its device (the same device list given to both flags):
 its target thread feeds its drafter through a local queue, and only gradients cross devices.
@@ -17,6 +20,7 @@ is given: app/ranks.py for `train`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -54,6 +58,7 @@ class WorkerSpec:
     devices: list[tuple[str, str]]  # (role, device) of every rank
     init_method: str  # torch.distributed rendezvous: tcp://127.0.0.1:PORT (launcher) or env:// (torchrun)
     peer_timeout: float  # seconds a peer may stay silent (--peer-timeout)
+    tp: int = 1  # target ranks per replica (--target-tp)
 
     @property
     def trains(self) -> bool:
@@ -67,9 +72,18 @@ class WorkerSpec:
     def drafter_ranks(self) -> list[int]:
         return [r for r, (role, _) in enumerate(self.devices) if role != "target"]
 
+    @property
+    def replicas(self) -> list[list[int]]:
+        """The target ranks, `tp` consecutive ones to a replica."""
+        ranks = self.target_ranks
+        return [ranks[i:i + self.tp] for i in range(0, len(ranks), self.tp)]
+
+    def replica_of(self, rank: int) -> int:
+        return next(i for i, group in enumerate(self.replicas) if rank in group)
+
     def target_of(self, pack: Pack) -> int:
-        """The rank that computes the pack's features."""
-        return self.target_ranks[pack.index % len(self.target_ranks)]
+        """The rank that sends the pack's features: the leader of the replica that computes them."""
+        return self.replicas[pack.index % len(self.replicas)][0]
 
     def drafter_of(self, pack: Pack) -> int:
         """The rank that trains on the pack."""
@@ -159,8 +173,14 @@ def process_main(main: Callable[[WorkerSpec, Peers], object], spec: WorkerSpec, 
     os._exit(code)
 
 
-def join_group(spec: WorkerSpec, peers: Peers) -> Any:
-    """Join the run's process group on this rank's device; the drafter ranks' group."""
+@dataclass
+class Groups:
+    drafters: Any  # the drafter ranks' group (DistributedDataParallel)
+    tp: Any  # this rank's target replica's group (tensor parallelism); None off a replica of several ranks
+
+
+def join_group(spec: WorkerSpec, peers: Peers) -> Groups:
+    """Join the run's process group on this rank's device; the drafter ranks' group and this rank's replica's."""
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -171,17 +191,25 @@ def join_group(spec: WorkerSpec, peers: Peers) -> Any:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank, world_size=len(spec.devices),
                             timeout=timedelta(seconds=spec.peer_timeout))
-    return dist.new_group(spec.drafter_ranks)  # every rank takes part in creating it
+    drafters = dist.new_group(spec.drafter_ranks)  # every rank takes part in creating every group
+    replicas = [dist.new_group(ranks) for ranks in spec.replicas] if spec.tp > 1 else []
+    mine = [g for g, ranks in zip(replicas, spec.replicas, strict=True) if spec.rank in ranks]
+    return Groups(drafters, mine[0] if mine else None)
 
 
 def serve_features(spec: WorkerSpec, peers: Peers, target: Target, features: FeatureSpec, stream: PackStream,
                    total_steps: int, *, depth: int, cache: FeatureCache | None, prof=NULL_LOOP, trace=NO_TRACE) -> None:
-    """A target rank: the features of its share of the packs, each sent to the drafter rank that trains on it."""
-    me, n = spec.target_ranks.index(spec.rank), len(spec.target_ranks)
+    """A target rank: the features of its replica's share of the packs; the replica's leader sends each to the
+    drafter rank that trains on it, the other ranks of the replica run the same forwards with it."""
+    me, n = spec.replica_of(spec.rank), len(spec.replicas)
     packs = stream.packs(total_steps, keep=lambda p: p.index % n == me)
     loop = TargetForwardLoop(target, features, prof, _fault("target"), trace, cache)
+    beat = functools.partial(peers.beat, spec.rank)
+    if spec.rank != spec.replicas[me][0]:
+        loop.run_follower(BatchQueue(packs, depth, prof), beat)
+        return
     sender = P2PSender(depth, spec.peer_timeout, spec.describe)
-    loop.run_p2p(BatchQueue(packs, depth, prof), sender, spec.drafter_of, lambda: peers.beat(spec.rank))
+    loop.run_p2p(BatchQueue(packs, depth, prof), sender, spec.drafter_of, beat)
 
 
 def drafter_packs(spec: WorkerSpec, stream: PackStream, total_steps: int):

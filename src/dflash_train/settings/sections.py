@@ -99,6 +99,9 @@ class PipelineConfig:
                                                  "cuda:1,cuda:2); several = data parallel; the same list as "
                                                  "--target-devices = a target and a drafter on every device "
                                                  "(whole pipelines, data parallel)")
+    target_tp: int = setting(1, "devices per target replica: --target-devices in groups of this many, each group "
+                                "holding one target split by tensor parallelism (a target too big for one device)",
+                             at_least(1))
     overlap: bool | None = setting(None, "a device holding both roles: run the target on its own thread and CUDA "
                                          "stream so its forwards fill the drafter's gaps (default: on for CUDA, off "
                                          "for CPU)")
@@ -118,5 +121,11 @@ class PipelineConfig:
             raise UsageError(f"--peer-timeout must be > 0 seconds, got {self.peer_timeout}")
         if not 0 <= self.dist_port < 65536:
             raise UsageError(f"--dist-port must be a TCP port (0 = any free one), got {self.dist_port}")
+        if self.target_tp > 1 and self.target_devices is None:
+            raise UsageError(f"--target-tp {self.target_tp} needs --target-devices and --drafter-devices "
+                             "(the target's replicas run in processes of their own)")
+        if self.target_tp > 1 and self.cache_features:
+            raise UsageError("--cache-features: a target split by --target-tp recomputes its features (its ranks "
+                             "must run every forward together)")
         if (self.target_devices is None) != (self.drafter_devices is None):
             raise UsageError("--target-devices and --drafter-devices go together (or leave both out and use --device)")
