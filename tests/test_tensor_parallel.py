@@ -21,7 +21,7 @@ _SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention
 
 
 def tiny_configs() -> dict:
-    from transformers import GptOssConfig, Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     return {
         "llama": LlamaConfig(intermediate_size=96, **_SMALL),

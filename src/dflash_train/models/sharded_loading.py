@@ -168,7 +168,7 @@ class SafetensorsShards:
                 if lo < hi:
                     out.append(self._read_key(key, (dim, [(lo - offset, hi - offset)])))
             offset += n
-        return torch.cat(out, dim)
+        return _join(out, dim)
 
     def _read_key(self, key: str, blocks: Blocks | None) -> torch.Tensor:
         if blocks is None:
@@ -176,7 +176,7 @@ class SafetensorsShards:
         sl = self._slice(key)
         dim, ranges = blocks
         head = (slice(None),) * dim
-        return torch.cat([sl[(*head, slice(start, stop))] for start, stop in ranges], dim)
+        return _join([sl[(*head, slice(start, stop))] for start, stop in ranges], dim)
 
     def _has(self, key: str) -> bool:
         return key in self.files if self.files is not None else key in self._open("model.safetensors").keys()
@@ -193,6 +193,11 @@ class SafetensorsShards:
         if file not in self._handles:
             self._handles[file] = self._stack.enter_context(safe_open(str(self.path / file), framework="pt"))
         return self._handles[file]
+
+
+def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The parts read, one tensor (no copy for a single part: a large weight is never held twice)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 class RandomWeights:
@@ -215,6 +220,9 @@ class RandomWeights:
         if blocks is None:
             return whole
         dim, ranges = blocks
+        if ranges == [(0, shape[dim])]:
+            return whole
+        # a copy, so that the whole draw is freed rather than kept alive under a view
         return torch.cat([whole.narrow(dim, start, stop - start) for start, stop in ranges], dim)
 
     def _draw(self, name: str, shape: torch.Size) -> torch.Tensor:

@@ -26,14 +26,14 @@ import re
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dflash_train.errors import UsageError
 
 # (config field, what it counts) the plan's column splits must divide
-_SPLIT_SIZES = (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
+SPLIT_SIZES = (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                 ("intermediate_size", "MLP columns"), ("moe_intermediate_size", "expert MLP columns"),
                 ("shared_expert_intermediate_size", "shared-expert MLP columns"))
 # kept whole: norms (inference has no gradient to reduce) and the embedding, which drafter
@@ -60,11 +60,31 @@ def check_tp_size(config, tp: int, flag: str = "--target-tp") -> None:
     """One line naming both numbers when `tp` does not divide what the plan splits."""
     if tp < 1:
         raise UsageError(f"{flag} {tp}: must be 1 or more")
-    for field, what in _SPLIT_SIZES:
+    for field, what in SPLIT_SIZES:
         n = getattr(config, field, None)
         if n and n % tp:
             raise UsageError(f"{flag} {tp} does not divide the {n} {what} of {config.model_type} ({field}): "
                              f"use a divisor of {n}")
+
+
+def split_parameters(decoder: nn.Module, plan: dict[str, str]) -> set[str]:
+    """Names of the decoder's parameters the plan splits over the group (the rest is whole on every rank).
+
+    A row-parallel Linear's bias is added after the sum, so it stays whole.
+    """
+    out = set()
+    for pattern, style in plan.items():
+        rx = _pattern(pattern)
+        for name, module in decoder.named_modules():
+            if rx.match(name) and style in ("colwise", "rowwise") and isinstance(module, nn.Linear):
+                out |= {f"{name}.{p}" for p, _ in module.named_parameters() if style == "colwise" or p == "weight"}
+        out |= {name for name, param in decoder.named_parameters() if rx.match(name) and param.dim() == 3}
+    return out
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    """A plan key ("layers.*.mlp.gate_proj") as a regular expression over module and parameter names."""
+    return re.compile(pattern.replace(".", r"\.").replace("*", r"\d+") + "$")
 
 
 def parallelize_decoder(decoder: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
@@ -72,7 +92,7 @@ def parallelize_decoder(decoder: nn.Module, mesh: DeviceMesh, plan: dict[str, st
     styles: dict[str, ParallelStyle] = {}
     experts: dict[str, dict[str, Placement]] = {}
     for pattern, style in plan.items():
-        rx = re.compile(pattern.replace(".", r"\.").replace("*", r"\d+") + "$")
+        rx = _pattern(pattern)
         for name, module in decoder.named_modules():
             if rx.match(name):
                 if style == _EXPERT_MODULE:
@@ -121,7 +141,7 @@ class ExpertShards(ParallelStyle):
                 distribute_tensor(param, device_mesh, [placement], src_data_rank=None), requires_grad=False)
         whole = [n for n, p in module._parameters.items() if p is not None and n not in self.placements]
         if whole:  # a per-expert bias left whole would be added once per rank in the summed outputs
-            raise UsageError(f"tensor parallelism: {type(module).__name__} parameters {whole} have no split in the plan")
+            raise UsageError(f"tensor parallelism: the plan leaves {type(module).__name__}'s {whole} whole")
         module.register_forward_pre_hook(_to_local)
         module.register_forward_hook(_sum_partials(device_mesh))
         return module
