@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -12,6 +13,7 @@ import torch.multiprocessing as mp
 from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.models.loading import byte_tokenizer, load_target
+from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.models.tp_plan import check_tp_size, tensor_plan
 from dflash_train.pipeline.features import packed_features
 
@@ -59,8 +61,6 @@ def packed_batch() -> PackedBatch:
 
 
 def _tp_worker(rank: int, world: int, rdv: str, dirs: dict[str, str], out: str) -> None:
-    from dflash_train.models.sharded_loading import load_sharded_target
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
     try:
@@ -72,7 +72,8 @@ def _tp_worker(rank: int, world: int, rdv: str, dirs: dict[str, str], out: str) 
             feats = {mode: packed_features(target, packed_batch(), LAYERS, mode=mode) for mode in ("padded", "dense")}
             experts = getattr(target.decoder.layers[0].mlp, "experts", None)
             split = experts.gate_up_proj.to_local().shape if experts is not None else None
-            results[name] = dict(feats=feats, local=local, experts=split)
+            results[name] = dict(feats=feats, local=local, experts=split, total=sum(p.numel() for p in
+                                                                                    target.model.parameters()))
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -86,9 +87,15 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_tp2_features_equal_tp1_for_every_architecture_with_a_plan(tiny_dirs, tmp_path):
-    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "rdv"), tiny_dirs, str(tmp_path)), nprocs=2,
+    specs = {**tiny_dirs, "random:tiny": "random:tiny"}
+    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "rdv"), specs, str(tmp_path)), nprocs=2,
                        start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    with _group_of_one(tmp_path / "rdv1"):  # random weights: drawn per parameter, equal for every TP size
+        whole = load_sharded_target("random:tiny", dist.group.WORLD, "cpu", dtype=torch.float32)
+        ref = packed_features(whole, packed_batch(), LAYERS, mode="dense")
+        for r in ranks:
+            torch.testing.assert_close(r["random:tiny"]["feats"]["dense"], ref, atol=1e-5, rtol=1e-5)
     for name, path in tiny_dirs.items():
         whole = load_target(path, dtype=torch.float32)
         total = sum(p.numel() for p in whole.model.parameters())
@@ -98,21 +105,26 @@ def test_tp2_features_equal_tp1_for_every_architecture_with_a_plan(tiny_dirs, tm
                 torch.testing.assert_close(r[name]["feats"][mode], ref, atol=1e-5, rtol=1e-5,
                                            msg=lambda m, n=name, md=mode: f"{n} {md}: {m}")
         assert ranks[0][name]["local"] < total  # the split weights are held once across the group
+    assert ranks[0]["random:tiny"]["local"] < ranks[0]["random:tiny"]["total"]
     assert ranks[0]["qwen3_moe"]["experts"] == (4, 32, 64)  # [E, 2I/2, H]: half of gate and of up per rank
 
 
 def test_the_sharded_loader_reads_several_shards_and_equals_the_ordinary_loader(tiny_dirs, tmp_path):
     """A group of one: the meta build and the per-slice reads give the same target as load_target."""
-    from dflash_train.models.sharded_loading import load_sharded_target
-
     assert len(list(os.scandir(tiny_dirs["qwen3_moe"]))) > 4  # several safetensors shards
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
-    try:
+    with _group_of_one(tmp_path / "rdv"):
         for name in ("qwen3_moe", "gemma3"):
             sharded = load_sharded_target(tiny_dirs[name], dist.group.WORLD, "cpu", dtype=torch.float32)
             whole = load_target(tiny_dirs[name], dtype=torch.float32)
             torch.testing.assert_close(packed_features(sharded, packed_batch(), LAYERS, mode="padded"),
                                        packed_features(whole, packed_batch(), LAYERS, mode="padded"))
+
+
+@contextlib.contextmanager
+def _group_of_one(rdv):
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=0, world_size=1)
+    try:
+        yield
     finally:
         dist.destroy_process_group()
 
