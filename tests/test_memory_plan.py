@@ -45,6 +45,16 @@ def test_the_235b_preset_is_refused_on_one_gpu_naming_the_tp_size_that_fits():
     assert plan.fits and plan.weights < 139e9 / 4 * 4
 
 
+def test_a_plan_from_a_spec_reads_no_weights(tmp_path):
+    from dflash_train.models.sharded_loading import target_config
+
+    plan = plan_memory(target_config("random:llama3.3-70b"), tp=2, device_bytes=139e9, token_budget=8192,
+                       n_features=5, name="random:llama3.3-70b")
+    assert 70e9 < plan.weights < 73e9  # half of 141 GB, plus the whole embedding and LM head
+    with pytest.raises(UsageError, match="--target nowhere"):
+        target_config("nowhere")
+
+
 def test_feature_buffers_and_drafter_state_are_counted_as_stated():
     cfg = presets.hf_config("qwen3-8b")
     plan = plan_memory(cfg, tp=1, device_bytes=139e9, token_budget=4096, n_features=5, queue_depth=3,

@@ -11,6 +11,15 @@ them on. A group of one loads the whole model the same way (one reader, no trans
 
 spec: an HF model directory with safetensors weights, or random:<preset> (models/presets.py:
 weights drawn per parameter from a seed, equal on every rank and for every TP size).
+
+What a train job does with it (every process of a target TP group of size T):
+    config = target_config(spec)                       # no weights read
+    plan_memory(config, tp=T, device_bytes=..., token_budget=..., n_features=...,
+                name=spec)                             # models/memory_plan.py: refuses in one line
+    group = dist.new_group(ranks_of_this_tp_group)     # every process calls new_group for every group
+    target = load_sharded_target(spec, group, device)  # features() equal on all T ranks
+    # the group's first rank hands the features on; the others run the same forwards and drop theirs
+T must divide what the plan splits (models/tp_plan.py check_tp_size, tp_sizes in memory_plan).
 """
 
 from __future__ import annotations
@@ -52,6 +61,17 @@ def load_sharded_target(spec: str, tp_group: dist.ProcessGroup, device: str | to
         fill_parameters(model, source, dist.get_rank(tp_group), tp, device, dtype)
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def target_config(spec: str, flag: str = "--target"):
+    """The transformers config of `spec` (a preset or an HF directory), without reading weights."""
+    from transformers import AutoConfig
+
+    if spec.startswith("random:") and spec.removeprefix("random:") in presets.PRESETS:
+        return presets.hf_config(spec.removeprefix("random:"))
+    if (Path(spec) / "config.json").is_file():
+        return AutoConfig.from_pretrained(spec)
+    raise UsageError(f"{flag} {spec}: memory planning reads an HF model directory or random:<preset>")
 
 
 def build_on_meta(config, dtype: torch.dtype, device: torch.device) -> nn.Module:
