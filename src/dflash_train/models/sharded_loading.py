@@ -50,7 +50,7 @@ def load_sharded_target(spec: str, tp_group: dist.ProcessGroup, device: str | to
     """The frozen target `spec`, its decoder split over `tp_group` (every rank of it calls this)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
-    config, source, tokenizer = _open(spec, seed, flag)
+    config, source, tokenizer = _open(spec, seed, device, flag)
     tp = dist.get_world_size(tp_group)
     plan = tensor_plan(config) if tp > 1 else {}
     check_tp_size(config, tp)
@@ -121,14 +121,14 @@ def local_blocks(shape: torch.Size, placement: Placement, rank: int, tp: int) ->
     return 0, [(0, shape[0])]
 
 
-def _open(spec: str, seed: int, flag: str):
+def _open(spec: str, seed: int, device: torch.device, flag: str):
     from transformers import AutoConfig, AutoTokenizer
 
     if spec.startswith("random:"):
         name = spec.removeprefix("random:")
         if name not in presets.PRESETS:
             raise UsageError(f"{flag}: unknown preset {spec} (choose from {', '.join(sorted(presets.PRESETS))})")
-        return presets.hf_config(name), RandomWeights(seed, presets.hf_config(name)), byte_tokenizer()
+        return presets.hf_config(name), RandomWeights(seed, presets.hf_config(name), device), byte_tokenizer()
     path = Path(spec)
     if not (path / "config.json").is_file():
         raise UsageError(f"{flag} {spec}: a tensor-parallel target is an HF model directory with safetensors "
@@ -223,11 +223,13 @@ def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 class RandomWeights:
     """Random weights by parameter name: equal on every rank and TP size (drawn whole, then sliced).
 
+    Drawn on the target's device: a 235B-parameter target's draw takes seconds on a GPU, not the
+    host's minutes; one seed gives the same weights on every device of a type (as new_drafter's).
     Norm weights are ones and biases and attention sinks zeros, as the models' initializers have them.
     """
 
-    def __init__(self, seed: int, config) -> None:
-        self.seed, self.std = seed, getattr(config, "initializer_range", 0.02)
+    def __init__(self, seed: int, config, device: torch.device) -> None:
+        self.seed, self.std, self.device = seed, getattr(config, "initializer_range", 0.02), device
 
     def __enter__(self):
         return self
@@ -248,8 +250,8 @@ class RandomWeights:
     def _draw(self, name: str, shape: torch.Size) -> torch.Tensor:
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and len(shape) == 1:
-            return torch.ones(shape)
+            return torch.ones(shape, device=self.device)
         if leaf in ("bias", "sinks") or leaf.endswith("_bias"):
-            return torch.zeros(shape)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(shape, generator=gen) * self.std
+            return torch.zeros(shape, device=self.device)
+        gen = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen, device=self.device).mul_(self.std)
