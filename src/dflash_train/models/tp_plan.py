@@ -117,9 +117,11 @@ def _expert_placement(style: str) -> Placement:
     """Placement of a fused expert parameter [E, out, in] (a Linear's layout per expert)."""
     if style == "packed_colwise":  # [E, 2I, H] = [gate; up]: rank r holds gate's and up's r-th slices
         return _StridedShard(1, split_factor=2)
-    if style == "colwise":
-        return Shard(1)
-    return Shard(2)  # rowwise: split the input (intermediate) dimension
+    if style == "rowwise":
+        return Shard(2)  # split the input (intermediate) dimension
+    # a plain column split of fused gate/up rows would hand one rank all the gates: refuse rather than guess
+    raise UsageError(f"--target-tp: fused experts split as {style!r} are not supported (packed_colwise and rowwise "
+                     "are): use --target-tp 1")
 
 
 class ExpertShards(ParallelStyle):
