@@ -1,6 +1,8 @@
 """Named target shapes for `--target random:<preset>`: real architectures, random weights.
 
-`tiny` runs CPU tests in seconds; the others are the real shapes used by benchmarks.
+`tiny` runs CPU tests in seconds; the others are the real shapes used by benchmarks. The large
+ones (MoE, 70B and up) are for memory planning and tensor-parallel runs: built on the meta
+device they cost nothing (models/memory_plan.py counts their parameters that way).
 """
 
 from __future__ import annotations
@@ -37,13 +39,38 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                   rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072,
                                   tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    "llama3.3-70b": ("llama", dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                                   rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072,
+                                   tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=_QWEN3_VOCAB, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                        max_position_embeddings=40960, tie_word_embeddings=False)),
+    "qwen3-235b-a22b": ("qwen3_moe", dict(vocab_size=_QWEN3_VOCAB, hidden_size=4096, intermediate_size=12288,
+                                          moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+                                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                          max_position_embeddings=40960, tie_word_embeddings=False)),
+    # alternating sliding (128) / full attention layers, a learned attention sink per head, biased projections
+    "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                                    layer_types=["sliding_attention", "full_attention"] * 12,
+                                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                     "original_max_position_embeddings": 4096},
+                                    max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5)),
 }
 
 
 def hf_config(preset: str):
     """The transformers config of a preset (KeyError for unknown names; callers report it)."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     model_type, kwargs = PRESETS[preset]
-    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[model_type]
+    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}[model_type]
     return cls(**kwargs)

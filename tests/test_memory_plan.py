@@ -1,0 +1,121 @@
+"""Memory planning of a target placement, and the large presets built on the meta device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_train.errors import UsageError
+from dflash_train.models import presets
+from dflash_train.models.memory_plan import meta_model, parameter_counts, plan_memory
+
+# (total, active) from the model cards; gpt-oss counts "active" without the input embedding
+KNOWN = {"qwen3-30b-a3b": (30.5e9, 3.3e9), "gpt-oss-20b": (21e9, 3.6e9), "llama3.3-70b": (70.6e9, 70.6e9),
+         "qwen3-235b-a22b": (235e9, 22e9)}
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN))
+def test_large_presets_build_on_meta_with_the_published_parameter_counts(name):
+    counts = parameter_counts(presets.hf_config(name))
+    total, active = KNOWN[name]
+    seen_active = counts.active - (counts.embedding if name == "gpt-oss-20b" else 0)
+    assert counts.total == pytest.approx(total, rel=0.03)
+    assert seen_active == pytest.approx(active, rel=0.03)
+
+
+def test_gpt_oss_preset_has_sliding_layers_and_attention_sinks():
+    model = meta_model(presets.hf_config("gpt-oss-20b"))
+    assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert model.model.layers[0].self_attn.sinks.shape == (64,)
+
+
+def test_the_235b_preset_is_refused_on_one_gpu_naming_the_tp_size_that_fits():
+    cfg = presets.hf_config("qwen3-235b-a22b")
+    with pytest.raises(UsageError) as e:
+        plan_memory(cfg, tp=1, device_bytes=139e9, token_budget=8192, n_features=5, name="Qwen3-235B-A22B")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("Qwen3-235B-A22B needs 470 GB of weights: use --target-tp 4 or more on 139 GB GPUs")
+    plan = plan_memory(cfg, tp=4, device_bytes=139e9, token_budget=8192, n_features=5, name="Qwen3-235B-A22B")
+    assert plan.fits and plan.weights < 139e9 / 4 * 4
+
+
+def test_a_plan_from_a_spec_reads_no_weights(tmp_path):
+    from dflash_train.models.sharded_loading import target_config
+
+    plan = plan_memory(target_config("random:llama3.3-70b"), tp=2, device_bytes=139e9, token_budget=8192,
+                       n_features=5, name="random:llama3.3-70b")
+    assert 70e9 < plan.weights < 73e9  # half of 141 GB, plus the whole embedding and LM head
+    with pytest.raises(UsageError, match="--target nowhere"):
+        target_config("nowhere")
+
+
+def test_feature_buffers_and_drafter_state_are_counted_as_stated():
+    cfg = presets.hf_config("qwen3-8b")
+    plan = plan_memory(cfg, tp=1, device_bytes=139e9, token_budget=4096, n_features=5, queue_depth=3,
+                       drafter_parameters=10**9)
+    assert plan.feature_buffers == 3 * 4096 * 5 * 4096 * 2
+    assert plan.drafter == 16 * 10**9
+    assert plan.weights == pytest.approx(8.2e9 * 2, rel=0.02)
+
+
+def test_a_tp_size_for_an_architecture_without_a_plan_is_refused():
+    with pytest.raises(UsageError, match="no tensor-parallel plan for gpt_oss"):
+        plan_memory(presets.hf_config("gpt-oss-20b"), tp=2, device_bytes=139e9, token_budget=4096, n_features=5)
+
+
+_MEASURE = """
+import json, sys, torch, torch.distributed as dist
+from dflash_train.data.packing import PackedBatch
+from dflash_train.models import presets
+from dflash_train.models.sharded_loading import load_sharded_target
+from dflash_train.pipeline.features import packed_features
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+def one_sequence(n):
+    return PackedBatch(torch.randint(0, 256, (n,)), torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                       torch.arange(n))
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+presets.PRESETS["measure"] = ("qwen3", json.loads(sys.argv[2]))
+tokens, layers = int(sys.argv[3]), json.loads(sys.argv[4])
+del load_sharded_target("random:tiny", dist.group.WORLD, "cpu", dtype=torch.float32).model  # imports, lazy modules
+before = status("VmRSS:")
+target = load_sharded_target("random:measure", dist.group.WORLD, "cpu", dtype=torch.float32)
+weights = status("VmRSS:") - before
+packed_features(target, one_sequence(64), layers, mode="padded")  # first-call allocations
+before = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak resident set (VmHWM) to the current one
+features = packed_features(target, one_sequence(tokens), layers, mode="padded")
+print(json.dumps({"weights": weights, "activations": status("VmHWM:") - before}))
+"""
+
+
+@pytest.mark.slow
+def test_the_estimates_match_the_measured_resident_memory(tmp_path, monkeypatch):
+    """A 66M-parameter model loaded through the sharded loader in a fresh process: resident memory
+    grows by the weights the plan gives (within 15%), and a 2048-token feature forward's peak
+    stays under the plan's activations, by at most 25% (the estimate errs on the safe side)."""
+    shape = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
+    layers, tokens = [1, 3, 5, 6, 7], 2048
+    # large blocks straight from mmap: a freed transient leaves the resident set at once
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "rdv"), json.dumps(shape), str(tokens),
+                          json.dumps(layers)], capture_output=True, text=True, check=False, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    monkeypatch.setitem(presets.PRESETS, "measure", ("qwen3", shape))
+    plan = plan_memory(presets.hf_config("measure"), tp=1, device_bytes=1e12, token_budget=tokens,
+                       n_features=len(layers), dtype=torch.float32)
+    print(f"weights: estimated {plan.weights / 1e6:.1f} MB, measured {measured['weights'] / 1e6:.1f} MB; "
+          f"activations: estimated {plan.activations / 1e6:.1f} MB, measured {measured['activations'] / 1e6:.1f} MB")
+    assert measured["weights"] == pytest.approx(plan.weights, rel=0.15)
+    assert measured["activations"] <= plan.activations <= 1.25 * measured["activations"]
