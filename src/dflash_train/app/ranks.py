@@ -209,7 +209,11 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     head_only = spec.role == "drafter"
     on_host = head_only and not cfg.run.target.startswith("random:")
     # the dtype of the device that computes, not of the host it loads on (as target workers load it)
-    target = load_target(cfg.run.target, device="cpu" if on_host else device, dtype=default_dtype(device))
+    where = "cpu" if on_host else device
+    if cfg.pipeline.target_tp > 1:  # the weights the target replicas split (a random preset's too)
+        target = load_sharded_target(cfg.run.target, None, where, dtype=default_dtype(device))
+    else:
+        target = load_target(cfg.run.target, device=where, dtype=default_dtype(device))
     if work.drafter_dir is not None:
         drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)

@@ -23,6 +23,7 @@ from dflash_train.app.dataset import build_dataset
 from dflash_train.app.drafter import check_mask_token_absent, check_num_features, make_drafter
 from dflash_train.app.local import train_local
 from dflash_train.app.phases import Phases
+from dflash_train.app.placement import check_placement
 from dflash_train.app.plan import RunPlan
 from dflash_train.app.ranks import drafter_count, launch_workers, run_torchrun_rank, under_torchrun, worker_roles
 from dflash_train.app.run_dir import export_drafter, prepare_run_dir, run_dir_lock
@@ -36,7 +37,8 @@ from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.loading import load_target
+from dflash_train.models.loading import default_dtype, load_target
+from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.models.target import Target
 from dflash_train.objective.objective import check_backend_device
 from dflash_train.profiling.session import profile_session
@@ -79,6 +81,16 @@ def evaluates_before(cfg: TrainConfig, ckpt: Path | None) -> bool:
     return cfg.eval.before == "yes" or cfg.drafter.init_drafter is not None
 
 
+def job_target(cfg: TrainConfig, roles, device: torch.device) -> Target:
+    """The target this process holds: on `device`, or for a target split by --target-tp on the host, whole,
+    with the weights its ranks split (app/placement.py says what the job asks of it)."""
+    if cfg.pipeline.target_tp == 1:
+        return load_target(cfg.run.target, device=device)
+    say(f"--target-tp {cfg.pipeline.target_tp}: this process holds the target on the host (the data stage, the "
+        "drafter's start); its replicas split it over their devices")
+    return load_sharded_target(cfg.run.target, None, "cpu", dtype=default_dtype(device))
+
+
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
     phases = Phases()
     run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
@@ -88,8 +100,9 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         check_backend_device(cfg.objective.attention, d)  # before any data is regenerated
     if cfg.drafter.init_drafter and not resume:
         load_config(cfg.drafter.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
+    check_placement(cfg, roles)  # before anything loads
     with phases.time("load target"):
-        target = load_target(cfg.run.target, device=device)
+        target = job_target(cfg, roles, device)
     say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes the features itself
         check_num_features(target, cfg.drafter.num_features)  # before the data work
@@ -133,7 +146,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
                 (run_dir / VALIDATION_FILE).unlink(missing_ok=True)
             if code:
                 return code
-            target = load_target(cfg.run.target, device=device)  # released while the workers ran
+            if prompts:  # released while the workers ran; the evaluation decodes with it
+                target = job_target(cfg, roles, device)
             drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
         else:
             steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress, plan)

@@ -45,20 +45,22 @@ from dflash_train.models.tp_plan import check_tp_size, parallelize_decoder, tens
 Blocks = tuple[int, list[tuple[int, int]]]  # (dim, [(start, stop), ...]): a rank's part, concatenated along dim
 
 
-def load_sharded_target(spec: str, tp_group: dist.ProcessGroup, device: str | torch.device, *,
+def load_sharded_target(spec: str, tp_group: dist.ProcessGroup | None, device: str | torch.device, *,
                         dtype: torch.dtype | None = None, seed: int = 0, flag: str = "--target") -> Target:
-    """The frozen target `spec`, its decoder split over `tp_group` (every rank of it calls this)."""
+    """The frozen target `spec`, its decoder split over `tp_group` (every rank of it calls this); with no
+    group, the whole of it, with the same weights (the processes of a split run that hold it whole: the
+    job's data stage, the drafter ranks' embedding and LM head)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     config, source, tokenizer = _open(spec, seed, device, flag)
-    tp = dist.get_world_size(tp_group)
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     plan = tensor_plan(config) if tp > 1 else {}
     check_tp_size(config, tp)
     model = build_on_meta(config, dtype, device)
     if plan:
         parallelize_decoder(model.base_model, DeviceMesh.from_group(tp_group, device.type), plan)
     with source:
-        fill_parameters(model, source, dist.get_rank(tp_group), tp, device, dtype)
+        fill_parameters(model, source, dist.get_rank(tp_group) if tp > 1 else 0, tp, device, dtype)
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, spec=spec)
 

@@ -192,7 +192,9 @@ def join_group(spec: WorkerSpec, peers: Peers) -> Groups:
     dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank, world_size=len(spec.devices),
                             timeout=timedelta(seconds=spec.peer_timeout))
     drafters = dist.new_group(spec.drafter_ranks)  # every rank takes part in creating every group
-    replicas = [dist.new_group(ranks) for ranks in spec.replicas] if spec.tp > 1 else []
+    if spec.tp == 1:
+        return Groups(drafters, None)
+    replicas = [dist.new_group(ranks) for ranks in spec.replicas]
     mine = [g for g, ranks in zip(replicas, spec.replicas, strict=True) if spec.rank in ranks]
     return Groups(drafters, mine[0] if mine else None)
 

@@ -1,0 +1,90 @@
+"""--target-tp: target replicas split by tensor parallelism inside the train job (CPU, gloo)."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.models.loading import load_target
+
+BASE = ["train", "--max-length", "96", "--token-budget", "192", "--num-anchors", "16", "--block-size", "4",
+        "--eval-limit", "0", "--log-every", "1", "--quiet", "--seed", "3", "--max-steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """random:tiny saved as an HF directory in several safetensors shards: both loaders read the same weights."""
+    target = load_target("random:tiny", device="cpu")
+    out = tmp_path_factory.mktemp("tiny-hf")
+    target.model.save_pretrained(out, max_shard_size="100KB")
+    target.tokenizer.save_pretrained(out)
+    assert len(list(out.glob("*.safetensors"))) > 1
+    return str(out)
+
+
+def _losses(run: Path) -> torch.Tensor:
+    return torch.tensor([json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()])
+
+
+@pytest.mark.slow
+def test_a_split_target_trains_the_drafter_a_whole_one_does(prepared, tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = [*BASE, "--target", tiny_dir, "--data", prepared]
+    assert main([*common, "--run-dir", str(whole), "--device", "cpu"]) == 0
+    assert main([*common, "--run-dir", str(split), "--target-devices", "cpu,cpu", "--drafter-devices", "cpu",
+                 "--target-tp", "2", "--profile-interval", "0.5"]) == 0
+    torch.testing.assert_close(_losses(split), _losses(whole), rtol=1e-4, atol=1e-5)
+    processes = {json.loads(x)["process"] for x in (split / "profile.jsonl").read_text().splitlines()}
+    assert processes == {"rank0/target/cpu", "rank1/target/cpu", "rank2/drafter/cpu"}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--target-tp", "2"], "--target-tp 2 needs --target-devices and --drafter-devices"),
+    (["--target-tp", "2", "--target-devices", "cpu,cpu,cpu", "--drafter-devices", "cpu"],
+     "--target-devices lists 3 devices, which must be a multiple of 2"),
+    (["--target-tp", "2", "--target-devices", "cpu,cpu", "--drafter-devices", "cpu,cpu"],
+     "must be a multiple of 2 and apart from --drafter-devices"),
+    (["--target-tp", "2", "--target-devices", "cpu,cpu", "--drafter-devices", "cpu", "--cache-features"],
+     "--cache-features: a target split by --target-tp recomputes its features"),
+    (["--target-tp", "3", "--target-devices", "cpu,cpu,cpu", "--drafter-devices", "cpu"], "--target-tp"),
+])
+def test_a_split_that_cannot_work_is_refused_in_one_line(prepared, tiny_dir, tmp_path, capsys, argv, needle):
+    assert main([*BASE, "--target", tiny_dir, "--data", prepared, "--run-dir", str(tmp_path / "r"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err, err
+
+
+def test_a_split_target_leaves_the_whole_target_jobs_to_others(good, tiny_dir, tmp_path, capsys):
+    split = ["--target-devices", "cpu,cpu", "--drafter-devices", "cpu", "--target-tp", "2"]
+    argv = [*BASE, "--target", tiny_dir, "--data", str(good), "--data-topic", "any", "--run-dir", str(tmp_path / "r")]
+    assert main([*argv, *split]) == 2
+    assert "--regen-server URL" in capsys.readouterr().err
+    assert main([*argv, *split, "--no-regenerate", "--eval-limit", "2"]) == 2
+    assert "--eval-limit 0" in capsys.readouterr().err
+    assert main([*argv[:-2], "--target", "smollm2-135m", "--run-dir", str(tmp_path / "g"), *split,
+                 "--no-regenerate"]) == 2
+    assert "a split target is an HF model directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_split_targets_rank_ends_the_run_naming_it(prepared, tiny_dir, tmp_path):
+    """The rank of a replica that does not send (rank 1) dies: its leader's next collective would wait for it
+    until the timeout; the launcher ends the run within seconds instead."""
+    from test_pipeline import _running, _start, _wait_for_training
+
+    proc = _start([*BASE, "--target", tiny_dir, "--data", prepared, "--run-dir", str(tmp_path), "--target-devices",
+                   "cpu,cpu", "--drafter-devices", "cpu", "--target-tp", "2", "--max-steps", "100000"])
+    workers = _wait_for_training(proc, tmp_path)
+    os.kill(workers[1], signal.SIGKILL)  # ranks start in order: rank 1 is the replica's second rank
+    t0 = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - t0 < 30 and proc.returncode != 0
+    assert "rank 1 (target, cpu) was killed by signal 9" in err
+    time.sleep(0.5)
+    assert not any(_running(p) for p in workers)
