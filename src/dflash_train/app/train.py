@@ -58,6 +58,7 @@ CPU_SPEEDUP_NOTE = (
 def run(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> int:
     roles = worker_roles(cfg)
     if roles and under_torchrun():
+        check_placement(cfg, roles)  # every rank, before it loads anything
         return run_torchrun_rank(cfg, roles, resume, progress)
     with run_dir_lock(Path(cfg.run.run_dir)):
         return _run(cfg, roles, resume, overwrite, progress)
