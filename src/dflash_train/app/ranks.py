@@ -207,10 +207,11 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     # initialise the drafter), so a real target loads on the host and only those reach the GPU.
     # Random targets are drawn on the device, so that they equal the target workers' draw.
     head_only = spec.role == "drafter"
+    split = cfg.pipeline.target_tp > 1
     on_host = head_only and not cfg.run.target.startswith("random:")
     # the dtype of the device that computes, not of the host it loads on (as target workers load it)
     where = "cpu" if on_host else device
-    if cfg.pipeline.target_tp > 1:  # the weights the target replicas split (a random preset's too)
+    if split:  # the weights the target replicas split
         target = load_sharded_target(cfg.run.target, None, where, dtype=default_dtype(device))
     else:
         target = load_target(cfg.run.target, device=where, dtype=default_dtype(device))
