@@ -22,8 +22,9 @@ from dflash_train.settings.tree import TrainConfig
 DEFAULT_FEATURES = 5  # models/config.py: the feature layers of a drafter without --num-features
 
 
-def check_placement(cfg: TrainConfig, roles: list[tuple[str, str]]) -> None:
-    """The job's refusals for a split target, then each target GPU's memory plan, said in one line each."""
+def check_placement(cfg: TrainConfig, roles: list[tuple[str, str]], device: torch.device | None = None) -> None:
+    """The job's refusals for a split target, then each target GPU's memory plan, said in one line each.
+    device: the one-device path's (resolved --device)."""
     tp = cfg.pipeline.target_tp
     if tp > 1:
         _check_split_job(cfg)
@@ -33,7 +34,7 @@ def check_placement(cfg: TrainConfig, roles: list[tuple[str, str]]) -> None:
     if tp > 1:  # an architecture without a plan, or a size that does not divide what it splits
         tensor_plan(config)
         check_tp_size(config, tp)
-    devices = [torch.device(d) for role, d in roles if role != "drafter"] or [torch.device(cfg.run.device)]
+    devices = [torch.device(d) for role, d in roles if role != "drafter"] or [device]
     shares = not roles or any(role == "both" for role, _ in roles)  # a drafter trains on the same GPU
     for device in dict.fromkeys(d for d in devices if d.type == "cuda"):
         plan = plan_memory(config, tp=tp, device_bytes=available_memory(device), token_budget=cfg.data.token_budget,

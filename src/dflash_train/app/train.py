@@ -101,7 +101,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         check_backend_device(cfg.objective.attention, d)  # before any data is regenerated
     if cfg.drafter.init_drafter and not resume:
         load_config(cfg.drafter.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
-    check_placement(cfg, roles)  # before anything loads
+    check_placement(cfg, roles, device)  # before anything loads
     with phases.time("load target"):
         target = job_target(cfg, roles, device)
     say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
