@@ -44,12 +44,17 @@ _reported: set[tuple[str, str]] = set()
 def prepare_chat(target: Target) -> str:
     """Give the target's tokenizer the chat format the run uses (see module docstring); say which, once
     per target and process. Returns the description said."""
-    tok = target.tokenizer
-    bos = needs_bos(target)
+    return prepare_tokenizer(target.tokenizer, str(getattr(target.config, "model_type", "")), target.spec)
+
+
+def prepare_tokenizer(tok, model_type: str, spec: str) -> str:
+    """prepare_chat for a tokenizer alone (regeneration through a server loads no weights)."""
+    gemma = model_type.startswith("gemma")
+    bos = needs_bos(tok, gemma)
     if not getattr(tok, "chat_template", None):
-        gemma = is_gemma(target) and all(t in tok.get_vocab() for t in ("<start_of_turn>", "<end_of_turn>"))
-        tok.chat_template = GEMMA_TURNS_TEMPLATE if gemma else (_BOS if bos else "") + PLAIN_TEMPLATE
-        what = ("Gemma turns (<start_of_turn>user … <start_of_turn>model), <bos> first" if gemma
+        turns = gemma and all(t in tok.get_vocab() for t in ("<start_of_turn>", "<end_of_turn>"))
+        tok.chat_template = GEMMA_TURNS_TEMPLATE if turns else (_BOS if bos else "") + PLAIN_TEMPLATE
+        what = ("Gemma turns (<start_of_turn>user … <start_of_turn>model), <bos> first" if turns
                 else f"plain (User: … Assistant: …, turns end at EOS){', <bos> first' if bos else ''}")
         what += ": the tokenizer has no chat template"
     elif bos and not _renders_bos(tok):
@@ -57,8 +62,8 @@ def prepare_chat(target: Target) -> str:
         what = f"the tokenizer's chat template, {tok.bos_token} put first: the model needs it and the template omits it"
     else:
         what = "the tokenizer's chat template"
-    if (target.spec, what) not in _reported:
-        _reported.add((target.spec, what))
+    if (spec, what) not in _reported:
+        _reported.add((spec, what))
         say(f"chat format: {what}")
     return what
 
@@ -67,11 +72,10 @@ def is_gemma(target: Target) -> bool:
     return str(getattr(target.config, "model_type", "")).startswith("gemma")
 
 
-def needs_bos(target: Target) -> bool:
+def needs_bos(tok, gemma: bool) -> bool:
     """The model was trained with BOS first: Gemma always (without it the model degenerates), any
     tokenizer that adds one itself (apply_chat_template does not let it: only the template can)."""
-    tok = target.tokenizer
-    return tok.bos_token_id is not None and (is_gemma(target) or getattr(tok, "add_bos_token", False) is True)
+    return tok.bos_token_id is not None and (gemma or getattr(tok, "add_bos_token", False) is True)
 
 
 def _renders_bos(tok) -> bool:

@@ -23,7 +23,7 @@ from dflash_train.config import CACHE_ENV
 from dflash_train.errors import UsageError
 from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
-from dflash_train.models.chat import prepare_chat
+from dflash_train.models.chat import prepare_chat, prepare_tokenizer
 from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
 from dflash_train.models.target import Target
 
@@ -82,11 +82,29 @@ def embedded_gguf_path(flag: str = "--target") -> Path:
 def _load_chunked_gemma3(dtype: torch.dtype, flag: str):
     """The Gemma 3 GGUF from its chunk packages: its converted copy when cached (the chunks are then
     not read at all), else assembled into the cache, checked and converted once."""
-    cached = cache_root() / "gguf" / _copy_name(Path(GEMMA3_270M.name), GEMMA3_270M.sha256)
+    cached = _gemma3_copy()
     if (cached / "model.safetensors").is_file():
         return _load_hf(str(cached), dtype, flag, local=True)
     path = assembled_gguf(GEMMA3_270M, cache_root() / "gguf", flag)
     return _load_gguf(path, dtype, flag, sha256=GEMMA3_270M.sha256)
+
+
+def gemma3_tokenizer(flag: str = "--target"):
+    """The tokenizer of `gemma3-270m` alone, with its chat format (regeneration through a server)."""
+    from transformers import AutoTokenizer
+
+    cached = _gemma3_copy()
+    if (cached / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
+    else:
+        path = assembled_gguf(GEMMA3_270M, cache_root() / "gguf", f"{flag} gemma3-270m")
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+    prepare_tokenizer(tok, "gemma3_text", "gemma3-270m")
+    return tok
+
+
+def _gemma3_copy() -> Path:
+    return cache_root() / "gguf" / _copy_name(Path(GEMMA3_270M.name), GEMMA3_270M.sha256)
 
 
 def _looks_like_hub_id(spec: str) -> bool:
