@@ -84,6 +84,24 @@ def test_end_of_turn_stops_and_mask_is_the_unused_mask_token(gemma):
             check_mask_token(gemma, vocab[used])
 
 
+def test_block_tokens_are_embedded_as_the_target_embeds_them(gemma, tmp_path):
+    """Gemma's embedding multiplies its rows by sqrt(hidden): training's block tokens get the same (in the
+    weight's dtype), or a drafter trained here would see other inputs in every engine that serves it."""
+    import torch.nn.functional as F
+
+    from dflash_train.app.local import train_loop
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.settings.tree import TrainConfig
+
+    ids = torch.tensor([[5, 9, 2, 7]])
+    assert gemma.embed_scale == pytest.approx(gemma.hidden_size ** 0.5, rel=1e-2)
+    torch.testing.assert_close(gemma.embed(ids), gemma.model.get_input_embeddings()(ids))
+    assert not torch.allclose(gemma.embed(ids), F.embedding(ids, gemma.embedding_weight))
+    drafter = new_drafter(drafter_config_for(gemma, num_layers=1, block_size=4, dtype="float32"), 0)
+    loop = train_loop(TrainConfig.of(run_dir=str(tmp_path), device="cpu"), gemma, drafter.float(), tmp_path, 1)
+    assert loop.objective.embed_scale == gemma.embed_scale
+
+
 def test_the_drafter_takes_the_full_attention_rope(gemma):
     from dflash_train.models.factory import drafter_config_for
 

@@ -101,7 +101,7 @@ def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir
     """The drafter's train loop on the target's frozen embedding and LM head: one device's or one rank's."""
     return DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, drafter, target.embedding_weight,
                             target.lm_head, run_dir, steps, compile_drafter=cfg.trainer.compile_drafter,
-                            compile_masks=cfg.trainer.compile_masks, **trainer_args)
+                            compile_masks=cfg.trainer.compile_masks, embed_scale=target.embed_scale, **trainer_args)
 
 
 def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,

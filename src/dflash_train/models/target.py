@@ -62,8 +62,18 @@ class Target:
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    @property
+    def embed_scale(self) -> float:
+        """What the input embedding multiplies its rows by (Gemma: sqrt(hidden); 1 elsewhere), rounded to the
+        weight's dtype as the module applies it: the drafter's block tokens are embedded the same way."""
+        scale = getattr(self.model.get_input_embeddings(), "embed_scale", None)
+        if scale is None:
+            return 1.0
+        return float(torch.as_tensor(scale).to(self.embedding_weight.dtype))
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embedding_weight)
+        rows = F.embedding(input_ids, self.embedding_weight)
+        return rows * self.embed_scale if self.embed_scale != 1.0 else rows
 
     @torch.no_grad()
     def greedy_labels(self, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,

@@ -72,10 +72,11 @@ class DFlashObjective(nn.Module):
     """
 
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head: nn.Module,
-                 cfg: ObjectiveConfig, prof=NULL_LOOP, compiled_masks: bool = False) -> None:
+                 cfg: ObjectiveConfig, prof=NULL_LOOP, compiled_masks: bool = False, embed_scale: float = 1.0) -> None:
         super().__init__()
         self.drafter = drafter
         self.embed_weight = embed_weight  # frozen target embedding (not a parameter of ours)
+        self.embed_scale = embed_scale  # Target.embed_scale: Gemma's embedding multiplies its rows
         self.lm_head = lm_head  # frozen target LM head
         self.cfg = cfg
         self.prof = prof
@@ -110,7 +111,10 @@ class DFlashObjective(nn.Module):
                      features: torch.Tensor) -> torch.Tensor:
         """The drafter's final-normed output for every block token [1, n*B, H] (the training path)."""
         dtype = next(self.drafter.parameters()).dtype
-        embeds = F.embedding(blocks.input_ids, self.embed_weight).to(dtype)  # [n*B, H]
+        embeds = F.embedding(blocks.input_ids, self.embed_weight)  # [n*B, H], as the target embeds them:
+        if self.embed_scale != 1.0:  # scaled in the weight's dtype
+            embeds = embeds * self.embed_scale
+        embeds = embeds.to(dtype)
         positions = torch.cat([batch.positions, blocks.positions])[None]  # context, then blocks
         return self.drafter(embeds[None], features[None].to(dtype), positions, masks=masks)
 

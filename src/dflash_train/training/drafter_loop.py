@@ -55,12 +55,13 @@ class DrafterTrainLoop(Trainer):
     def __init__(self, optim: OptimizerConfig, cfg: TrainerConfig, objective_cfg: ObjectiveConfig,
                  drafter: DFlashDrafter,
                  embed_weight: torch.Tensor, lm_head: torch.nn.Module, run_dir: Path, total_steps: int, *,
-                 compile_drafter: bool = False, compile_masks: bool = False, hooks: Hooks | None = None,
-                 **trainer_args: Any) -> None:
+                 compile_drafter: bool = False, compile_masks: bool = False, embed_scale: float = 1.0,
+                 hooks: Hooks | None = None, **trainer_args: Any) -> None:
         hooks = hooks or Hooks()
         device = next(drafter.parameters()).device
         check_backend_device(objective_cfg.attention, device)
-        objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, compile_masks)
+        objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, compile_masks,
+                                    embed_scale)
         if compile_drafter and objective.backend(device) != "flex":  # the backend the step will run
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
                              f"{objective.backend(device)} attention on {device.type}")
