@@ -139,7 +139,7 @@ def test_regenerates_multi_turn_conversations(server, tmp_path, smol_tokenizer):
         Conversation("prompt-only", [user("Name a colour.")]),
     ]
     out = tmp_path / "r.jsonl"
-    cfg = RegenConfig(max_new_tokens=12)
+    cfg = RegenConfig(max_new_tokens=12, max_turns=0)  # every turn
     report = rc.regenerate_via_server(conversations, out, cfg, server_cfg(server.url, concurrency=3),
                                       tokenizer=smol_tokenizer, tokenizer_name=ALIAS, progress=False)
     assert (report.written, report.turns, report.requests, report.failed) == (3, 4, 4, 0)
@@ -175,7 +175,7 @@ def test_a_later_turn_whose_prompt_reaches_max_context_ends_the_conversation(ser
     tokenizer) reaches --max-context is not sent, and the record ends at the reply before it."""
     conv = Conversation("long", [user("What is 2+2?"), asst("o1"), user("And times 3?"), asst("o2")])
     first = len(smol_tokenizer.apply_chat_template(conv.messages[:1], add_generation_prompt=True, tokenize=True))
-    cfg = RegenConfig(max_new_tokens=12, max_context=first + 1)
+    cfg = RegenConfig(max_new_tokens=12, max_turns=0, max_context=first + 1)
     out = tmp_path / "r.jsonl"
     report = rc.regenerate_via_server([conv], out, cfg, server_cfg(server.url), tokenizer=smol_tokenizer,
                                       tokenizer_name=ALIAS, progress=False)

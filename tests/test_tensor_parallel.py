@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import traceback
 
 import pytest
 import torch
@@ -75,8 +77,14 @@ def _tp_worker(rank: int, world: int, rdv: str, dirs: dict[str, str], out: str) 
             results[name] = dict(feats=feats, local=local, experts=split, total=sum(p.numel() for p in
                                                                                     target.model.parameters()))
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    # Without interpreter teardown, as the launcher's workers end (pipeline/worker.py): with the group's
+    # threads alive at exit, a gloo rank can abort in std::terminate after its work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")

@@ -79,8 +79,8 @@ class RegenConfig:
         if self.server is None:
             for name in ("model", "api_key_env", "chat_template_kwargs"):
                 if getattr(self, name) is not None:
-                    raise UsageError(f"--{name.replace('_', '-')} needs --server (in-process, the target itself "
-                                     "regenerates)")
+                    raise UsageError(f"--{name.replace('_', '-')} needs --server (the in-process path runs "
+                                     "--target itself)")
 
     @property
     def turns(self) -> int | None:

@@ -26,6 +26,6 @@ PREPARE = (TARGET, Use("data", DataConfig, only=(*SOURCE.only, "max_length"), st
 REGENERATE = (
     Use("run", RunConfig, only=TARGET.only, starts={"target": None}),  # in-process: smollm2-135m
     SOURCE,
-    Use("regeneration", RegenConfig, skip=("max_prompt_tokens",)),
+    Use("regeneration", RegenConfig, skip=("max_prompt_tokens",), starts={"max_turns": 0}),  # every turn
 )
 RELABEL = (TARGET,)
