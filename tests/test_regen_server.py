@@ -219,8 +219,8 @@ def test_resume_after_kill_keeps_finished_conversations(server, tmp_path):
     assert 2 <= kept < N_KILL, "the kill should land mid-run"
     with open(out, "ab") as f:
         f.write(b'{"id": "q9", "messages": [{"role": "us')  # as if killed while writing a line
-    report = rc.regenerate_via_server(convs(N_KILL), out, RegenConfig(max_new_tokens=24), server_cfg(server.url),
-                                      progress=False)
+    cfg = RegenConfig(max_new_tokens=24, max_turns=0)  # the regenerate command's: every turn
+    report = rc.regenerate_via_server(convs(N_KILL), out, cfg, server_cfg(server.url), progress=False)
     assert (report.already_done, report.written) == (kept, N_KILL - kept)
     assert out.read_bytes().startswith(before)  # finished lines untouched, the torn one gone
     ids = [r["id"] for r in read_lines(out)]
