@@ -59,9 +59,11 @@ def applies(rows: int, queries: int, kv_heads: int, head_dim: int, dtype: torch.
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, block: int = BLOCK_N, warps: int = 4, stages: int = 3) -> torch.Tensor:
+                     scale: float, block: int = BLOCK_N, warps: int = 4, stages: int = 3,
+                     window: int | None = None) -> torch.Tensor:
     """q [b, H, 1, d]; k/v_cache [b, Hkv, C, d] (any slot stride, last dim contiguous); lengths [b]:
-    row i sees slots 0..lengths[i]-1 (1 <= lengths[i] <= C). -> [b, H, 1, d] in q's dtype.
+    row i sees slots 0..lengths[i]-1 (1 <= lengths[i] <= C), or with a window only the last `window`
+    of them (a sliding-window layer: the walk starts there). -> [b, H, 1, d] in q's dtype.
     block, warps, stages: the tile and launch shape (benchmarks/decode_attention.py times others)."""
     b, H, _, d = q.shape
     hkv = k_cache.shape[1]
@@ -77,6 +79,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q3, k_cache, v_cache, lengths, out, scale,
         q3.stride(0), q3.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        window or k_cache.shape[2],  # no window: the whole cache, so every row walks from slot 0
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block,
         num_warps=warps, num_stages=stages,
     )
@@ -86,7 +89,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 if triton is not None:
     @triton.jit
     def _decode_kernel(Q, K, V, Lens, Out, scale,
-                       sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
+                       sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, window,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -101,7 +104,7 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of each head's scores
         s_sum = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for start in range(0, n, BLOCK):  # this row's slots only
+        for start in range(tl.maximum(n - window, 0), n, BLOCK):  # this row's slots only
             slot = start + tl.arange(0, BLOCK)
             seen = slot < n
             k = tl.load(k_base + slot[:, None] * sk_n + dim[None, :], mask=seen[:, None], other=0.0)

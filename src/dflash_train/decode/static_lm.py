@@ -14,8 +14,11 @@ writes its K/V before attending, so slots past a row's end (padding written by a
 prefill, or a rejected draft) are overwritten before any query can see them: "cropping" the
 cache is just decoding from an earlier position.
 
-Supported: Llama-style decoders without sliding windows (llama, mistral, qwen2, qwen3 -
-SmolLM2 and the Qwen3 presets included). `supports(model)` says; callers fall back to HF.
+Supported: the families of `architectures.FAMILIES` (llama, mistral, qwen2, qwen3 - SmolLM2
+and the Qwen3 presets included - and Gemma 3's text decoder), full-attention and sliding-window
+layers mixed as the config's `layer_types` say. Every layer's cache holds every position; a
+sliding layer's mask keeps the last `sliding_window` of them (its own included), prefill
+included. `supports(model)` says; callers fall back to HF.
 
 On CUDA in half precision, Triton kernels take the parts eager PyTorch runs as many small passes:
 one-token attention of wide batches (`attention_kernel`) and the elementwise chains (`fused_target`).
@@ -32,27 +35,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.decode import attention_kernel, fused_target, graphs
+from dflash_train.decode import architectures, attention_kernel, fused_target, graphs
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.graphs import GraphStore
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
 
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
 CACHE_BUCKET = 1024  # capacity granularity: nearby lengths share one cache (and its graphs)
 _FOLD_ROWS = 64  # fold GQA groups into query rows (no K/V repeat) while group x query rows stay small
 
 
 def supports(model: nn.Module) -> bool:
-    """True when `model` is a decoder whose every layer attends causally to all earlier tokens."""
-    cfg = model.config
-    if cfg.model_type not in _ARCHS:
-        return False
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        return False
-    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
-        return False
-    return getattr(cfg, "rope_parameters", {}).get("rope_type", "default") in ("default", "llama3", "linear")
+    """True when `model` is a decoder of a family StaticLM runs (architectures.family)."""
+    return architectures.family(model) is not None
 
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -116,9 +111,11 @@ class StaticCache(GraphStore):
 
 @dataclass
 class Lengths:
-    """One-token decode visibility as each row's key count [b] (slots 0..keys-1): no mask tensor."""
+    """One-token decode visibility as each row's key count [b] (slots 0..keys-1), of which a sliding
+    layer sees the last `window`: no mask tensor."""
 
     keys: torch.Tensor
+    window: int | None = None
 
 
 @dataclass
@@ -137,6 +134,10 @@ class StaticLM(CompiledSteps):
         self.model = model
         self.base = model.base_model
         cfg = model.config
+        self.family = architectures.family(model)
+        self.layer_types = architectures.layer_types(cfg)
+        self.windows = architectures.windows(cfg)  # per layer type: positions seen back, None for all
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.n_layers = cfg.num_hidden_layers
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -146,6 +147,7 @@ class StaticLM(CompiledSteps):
         # the elementwise chains as Triton kernels (fused_target.py) where they run: CUDA, half precision
         self._fused = fused and fused_target.applies(self.device, self.dtype)
         self._fused_mlp = fused_target.fusable_mlp(model)
+        self._gemma_norms = self.family.norm == "gemma"
 
     @property
     def device(self) -> torch.device:
@@ -189,36 +191,80 @@ class StaticLM(CompiledSteps):
         queries are positions 0..q-1, so the mask is plain causal over slots < q and attention
         runs as SDPA's causal kernel (flash on CUDA: no mask, no K/V copies per query head).
         """
-        x = self.base.embed_tokens(ids)
-        cos, sin = self.base.rotary_emb(x, pos)
-        visible = None if prefill else self._visible(ids, pos, kv_len)
+        x = self.base.embed_tokens(ids)  # Gemma's embedding module scales by sqrt(hidden) itself
+        ropes = self._ropes(x, pos)
+        visible = self._visible(ids, pos, kv_len, prefill)
         fused = self._fused and not torch.compiler.is_compiling()  # a compiled step: inductor fuses them itself
         feats = {}
-        x, h = fused_target.add_rms_norm(x, None, self.base.layers[0].input_layernorm, fused)
+        x, h = self._add_norm(x, None, self.base.layers[0].input_layernorm, fused)
         for i, layer in enumerate(self.base.layers):
-            a = self._attention(layer.self_attn, h, cos, sin, pos, visible, cache.keys[i], cache.values[i], kv_len,
-                                fused)
-            x, h = fused_target.add_rms_norm(x, a, layer.post_attention_layernorm, fused)
-            m = fused_target.swiglu_mlp(layer.mlp, h, True) if fused and self._fused_mlp else layer.mlp(h)
-            # this layer's residual add with the next norm: the next layer's input norm, or the final one
+            kind = self.layer_types[i]
+            a = self._attention(layer.self_attn, h, *ropes[kind], pos, visible[kind], cache.keys[i], cache.values[i],
+                                kv_len, fused)
             last_layer = i + 1 == self.n_layers
-            norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
-            x, h = fused_target.add_rms_norm(x, m, norm, fused)
+            # the next norm: the next layer's input norm, or the final one
+            x, h = self._residuals(layer, x, a, self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm,
+                                   fused)
             if i in layers:
                 feats[i] = h if last_layer else x  # HF's hidden_states[N] is the final-normed output
         features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None
         if logits == "none":
             return StepOut(None, features)
-        if logits == "last":
+        if logits == "last":  # the head's bytes are most of a large-vocabulary model's: only the rows asked for
             h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
-        return StepOut(self.model.lm_head(h), features)
+        return StepOut(self._head(h), features)
 
-    def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor | Lengths:
-        """What each query may see: slots 0..pos. A one-token step of a wide batch on CUDA gets each row's
-        key count (Lengths: the decode kernel reads only those slots); others get a mask [b, q, kv_len]."""
-        if self._kernel_applies(ids) and not torch.compiler.is_compiling():  # compiled steps keep the batched matmuls
-            return Lengths(pos[:, 0] + 1)
-        return torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_target.add_rms_norm(x, delta, norm, fused, gemma=self._gemma_norms)
+
+    def _residuals(self, layer: nn.Module, x: torch.Tensor, a: torch.Tensor, next_norm: nn.Module,
+                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's two residual adds (attention output a, then the MLP's), each fused with the norm
+        after it. Returns (x, next_norm(x)). Gemma norms each branch's output before its add too."""
+        if self.family.sandwich:
+            a = self._add_norm(a, None, layer.post_attention_layernorm, fused)[1]
+            x, h = self._add_norm(x, a, layer.pre_feedforward_layernorm, fused)
+        else:
+            x, h = self._add_norm(x, a, layer.post_attention_layernorm, fused)
+        m = fused_target.swiglu_mlp(layer.mlp, h, True) if fused and self._fused_mlp else layer.mlp(h)
+        if self.family.sandwich:
+            m = self._add_norm(m, None, layer.post_feedforward_layernorm, fused)[1]
+        return self._add_norm(x, m, next_norm, fused)
+
+    def _ropes(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [b, q, d] per layer type: Gemma 3's local and global layers rotate with their own bases."""
+        if self.family.rope_by_layer_type:
+            return {kind: self.base.rotary_emb(x, pos, kind) for kind in self.windows}
+        both = self.base.rotary_emb(x, pos)
+        return dict.fromkeys(self.windows, both)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits, tanh-capped where the config says (Gemma's final_logit_softcapping)."""
+        out = self.model.lm_head(h)
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
+                 prefill: bool) -> dict[str, torch.Tensor | Lengths | None]:
+        """Per layer type, what each query may see: slots 0..pos, of which a sliding layer sees the last
+        `window`. None: plain causal over the prefill's slots (a prefill no longer than the window). A
+        one-token step of a wide batch on CUDA gets each row's key count (Lengths: the decode kernel reads
+        only those slots); others get a mask [b, q, kv_len]."""
+        kernel = self._kernel_applies(ids) and not torch.compiler.is_compiling()  # compiled: batched matmuls
+        slots = torch.arange(kv_len, device=ids.device)[None, None, :]
+        out = {}
+        for kind, window in self.windows.items():
+            if prefill and (window is None or ids.shape[1] <= window):
+                out[kind] = None
+            elif kernel:
+                out[kind] = Lengths(pos[:, 0] + 1, window)
+            elif window is None:
+                out[kind] = slots <= pos[:, :, None]
+            else:
+                out[kind] = (slots <= pos[:, :, None]) & (slots > pos[:, :, None] - window)
+        return out
 
     def _kernel_applies(self, ids: torch.Tensor) -> bool:
         """Whether a step of these ids [b, q] attends through the Triton kernel (attention_kernel.applies)."""
@@ -233,7 +279,7 @@ class StaticLM(CompiledSteps):
         qs = attn.q_proj(h).view(b, q, -1, d)
         ks = attn.k_proj(h).view(b, q, -1, d)
         vs = attn.v_proj(h).view(b, q, -1, d)
-        if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before RoPE
+        if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
         qs, ks = fused_target.rope_(qs, cos, sin, fused), fused_target.rope_(ks, cos, sin, fused)
         qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)  # [b, heads, q, d]
@@ -243,7 +289,8 @@ class StaticLM(CompiledSteps):
         if visible is None:  # a prefill from position 0: causal over the q slots just written
             out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
         elif isinstance(visible, Lengths):  # each row up to its own length, whatever kv_len the batch has
-            out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling)
+            out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling,
+                                                    window=visible.window)
         else:
             out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
