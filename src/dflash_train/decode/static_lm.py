@@ -202,9 +202,8 @@ class StaticLM(CompiledSteps):
             a = self._attention(layer.self_attn, h, *ropes[kind], pos, visible[kind], cache.keys[i], cache.values[i],
                                 kv_len, fused)
             last_layer = i + 1 == self.n_layers
-            # the next norm: the next layer's input norm, or the final one
-            x, h = self._residuals(layer, x, a, self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm,
-                                   fused)
+            next_norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
+            x, h = self._residuals(layer, x, a, next_norm, fused)
             if i in layers:
                 feats[i] = h if last_layer else x  # HF's hidden_states[N] is the final-normed output
         features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None

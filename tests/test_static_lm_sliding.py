@@ -1,0 +1,130 @@
+"""StaticLM on sliding-window and Gemma 3 targets: HF's logits and features, HF's greedy tokens, and lossless
+DFlash decoding, with prompts longer than the window (float32, CPU)."""
+
+import pytest
+import torch
+from sliding_targets import SLIDING_ARCHS, sliding_window_model
+
+from dflash_train.decode import speculative as spec
+from dflash_train.decode import static_lm
+from dflash_train.decode.generate import generate
+from dflash_train.decode.static_lm import StaticLM
+from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.models.factory import drafter_config_for, new_drafter
+from dflash_train.models.loading import byte_tokenizer
+from dflash_train.models.target import Target
+
+WINDOW = 6  # sliding_window_model's default
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only add overhead on a shared CPU
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=SLIDING_ARCHS)
+def target(request):
+    return Target(model=sliding_window_model(request.param), tokenizer=byte_tokenizer(),
+                  spec=f"{request.param}-sliding-test")
+
+
+def _prompts(n, seed=0, base=3):
+    """Lengths from under the window to several windows long."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (base + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_supported_families_and_refusals():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    assert all(static_lm.supports(sliding_window_model(arch)) for arch in SLIDING_ARCHS)
+    gemma = sliding_window_model("gemma3")
+    gemma.config.attn_logit_softcapping = 50.0  # Gemma 2's score softcap: not ours
+    assert not static_lm.supports(gemma)
+    oss = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1)
+    assert not static_lm.supports(GptOssForCausalLM(oss))  # data-dependent expert routing, attention sinks
+
+
+def test_the_window_changes_the_logits():
+    """The checks below see the window: the same weights with a wider one give other logits."""
+    ids = torch.tensor([_prompts(4)[-1]])
+    for arch in SLIDING_ARCHS:
+        a, b = sliding_window_model(arch)(ids).logits, sliding_window_model(arch, window=64)(ids).logits
+        assert (a[0, -1] - b[0, -1]).abs().max() > 1e-3, arch
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefill", [False, True], ids=["masked", "causal"])
+def test_prefill_and_steps_equal_hf_forward(target, prefill):
+    """A padded batched prefill of prompts shorter and longer than the window, then one-token steps and
+    a 4-token block: logits and features as HF's forward over the whole sequence."""
+    lm, model = StaticLM(target.model), target.model
+    prompts = _prompts(4)
+    layers = (0, 2, target.num_layers - 1)
+    cache = lm.cache_for(len(prompts), 64)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    out = lm.forward(ids, torch.arange(width).expand(len(prompts), width), cache, static_lm.bucket(width),
+                     layers=layers, logits="last", last=last, prefill=prefill)
+    for i, p in enumerate(prompts):
+        ref = model(torch.tensor([p]), output_hidden_states=True)
+        torch.testing.assert_close(out.logits[i, 0], ref.logits[0, -1], rtol=0, atol=1e-5)
+        want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0]
+        torch.testing.assert_close(out.features[i, :len(p)], want, rtol=0, atol=1e-5)
+    seqs = [list(p) for p in prompts]
+    for q in (1, 1, 4, 1):
+        new = torch.randint(0, 256, (len(prompts), q))
+        pos = torch.tensor([len(s) for s in seqs])[:, None] + torch.arange(q)
+        step = lm.step(new, pos, cache, static_lm.bucket(int(pos.max()) + 1), layers=layers)
+        for i, s in enumerate(seqs):
+            s += new[i].tolist()
+            ref = model(torch.tensor([s]), output_hidden_states=True)
+            torch.testing.assert_close(step.logits[i], ref.logits[0, -q:], rtol=0, atol=1e-5)
+            want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0, -q:]
+            torch.testing.assert_close(step.features[i], want, rtol=0, atol=1e-5)
+
+
+def test_batched_generate_equals_hf_generate(target):
+    """Regeneration's batched decode: each row's tokens are transformers' greedy generate's."""
+    prompts = _prompts(4, seed=1)
+    rows = generate(StaticLM(target.model), prompts, 16, [], lag=0).rows
+    for p, row in zip(prompts, rows, strict=True):
+        ref = target.model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                    pad_token_id=0)
+        assert row == ref[0, len(p):].tolist()
+
+
+def test_target_generate_equals_hf(target):
+    for p in _prompts(2, seed=3, base=9):
+        assert spec.target_generate(target, p, 20).tokens == spec.hf_target_generate(target, p, 20).tokens
+
+
+def _drafter(target, **kw):
+    cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32", **kw)
+    return new_drafter(cfg, 1).float().eval()
+
+
+def test_dflash_is_lossless(target):
+    """T=0 DFlash with an untrained drafter: the device loop's tokens are the target's greedy ones."""
+    rep = evaluate(target, _drafter(target), _prompts(3, seed=4, base=8), EvalConfig(max_new_tokens=20),
+                   progress=False)
+    assert rep.lossless == "exact" and rep.mismatched_prompts == [] and rep.divergences == []
+
+
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_dflash_equals_the_hf_verifier(target, monkeypatch, device_loop):
+    """Step for step as the loop that verifies through HF's forward and its sliding-window DynamicCache."""
+    drafter = _drafter(target, num_sliding_layers=1, sliding_window=WINDOW)
+    prompt = _prompts(1, seed=5, base=15)[0]
+    ours = spec.speculative_generate(target, drafter, prompt, 18, device_loop=device_loop)
+    monkeypatch.setattr(static_lm, "for_model", lambda model: None)  # force HF's forward
+    theirs = spec.speculative_generate(target, drafter, prompt, 18)
+    assert ours.tokens == theirs.tokens and len(ours.tokens) == 18
+    assert (ours.committed, ours.accepted, ours.slots) == (theirs.committed, theirs.accepted, theirs.slots)
