@@ -128,3 +128,46 @@ def test_dflash_equals_the_hf_verifier(target, monkeypatch, device_loop):
     theirs = spec.speculative_generate(target, drafter, prompt, 18)
     assert ours.tokens == theirs.tokens and len(ours.tokens) == 18
     assert (ours.committed, ours.accepted, ours.slots) == (theirs.committed, theirs.accepted, theirs.slots)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_cuda_graph_replays_equal_eager_and_hf(arch):
+    """float32 on the GPU: graph replays give the eager steps' tokens, and those transformers' greedy ones."""
+    model = sliding_window_model(arch).cuda()
+    prompts = _prompts(4, seed=6)
+    eager = generate(StaticLM(model, graphs=False), prompts, 16, [], lag=0).rows
+    graphed = generate(StaticLM(model, graphs=True), prompts, 16, []).rows
+    assert graphed == eager
+    for p, row in zip(prompts, eager, strict=True):
+        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16,
+                             do_sample=False, pad_token_id=0)
+        assert row == ref[0, len(p):].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_cuda_kernels_equal_the_pytorch_math_in_bf16(arch, monkeypatch):
+    """bf16 on the GPU, compiled Triton: the windowed decode kernel (every one-token step: MIN_PROGRAMS 1) and
+    the fused chains give the PyTorch math's logits up to bf16 rounding, over a prefill and steps past the window."""
+    from dflash_train.decode import attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "MIN_PROGRAMS", 1)
+    model = sliding_window_model(arch).to("cuda", torch.bfloat16)
+    plain, fast = StaticLM(model, attention_kernel=False, fused=False), StaticLM(model)
+    assert fast._fused
+    prompts = _prompts(4, seed=7)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    ids, pos = ids.cuda(), torch.arange(width, device="cuda").expand(len(prompts), width)
+    pairs = [(lm, lm.cache_for(len(prompts), 64)) for lm in (plain, fast)]
+    outs = [lm.forward(ids, pos, c, static_lm.bucket(width), prefill=True).logits for lm, c in pairs]
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=0, atol=0.1)
+    step_pos = torch.tensor([[len(p)] for p in prompts], device="cuda")
+    for n in range(12):
+        new = torch.randint(0, 256, (len(prompts), 1), device="cuda")
+        a, b = (lm.step(new, step_pos + n, c, static_lm.bucket(width + n + 1)).logits.float().clone()
+                for lm, c in pairs)
+        torch.testing.assert_close(b, a, rtol=0, atol=0.1)
