@@ -171,3 +171,15 @@ def test_cuda_kernels_equal_the_pytorch_math_in_bf16(arch, monkeypatch):
         a, b = (lm.step(new, step_pos + n, c, static_lm.bucket(width + n + 1)).logits.float().clone()
                 for lm, c in pairs)
         torch.testing.assert_close(b, a, rtol=0, atol=0.1)
+
+
+@pytest.mark.slow
+def test_compiled_steps_take_the_eager_steps():
+    """StaticLM.compile on a Gemma 3 target: steps over the whole cache, both layer types' masks and RoPE bases
+    traced, give the eager tokens, prompts longer than the window included."""
+    model = sliding_window_model("gemma3")
+    prompts = _prompts(3, seed=8)
+    want = generate(StaticLM(model), prompts, 12, [], lag=0).rows
+    lm = StaticLM(model)
+    lm.compile()
+    assert generate(lm, prompts, 12, [], lag=0).rows == want
