@@ -1,8 +1,8 @@
-"""Tiny random targets the tests share: Gemma 3, Mistral and Qwen2 decoders with sliding-window layers."""
+"""Tiny random targets the tests share: Gemma 3, Mistral, Qwen2 and gpt_oss decoders with sliding-window layers."""
 
 import torch
 
-SLIDING_ARCHS = ("gemma3", "mistral", "qwen2")
+SLIDING_ARCHS = ("gemma3", "gpt_oss", "mistral", "qwen2")
 _SHAPE = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
 
@@ -32,7 +32,16 @@ def _qwen2(window):
                                         max_window_layers=2))
 
 
-_BUILDERS = {"gemma3": _gemma3, "mistral": _mistral, "qwen2": _qwen2}
+def _gpt_oss(window):
+    """Sliding and full layers alternating, attention sinks, routed experts (4, 2 a token), YaRN RoPE."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    shape = {**_SHAPE, "intermediate_size": 32, "max_position_embeddings": 131072}
+    return GptOssForCausalLM(GptOssConfig(**shape, num_hidden_layers=4, sliding_window=window, num_local_experts=4,
+                                          num_experts_per_tok=2))
+
+
+_BUILDERS = {"gemma3": _gemma3, "gpt_oss": _gpt_oss, "mistral": _mistral, "qwen2": _qwen2}
 
 
 def sliding_window_model(arch: str, window: int = 6):
@@ -40,7 +49,7 @@ def sliding_window_model(arch: str, window: int = 6):
     torch.manual_seed(7)
     model = _BUILDERS[arch](window).float().eval().requires_grad_(False)
     g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():  # Gemma's norms start at 0, Llama's at 1: move both off it
-        if "norm" in name:
+    for name, p in model.named_parameters():  # norms (Gemma's at 0, others' at 1) and sinks off their init
+        if "norm" in name or "sinks" in name:
             p.add_(0.5 * torch.randn(p.shape, generator=g))
     return model

@@ -95,7 +95,8 @@ def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
 @interpreted
 def test_a_windowed_kernel_reads_only_the_last_window_slots():
     """A sliding layer's step: each row sees its last `window` slots (fewer in rows shorter than the window),
-    as the batched-matmul path with the windowed mask; slots before the window are never read."""
+    as the batched-matmul path with the windowed mask; slots before the window are never read. With sink
+    logits (gpt_oss) too."""
     _run_interpreted("""
         import torch
         from dflash_train.decode import attention_kernel as da
@@ -105,25 +106,27 @@ def test_a_windowed_kernel_reads_only_the_last_window_slots():
         b, H, hkv, d, C = 5, 4, 2, 16, 160
         lens = torch.tensor([1, 40, 64, 100, 160])
         slots = torch.arange(C)[None, None, :]
-        for window in (1, 40, 65):
+        for window, sinks in ((1, None), (40, None), (65, None), (40, 3 * torch.randn(H)), (None, torch.randn(H))):
             q = torch.randn(b, H, 1, d)
             k, v = torch.randn(b, hkv, C, d), torch.randn(b, hkv, C, d)
-            visible = (slots < lens[:, None, None]) & (slots >= lens[:, None, None] - window)
-            want = cached_attention(q, k, v, visible, 0.25)
-            got = da.decode_attention(q, k, v, lens, 0.25, window=window)
+            visible = (slots < lens[:, None, None]) & (slots >= lens[:, None, None] - (window or C))
+            want = cached_attention(q, k, v, visible, 0.25, sinks)
+            got = da.decode_attention(q, k, v, lens, 0.25, window=window, sinks=sinks)
             assert (got - want).abs().max().item() < 1e-5, window
             for i, n in enumerate(lens.tolist()):
-                k[i, :, :max(n - window, 0)], v[i, :, :max(n - window, 0)] = float("nan"), float("nan")
-            assert torch.equal(da.decode_attention(q, k, v, lens, 0.25, window=window), got)
+                k[i, :, :max(n - (window or C), 0)], v[i, :, :max(n - (window or C), 0)] = float("nan"), float("nan")
+            assert torch.equal(da.decode_attention(q, k, v, lens, 0.25, window=window, sinks=sinks), got)
+            if sinks is not None:  # the sinks count: without them the output differs
+                assert (da.decode_attention(q, k, v, lens, 0.25, window=window) - got).abs().max() > 1e-3
         """)
 
 
 @pytest.mark.slow
 @interpreted
 def test_sliding_targets_through_the_kernels_give_the_pytorch_tokens():
-    """Gemma 3, Mistral and Qwen2 sliding-window targets: regeneration with the decode kernel (windowed in the
-    sliding layers) and the fused chains (Gemma's (1 + w) norms included) gives the PyTorch math's tokens,
-    and the fused prefill its logits."""
+    """Gemma 3, gpt_oss, Mistral and Qwen2 sliding-window targets: regeneration with the decode kernel
+    (windowed in the sliding layers, gpt_oss's sinks) and the fused chains (Gemma's and gpt_oss's norm
+    roundings included) gives the PyTorch math's tokens, and the fused prefill its logits."""
     _run_interpreted(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})

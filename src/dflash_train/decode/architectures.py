@@ -8,8 +8,12 @@ families differ in how a layer wires them and in which positions a layer's atten
   pre_feedforward_layernorm. Llama-style layers norm only the inputs (input_layernorm before
   attention, post_attention_layernorm before the MLP).
 - `norm`: the RMSNorm's rounding, which `fused_target`'s kernel reproduces: "llama"
-  (weight * normed.to(dtype)) or "gemma" ((1 + weight) * normed in float32, then the cast).
+  (weight * normed.to(dtype)), "gemma" ((1 + weight) * normed in float32, then the cast) or
+  "float32" (weight * normed in float32, then the cast: gpt_oss).
 - `rope_by_layer_type`: the rotary module takes the layer type (Gemma 3: local and global bases).
+- `sinks`: each attention head adds a learned logit to its softmax's denominator (`attn.sinks`,
+  gpt_oss), which no key carries.
+- `routed_mlp`: the MLP returns (output, router scores) (gpt_oss's experts).
 
 Windows: a layer of type "sliding_attention" sees the last `config.sliding_window` positions,
 its own included (HF's `sliding_window_overlay`: key > query - window). Mistral with a
@@ -17,8 +21,11 @@ its own included (HF's `sliding_window_overlay`: key > query - window). Mistral 
 
 Not supported (callers fall back to HF's forward): families outside the table; attention-score
 softcapping (Gemma 2); Gemma 3's bidirectional mode; RoPE types whose frequencies depend on the
-sequence length (dynamic, longrope); gpt_oss, whose experts pick the tokens they run with a host
-read (`nonzero`), which a CUDA graph cannot capture, and whose attention adds per-head sink logits.
+sequence length (dynamic, longrope).
+
+CUDA graphs: gpt_oss's experts under transformers' "eager" experts implementation pick the tokens
+each expert runs with a host read (`nonzero`), which a graph cannot capture; under its default,
+"grouped_mm", the routing stays on the device. `capturable` says which.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class Family:
     sandwich: bool = False
     norm: str = "llama"
     rope_by_layer_type: bool = False
+    sinks: bool = False
+    routed_mlp: bool = False
 
 
 FAMILIES = {
@@ -43,6 +52,7 @@ FAMILIES = {
     "qwen2": Family(),
     "qwen3": Family(),
     "gemma3_text": Family(sandwich=True, norm="gemma", rope_by_layer_type=True),
+    "gpt_oss": Family(norm="float32", sinks=True, routed_mlp=True),
 }
 _STATIC_ROPE = ("default", "llama3", "linear", "yarn")  # frequencies fixed at load: one graph serves every length
 
@@ -57,6 +67,11 @@ def family(model: nn.Module) -> Family | None:
     if not all(r.get("rope_type", "default") in _STATIC_ROPE for r in _rope_parameters(cfg)):
         return None
     return fam if set(layer_types(cfg)) <= {FULL, SLIDING} else None
+
+
+def capturable(model: nn.Module) -> bool:
+    """Whether a forward of `model` can be captured as a CUDA graph (no host reads inside it)."""
+    return not family(model).routed_mlp or getattr(model.config, "_experts_implementation", None) != "eager"
 
 
 def _rope_parameters(cfg) -> list[dict]:

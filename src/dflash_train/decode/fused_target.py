@@ -41,10 +41,11 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, fused: bool,
-                 gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 kind: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, norm(x + delta)); delta None: (x, norm(x)). x, delta [..., H] contiguous.
-    gemma: `norm` is Gemma's, (1 + weight) * normed in float32 and then rounded, not Llama's
-    weight * normed rounded first."""
+    kind, the norm's rounding (architectures.Family.norm): "llama" weight * normed.to(dtype);
+    "gemma" (1 + weight) * normed in float32, then rounded; "float32" weight * normed in float32,
+    then rounded."""
     if not fused:
         if delta is not None:
             x = x + delta
@@ -53,9 +54,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, f
     rows = x.numel() // width
     out_x = torch.empty_like(x) if delta is not None else x
     out_h = torch.empty_like(x)
-    eps = norm.eps if gemma else norm.variance_epsilon
+    eps = norm.eps if hasattr(norm, "eps") else norm.variance_epsilon  # Gemma's name, Llama's
     _add_rms_norm_kernel[(rows,)](x, x if delta is None else delta, norm.weight, out_x, out_h, width, eps,
-                                  HAS_DELTA=delta is not None, GEMMA=gemma, BLOCK=triton.next_power_of_2(width),
+                                  HAS_DELTA=delta is not None, F32_PRODUCT=kind != "llama",
+                                  OFFSET=1.0 if kind == "gemma" else 0.0, BLOCK=triton.next_power_of_2(width),
                                   num_warps=4)
     return out_x, out_h
 
@@ -95,8 +97,8 @@ def fusable_mlp(model: nn.Module) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(X, Delta, W, OutX, OutH, width, eps, HAS_DELTA: tl.constexpr, GEMMA: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(X, Delta, W, OutX, OutH, width, eps, HAS_DELTA: tl.constexpr,
+                             F32_PRODUCT: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BLOCK)
         live = col < width
@@ -108,8 +110,8 @@ if triton is not None:
         x32 = x.to(tl.float32)
         y = x32 * tl.rsqrt(tl.sum(x32 * x32, 0) / width + eps)
         w = tl.load(W + col, mask=live, other=0.0).to(tl.float32)
-        if GEMMA:  # eager: normed * (1 + weight) in float32, then the cast
-            h = y * (1.0 + w)
+        if F32_PRODUCT:  # eager: normed * (OFFSET + weight) in float32, then the cast (Gemma: OFFSET 1)
+            h = y * (OFFSET + w)
         else:  # eager: weight * normed.to(dtype), in that dtype
             h = w * y.to(OutH.dtype.element_ty).to(tl.float32)
         tl.store(OutH + row * width + col, h.to(OutH.dtype.element_ty), mask=live)

@@ -147,7 +147,7 @@ class StaticLM(CompiledSteps):
         # the elementwise chains as Triton kernels (fused_target.py) where they run: CUDA, half precision
         self._fused = fused and fused_target.applies(self.device, self.dtype)
         self._fused_mlp = fused_target.fusable_mlp(model)
-        self._gemma_norms = self.family.norm == "gemma"
+        self._capturable = architectures.capturable(model)
 
     @property
     def device(self) -> torch.device:
@@ -159,7 +159,7 @@ class StaticLM(CompiledSteps):
 
     @property
     def graphs(self) -> bool:
-        return self.device.type == "cuda" if self._graphs is None else self._graphs
+        return self.device.type == "cuda" and self._capturable if self._graphs is None else self._graphs
 
     # --- cache -----------------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ class StaticLM(CompiledSteps):
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module,
                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_target.add_rms_norm(x, delta, norm, fused, gemma=self._gemma_norms)
+        return fused_target.add_rms_norm(x, delta, norm, fused, kind=self.family.norm)
 
     def _residuals(self, layer: nn.Module, x: torch.Tensor, a: torch.Tensor, next_norm: nn.Module,
                    fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +227,8 @@ class StaticLM(CompiledSteps):
         else:
             x, h = self._add_norm(x, a, layer.post_attention_layernorm, fused)
         m = fused_target.swiglu_mlp(layer.mlp, h, True) if fused and self._fused_mlp else layer.mlp(h)
+        if self.family.routed_mlp:
+            m = m[0]  # (output, router scores)
         if self.family.sandwich:
             m = self._add_norm(m, None, layer.post_feedforward_layernorm, fused)[1]
         return self._add_norm(x, m, next_norm, fused)
@@ -234,8 +236,8 @@ class StaticLM(CompiledSteps):
     def _ropes(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) [b, q, d] per layer type: Gemma 3's local and global layers rotate with their own bases."""
         if self.family.rope_by_layer_type:
-            return {kind: self.base.rotary_emb(x, pos, kind) for kind in self.windows}
-        both = self.base.rotary_emb(x, pos)
+            return {kind: _whole(*self.base.rotary_emb(x, pos, kind), self.head_dim) for kind in self.windows}
+        both = _whole(*self.base.rotary_emb(x, pos), self.head_dim)
         return dict.fromkeys(self.windows, both)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -248,14 +250,15 @@ class StaticLM(CompiledSteps):
     def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
                  prefill: bool) -> dict[str, torch.Tensor | Lengths | None]:
         """Per layer type, what each query may see: slots 0..pos, of which a sliding layer sees the last
-        `window`. None: plain causal over the prefill's slots (a prefill no longer than the window). A
+        `window`. None: plain causal over the prefill's slots (a prefill no longer than the window, and
+        no sink logits: SDPA takes none). A
         one-token step of a wide batch on CUDA gets each row's key count (Lengths: the decode kernel reads
         only those slots); others get a mask [b, q, kv_len]."""
         kernel = self._kernel_applies(ids) and not torch.compiler.is_compiling()  # compiled: batched matmuls
         slots = torch.arange(kv_len, device=ids.device)[None, None, :]
         out = {}
         for kind, window in self.windows.items():
-            if prefill and (window is None or ids.shape[1] <= window):
+            if prefill and (window is None or ids.shape[1] <= window) and not self.family.sinks:
                 out[kind] = None
             elif kernel:
                 out[kind] = Lengths(pos[:, 0] + 1, window)
@@ -285,13 +288,15 @@ class StaticLM(CompiledSteps):
         slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
         k_cache.scatter_(2, slots, ks)  # the new K/V first: a query at pos p sees slot p
         v_cache.scatter_(2, slots, vs)
+        sinks = attn.sinks if self.family.sinks else None  # [heads]
         if visible is None:  # a prefill from position 0: causal over the q slots just written
             out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
         elif isinstance(visible, Lengths):  # each row up to its own length, whatever kv_len the batch has
             out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling,
-                                                    window=visible.window)
+                                                    window=visible.window, sinks=sinks)
         else:
-            out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
+            out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling,
+                                   sinks)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
 
     # --- graphs ----------------------------------------------------------------------------
@@ -312,6 +317,14 @@ class StaticLM(CompiledSteps):
         return graphs.replay(cache, (tuple(ids.shape), kv_len, layers, logits), run, ids, pos)
 
 
+def _whole(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [b, q, head_dim]: gpt_oss's rotary module gives one half (its rotation pairs dims i and
+    i + d/2 as rotate_half does, so repeating the half is the same math, roundings included)."""
+    if cos.shape[-1] == head_dim:
+        return cos, sin
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [b, H, n, d], k/v [b, Hkv, n, d] -> [b, H, n, d], query i seeing keys 0..i.
 
@@ -330,11 +343,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]."""
+                     scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]. sinks [H]: a logit per head
+    that joins each softmax's denominator and no key (gpt_oss): always the folded path below, whose
+    scores SDPA would not expose."""
     b, H, n, d = q.shape
     g = H // k.shape[1]
-    if g * n > _FOLD_ROWS:
+    if g * n > _FOLD_ROWS and sinks is None:
         return attend(q, k, v, visible[:, None], scale)  # prefill: compute-bound, the drafter's SDPA path
     # Decode: query head h uses K/V head h // g, so a group's g heads become g*n query rows against
     # one K/V head, and the work is reading K and V once (two batched GEMVs; measured faster than
@@ -346,6 +361,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     # its dtype (so its bf16 output is HF's float32 softmax cast to bf16).
     qf = (q * scale).reshape(b, k.shape[1], g * n, d)
     blocked = (~visible)[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
-    scores = torch.matmul(qf, k.transpose(-1, -2))
-    probs = scores.masked_fill_(blocked, float("-inf")).softmax(-1)
-    return torch.matmul(probs, v).view(b, H, n, d)
+    scores = torch.matmul(qf, k.transpose(-1, -2)).masked_fill_(blocked, float("-inf"))
+    if sinks is not None:
+        return torch.matmul(_sink_softmax(scores, sinks, n), v).view(b, H, n, d)
+    return torch.matmul(scores.softmax(-1), v).view(b, H, n, d)
+
+
+def _sink_softmax(scores: torch.Tensor, sinks: torch.Tensor, n: int) -> torch.Tensor:
+    """softmax over [scores, sink] without the sink's column, as gpt_oss's eager attention (less the max
+    first: softmax subtracts it). scores [b, Hkv, g*n, T], rows head-major; sinks [H]."""
+    b, hkv, rows, _ = scores.shape
+    sink = sinks.to(scores.dtype).view(1, hkv, rows // n, 1, 1).expand(b, hkv, rows // n, n, 1).reshape(b, hkv, rows, 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
