@@ -117,6 +117,26 @@ def test_dflash_is_lossless(target):
     assert rep.lossless == "exact" and rep.mismatched_prompts == [] and rep.divergences == []
 
 
+def test_the_graphed_drafter_embeds_blocks_as_training_does():
+    """Gemma's embedding module scales by sqrt(hidden); training embeds the block's tokens from the table
+    (F.embedding of the weight, as Target.embed), and the graphed drafter step, which decodes Gemma targets
+    now, does the same."""
+    from dflash_train.decode.static_drafter import StaticDrafter
+    from dflash_train.models.drafter import ContextCache
+
+    target = Target(model=sliding_window_model("gemma3"), tokenizer=byte_tokenizer(), spec="gemma3-sliding-test")
+    drafter, B, n = _drafter(target), 4, 9
+    engine = StaticDrafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, n, len(drafter.config.target_layer_ids) * target.hidden_size, generator=g)
+    block = torch.randint(0, 256, (1, B), generator=g)
+    with torch.no_grad():
+        hidden = drafter(target.embed(block), feats, torch.arange(n + B)[None], cache=ContextCache())
+        want = target.lm_head(hidden[:, 1:])[0]
+    got = engine.step(feats, block, torch.tensor([0, n, B]), engine.cache_for(64), static_lm.bucket(n + B))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("device_loop", [True, False])
 def test_dflash_equals_the_hf_verifier(target, monkeypatch, device_loop):
     """Step for step as the loop that verifies through HF's forward and its sliding-window DynamicCache."""
