@@ -191,7 +191,8 @@ class StaticLM(CompiledSteps):
         final one), or "none". layers: feature layer ids (id L = output of layer L; L = N-1 is
         final-normed, as HF's hidden_states[N]). prefill: the caller's promise that every row's
         queries are positions 0..q-1, so the mask is plain causal over slots < q and attention
-        runs as SDPA's causal kernel (flash on CUDA: no mask, no K/V copies per query head).
+        runs as SDPA's causal kernel (flash on CUDA: no mask, no K/V copies per query head); sliding
+        layers of a prefill longer than their window, and models with sink logits, keep the mask.
         """
         x = self.base.embed_tokens(ids)  # Gemma's embedding module scales by sqrt(hidden) itself
         ropes = self._ropes(x, pos)
@@ -211,7 +212,7 @@ class StaticLM(CompiledSteps):
         features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None
         if logits == "none":
             return StepOut(None, features)
-        if logits == "last":  # the head's bytes are most of a large-vocabulary model's: only the rows asked for
+        if logits == "last":  # one row a sequence: at a 262K vocabulary a row's logits are 0.5 MB in bf16
             h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
         return StepOut(self._head(h), features)
 
@@ -252,10 +253,9 @@ class StaticLM(CompiledSteps):
     def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
                  prefill: bool) -> dict[str, torch.Tensor | Lengths | None]:
         """Per layer type, what each query may see: slots 0..pos, of which a sliding layer sees the last
-        `window`. None: plain causal over the prefill's slots (a prefill no longer than the window, and
-        no sink logits: SDPA takes none). A
-        one-token step of a wide batch on CUDA gets each row's key count (Lengths: the decode kernel reads
-        only those slots); others get a mask [b, q, kv_len]."""
+        `window`. None: plain causal over a prefill's slots (no longer than the layer's window, and no
+        sink logits, which SDPA does not take). A one-token step of a wide batch on CUDA gets each row's
+        key count (Lengths: the decode kernel reads only those slots); others a mask [b, q, kv_len]."""
         kernel = self._kernel_applies(ids) and not torch.compiler.is_compiling()  # compiled: batched matmuls
         slots = torch.arange(kv_len, device=ids.device)[None, None, :]
         out = {}
