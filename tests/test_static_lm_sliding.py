@@ -154,6 +154,8 @@ def test_dflash_equals_the_hf_verifier(target, monkeypatch, device_loop):
 def test_cuda_graph_replays_equal_eager_and_hf(arch):
     """float32 on the GPU: graph replays give the eager steps' tokens, and those transformers' greedy ones."""
     model = sliding_window_model(arch).cuda()
+    if arch == "gpt_oss":  # grouped_mm's CUDA kernels may not take float32; batched_mm is sync-free too
+        model.config._experts_implementation = "batched_mm"
     prompts = _prompts(4, seed=6)
     eager = generate(StaticLM(model, graphs=False), prompts, 16, [], lag=0).rows
     graphed = generate(StaticLM(model, graphs=True), prompts, 16, []).rows

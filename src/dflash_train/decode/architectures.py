@@ -25,7 +25,9 @@ sequence length (dynamic, longrope).
 
 CUDA graphs: gpt_oss's experts under transformers' "eager" experts implementation pick the tokens
 each expert runs with a host read (`nonzero`), which a graph cannot capture; under its default,
-"grouped_mm", the routing stays on the device. `capturable` says which.
+"grouped_mm", the routing stays on the device. `capturable` says which. (Under torch.compile with
+weights other than bf16, transformers' grouped_mm falls back to a loop that reads the expert
+offsets on the host: compiled gpt_oss steps want bf16.)
 """
 
 from __future__ import annotations
