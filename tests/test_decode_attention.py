@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
         da.MIN_PROGRAMS = 1  # the tiny batch would stay on the batched-matmul path
         calls = []
         kernel = da.decode_attention
-        da.decode_attention = lambda *a: calls.append(1) or kernel(*a)
+        da.decode_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
         got = gen.generate(lm, prompts, 10, stops)
         assert got.rows == want.rows, (got.rows, want.rows)
         assert got.compactions == want.compactions >= 1
@@ -88,6 +89,66 @@ def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
         """)
     steps_layers = int(out.split()[-1])
     assert steps_layers >= 6 * 5  # 6 layers, at least 5 one-token steps
+
+
+@pytest.mark.slow
+@interpreted
+def test_a_windowed_kernel_reads_only_the_last_window_slots():
+    """A sliding layer's step: each row sees its last `window` slots (fewer in rows shorter than the window),
+    as the batched-matmul path with the windowed mask; slots before the window are never read. With sink
+    logits (gpt_oss) too."""
+    _run_interpreted("""
+        import torch
+        from dflash_train.decode import attention_kernel as da
+        from dflash_train.decode.static_lm import cached_attention
+
+        torch.manual_seed(0)
+        b, H, hkv, d, C = 5, 4, 2, 16, 160
+        lens = torch.tensor([1, 40, 64, 100, 160])
+        slots = torch.arange(C)[None, None, :]
+        for window, sinks in ((1, None), (40, None), (65, None), (40, 3 * torch.randn(H)), (None, torch.randn(H))):
+            q = torch.randn(b, H, 1, d)
+            k, v = torch.randn(b, hkv, C, d), torch.randn(b, hkv, C, d)
+            visible = (slots < lens[:, None, None]) & (slots >= lens[:, None, None] - (window or C))
+            want = cached_attention(q, k, v, visible, 0.25, sinks)
+            got = da.decode_attention(q, k, v, lens, 0.25, window=window, sinks=sinks)
+            assert (got - want).abs().max().item() < 1e-5, window
+            for i, n in enumerate(lens.tolist()):
+                k[i, :, :max(n - (window or C), 0)], v[i, :, :max(n - (window or C), 0)] = float("nan"), float("nan")
+            assert torch.equal(da.decode_attention(q, k, v, lens, 0.25, window=window, sinks=sinks), got)
+            if sinks is not None:  # the sinks count: without them the output differs
+                assert (da.decode_attention(q, k, v, lens, 0.25, window=window) - got).abs().max() > 1e-3
+        """)
+
+
+@pytest.mark.slow
+@interpreted
+def test_sliding_targets_through_the_kernels_give_the_pytorch_tokens():
+    """Gemma 3, gpt_oss, Mistral and Qwen2 sliding-window targets: regeneration with the decode kernel
+    (windowed in the sliding layers, gpt_oss's sinks) and the fused chains (Gemma's and gpt_oss's norm
+    roundings included) gives the PyTorch math's tokens, and the fused prefill its logits."""
+    _run_interpreted(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from sliding_targets import SLIDING_ARCHS, sliding_window_model
+        from dflash_train.decode import attention_kernel as da, generate as gen, static_lm
+
+        da.MIN_PROGRAMS = 1  # the tiny batch would stay on the batched-matmul path
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(4)]
+        for arch in SLIDING_ARCHS:
+            model = sliding_window_model(arch)
+            plain = static_lm.StaticLM(model, attention_kernel=False, fused=False)
+            fast = static_lm.StaticLM(model)
+            assert fast._fused, arch
+            want, got = (gen.generate(lm, prompts, 10, [], lag=0).rows for lm in (plain, fast))
+            assert got == want, (arch, got, want)
+            ids = torch.tensor([prompts[-1]])
+            pos = torch.arange(ids.shape[1])[None]
+            a, b = (lm.forward(ids, pos, lm.cache_for(1, 64), 128, prefill=True).logits for lm in (plain, fast))
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        """)
 
 
 def test_the_kernel_takes_one_token_steps_of_wide_half_precision_batches_on_cuda(monkeypatch):

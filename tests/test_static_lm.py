@@ -44,13 +44,15 @@ def _prompts(n, seed=0, base=5):
     return [torch.randint(0, 256, (base + 3 * i,), generator=g).tolist() for i in range(n)]
 
 
-def test_supports_full_attention_llama_family_only(tiny_target):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def test_supports_the_families_of_the_table_only(tiny_target):
+    """Llama-family decoders with or without sliding layers (tests/test_static_lm_sliding.py); not GPT-2."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     assert static_lm.supports(tiny_target.model) and static_lm.supports(_llama())
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    assert not static_lm.supports(Qwen2ForCausalLM(cfg))
+    assert static_lm.supports(Qwen2ForCausalLM(cfg))
+    assert not static_lm.supports(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)))
 
 
 @torch.no_grad()

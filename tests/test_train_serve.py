@@ -11,10 +11,13 @@ all break this equality.
 import numpy as np
 import pytest
 import torch
+from sliding_targets import SLIDING_ARCHS, sliding_window_model
 
 from dflash_train.data.packing import PackedBatch
+from dflash_train.decode import static_lm
 from dflash_train.models.chat import render_chat
-from dflash_train.models.loading import load_target
+from dflash_train.models.loading import byte_tokenizer, load_target
+from dflash_train.models.target import Target
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 from dflash_train.pipeline.features import packed_features
 
@@ -38,17 +41,28 @@ def _anchors(seqs: list[list[int]]) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def _decode_style(target, drafter, tokens: list[int], j: int) -> torch.Tensor:
-    """The drafter's output at anchor j of one sequence, as the decode loop computes it: [B, H]."""
+def _decode_style(target, drafter, tokens: list[int], j: int, static: bool = False) -> torch.Tensor:
+    """The drafter's output at anchor j of one sequence, as the decode loop computes it: [B, H].
+    static: the prefix's features from the decode engine's prefill (StaticLM), not HF's forward."""
     B, cfg = drafter.block_size, drafter.config
     with torch.no_grad():
-        feats = target.features(torch.tensor([tokens[:j]]), cfg.target_layer_ids)  # the true prefix alone
+        prefix = torch.tensor([tokens[:j]])  # the true prefix alone
+        feats = _static_features(target, prefix, cfg.target_layer_ids) if static else target.features(
+            prefix, cfg.target_layer_ids)
         block = torch.tensor([[tokens[j]] + [drafter.mask_token_id] * (B - 1)])
         pos = torch.arange(j + B)[None]
         return drafter(target.embed(block), feats, pos)[0]
 
 
-def _check(target, drafter, seqs, backend: str, feature_mode: str = "auto") -> None:
+def _static_features(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
+    lm = static_lm.for_model(target.model)
+    n = ids.shape[1]
+    out = lm.forward(ids, torch.arange(n)[None], lm.cache_for(1, n), static_lm.bucket(n), layers=tuple(layer_ids),
+                     logits="none", prefill=True)
+    return out.features
+
+
+def _check(target, drafter, seqs, backend: str, feature_mode: str = "auto", static: bool = False) -> None:
     batch, anchors = _pack(seqs), _anchors(seqs)
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=backend))
     with torch.no_grad():
@@ -58,7 +72,7 @@ def _check(target, drafter, seqs, backend: str, feature_mode: str = "auto") -> N
     B, starts = drafter.block_size, torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0)
     for i, a in enumerate(anchors.tolist()):
         s = int(batch.seq_ids[a])
-        want = _decode_style(target, drafter, seqs[s], a - int(starts[s]))
+        want = _decode_style(target, drafter, seqs[s], a - int(starts[s]), static)
         torch.testing.assert_close(hidden[i * B:(i + 1) * B], want, **TOL, msg=f"anchor {a} ({backend})")
 
 
@@ -93,6 +107,19 @@ def test_embedded_target_training_blocks_equal_decode_style_forward():
     drafter = new_drafter(drafter_config_for(target, num_layers=1, block_size=4, dtype="float32"), seed=0).float()
     text = [render_chat(target, [{"role": "user", "content": t}]) for t in ("Hi there", "Write a loop in Python")]
     _check(target, drafter.eval(), [t[:14] for t in text], "dense")
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["hf", "static-lm"])
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_sliding_window_targets_training_blocks_equal_decode_style_forward(arch, static):
+    """Gemma 3, Mistral and Qwen2 targets with sliding-window layers, sequences longer than the window: the
+    padded feature batch training uses, against the prefix's features from HF's forward and from StaticLM."""
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+
+    target = Target(model=sliding_window_model(arch), tokenizer=byte_tokenizer(), spec=f"{arch}-sliding-test")
+    assert not target.full_attention_only
+    drafter = new_drafter(drafter_config_for(target, num_layers=1, block_size=4, dtype="float32"), seed=0).float()
+    _check(target, drafter.eval(), _seqs(), "dense", static=static)
 
 
 def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp_path):

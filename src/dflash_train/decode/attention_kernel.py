@@ -59,9 +59,12 @@ def applies(rows: int, queries: int, kv_heads: int, head_dim: int, dtype: torch.
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, block: int = BLOCK_N, warps: int = 4, stages: int = 3) -> torch.Tensor:
+                     scale: float, block: int = BLOCK_N, warps: int = 4, stages: int = 3,
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, H, 1, d]; k/v_cache [b, Hkv, C, d] (any slot stride, last dim contiguous); lengths [b]:
-    row i sees slots 0..lengths[i]-1 (1 <= lengths[i] <= C). -> [b, H, 1, d] in q's dtype.
+    row i sees slots 0..lengths[i]-1 (1 <= lengths[i] <= C), or with a window only the last `window`
+    of them (a sliding-window layer: the walk starts there). sinks [H]: a logit per head that joins
+    the softmax's denominator and no key (gpt_oss). -> [b, H, 1, d] in q's dtype.
     block, warps, stages: the tile and launch shape (benchmarks/decode_attention.py times others)."""
     b, H, _, d = q.shape
     hkv = k_cache.shape[1]
@@ -74,10 +77,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(b, H, d, dtype=q.dtype, device=q.device)
     lengths = lengths.to(torch.int32)
     _decode_kernel[(b, hkv)](
-        q3, k_cache, v_cache, lengths, out, scale,
+        q3, k_cache, v_cache, lengths, q3 if sinks is None else sinks, out, scale,
         q3.stride(0), q3.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block,
+        window or k_cache.shape[2],  # no window: the whole cache, so every row walks from slot 0
+        HAS_SINKS=sinks is not None, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK=block,
         num_warps=warps, num_stages=stages,
     )
     return out.view(b, H, 1, d)
@@ -85,9 +89,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _decode_kernel(Q, K, V, Lens, Out, scale,
-                       sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
-                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _decode_kernel(Q, K, V, Lens, Sinks, Out, scale,
+                       sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, window,
+                       HAS_SINKS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                       BLOCK: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         n = tl.load(Lens + row)
@@ -98,10 +103,14 @@ if triton is not None:
         q = tl.load(Q + row * sq_b + heads[:, None] * sq_h + dim[None, :], mask=live[:, None], other=0.0)
         k_base = K + row * sk_b + kvh * sk_h
         v_base = V + row * sv_b + kvh * sv_h
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of each head's scores
-        s_sum = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
+        if HAS_SINKS:  # the sink as a first score: exp(sink - m) in the sum, nothing in the output
+            m = tl.load(Sinks + heads, mask=live, other=0.0).to(tl.float32)
+            s_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
+        else:
+            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of each head's scores
+            s_sum = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for start in range(0, n, BLOCK):  # this row's slots only
+        for start in range(tl.maximum(n - window, 0), n, BLOCK):  # this row's slots only
             slot = start + tl.arange(0, BLOCK)
             seen = slot < n
             k = tl.load(k_base + slot[:, None] * sk_n + dim[None, :], mask=seen[:, None], other=0.0)

@@ -40,9 +40,12 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
                                                                                               torch.float16)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module,
-                 fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, norm(x + delta)); delta None: (x, norm(x)). x, delta [..., H] contiguous."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, fused: bool,
+                 kind: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)); delta None: (x, norm(x)). x, delta [..., H] contiguous.
+    kind, the norm's rounding (architectures.Family.norm): "llama" weight * normed.to(dtype);
+    "gemma" (1 + weight) * normed in float32, then rounded; "float32" weight * normed in float32,
+    then rounded."""
     if not fused:
         if delta is not None:
             x = x + delta
@@ -51,9 +54,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module,
     rows = x.numel() // width
     out_x = torch.empty_like(x) if delta is not None else x
     out_h = torch.empty_like(x)
-    _add_rms_norm_kernel[(rows,)](x, x if delta is None else delta, norm.weight, out_x, out_h, width,
-                                  norm.variance_epsilon, HAS_DELTA=delta is not None,
-                                  BLOCK=triton.next_power_of_2(width), num_warps=4)
+    eps = norm.eps if hasattr(norm, "eps") else norm.variance_epsilon  # Gemma's name, Llama's
+    _add_rms_norm_kernel[(rows,)](x, x if delta is None else delta, norm.weight, out_x, out_h, width, eps,
+                                  HAS_DELTA=delta is not None, F32_PRODUCT=kind != "llama",
+                                  OFFSET=1.0 if kind == "gemma" else 0.0, BLOCK=triton.next_power_of_2(width),
+                                  num_warps=4)
     return out_x, out_h
 
 
@@ -92,7 +97,8 @@ def fusable_mlp(model: nn.Module) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(X, Delta, W, OutX, OutH, width, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(X, Delta, W, OutX, OutH, width, eps, HAS_DELTA: tl.constexpr,
+                             F32_PRODUCT: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BLOCK)
         live = col < width
@@ -104,7 +110,10 @@ if triton is not None:
         x32 = x.to(tl.float32)
         y = x32 * tl.rsqrt(tl.sum(x32 * x32, 0) / width + eps)
         w = tl.load(W + col, mask=live, other=0.0).to(tl.float32)
-        h = w * y.to(OutH.dtype.element_ty).to(tl.float32)  # eager: weight * normed.to(dtype), in that dtype
+        if F32_PRODUCT:  # eager: normed * (OFFSET + weight) in float32, then the cast (Gemma: OFFSET 1)
+            h = y * (OFFSET + w)
+        else:  # eager: weight * normed.to(dtype), in that dtype
+            h = w * y.to(OutH.dtype.element_ty).to(tl.float32)
         tl.store(OutH + row * width + col, h.to(OutH.dtype.element_ty), mask=live)
 
     @triton.jit

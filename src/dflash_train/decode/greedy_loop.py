@@ -125,7 +125,7 @@ class GreedyLoop:
             kv_len = self.caches[0].capacity  # the drafter's cache has the same
         key = (kv_len, self.lm.compiled, self.engine.compiled)
         for _ in range(steps):
-            if self.engine.graphs:
+            if self.engine.graphs and self.lm.graphs:  # the target's verify is in the step: both must capture
                 graphs.advance(self.store, key, lambda: self._step(kv_len), self.device)
             else:
                 self._step(kv_len)

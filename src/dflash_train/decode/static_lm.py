@@ -14,8 +14,13 @@ writes its K/V before attending, so slots past a row's end (padding written by a
 prefill, or a rejected draft) are overwritten before any query can see them: "cropping" the
 cache is just decoding from an earlier position.
 
-Supported: Llama-style decoders without sliding windows (llama, mistral, qwen2, qwen3 -
-SmolLM2 and the Qwen3 presets included). `supports(model)` says; callers fall back to HF.
+Supported: the families of `architectures.FAMILIES` (llama, mistral, qwen2, qwen3 - SmolLM2
+and the Qwen3 presets included - Gemma 3's text decoder and gpt_oss), full-attention and
+sliding-window layers mixed as the config's `layer_types` say. Every layer's cache holds every
+position; a sliding layer's mask keeps the last `sliding_window` of them (its own included),
+prefill included. `supports(model)` says; callers fall back to HF. Graphs need a forward without
+host reads (`architectures.capturable`: gpt_oss's experts under transformers' "eager" experts
+implementation have one); such a model runs its steps eagerly on CUDA too.
 
 On CUDA in half precision, Triton kernels take the parts eager PyTorch runs as many small passes:
 one-token attention of wide batches (`attention_kernel`) and the elementwise chains (`fused_target`).
@@ -32,27 +37,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.decode import attention_kernel, fused_target, graphs
+from dflash_train.decode import architectures, attention_kernel, fused_target, graphs
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.graphs import GraphStore
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
 
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
 CACHE_BUCKET = 1024  # capacity granularity: nearby lengths share one cache (and its graphs)
 _FOLD_ROWS = 64  # fold GQA groups into query rows (no K/V repeat) while group x query rows stay small
 
 
 def supports(model: nn.Module) -> bool:
-    """True when `model` is a decoder whose every layer attends causally to all earlier tokens."""
-    cfg = model.config
-    if cfg.model_type not in _ARCHS:
-        return False
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        return False
-    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
-        return False
-    return getattr(cfg, "rope_parameters", {}).get("rope_type", "default") in ("default", "llama3", "linear")
+    """True when `model` is a decoder of a family StaticLM runs (architectures.family)."""
+    return architectures.family(model) is not None
 
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -116,9 +113,11 @@ class StaticCache(GraphStore):
 
 @dataclass
 class Lengths:
-    """One-token decode visibility as each row's key count [b] (slots 0..keys-1): no mask tensor."""
+    """One-token decode visibility as each row's key count [b] (slots 0..keys-1), of which a sliding
+    layer sees the last `window`: no mask tensor."""
 
     keys: torch.Tensor
+    window: int | None = None
 
 
 @dataclass
@@ -137,6 +136,10 @@ class StaticLM(CompiledSteps):
         self.model = model
         self.base = model.base_model
         cfg = model.config
+        self.family = architectures.family(model)
+        self.layer_types = architectures.layer_types(cfg)
+        self.windows = architectures.windows(cfg)  # per layer type: positions seen back, None for all
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.n_layers = cfg.num_hidden_layers
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -146,6 +149,7 @@ class StaticLM(CompiledSteps):
         # the elementwise chains as Triton kernels (fused_target.py) where they run: CUDA, half precision
         self._fused = fused and fused_target.applies(self.device, self.dtype)
         self._fused_mlp = fused_target.fusable_mlp(model)
+        self._capturable = architectures.capturable(model)
 
     @property
     def device(self) -> torch.device:
@@ -157,7 +161,7 @@ class StaticLM(CompiledSteps):
 
     @property
     def graphs(self) -> bool:
-        return self.device.type == "cuda" if self._graphs is None else self._graphs
+        return self.device.type == "cuda" and self._capturable if self._graphs is None else self._graphs
 
     # --- cache -----------------------------------------------------------------------------
 
@@ -187,38 +191,84 @@ class StaticLM(CompiledSteps):
         final one), or "none". layers: feature layer ids (id L = output of layer L; L = N-1 is
         final-normed, as HF's hidden_states[N]). prefill: the caller's promise that every row's
         queries are positions 0..q-1, so the mask is plain causal over slots < q and attention
-        runs as SDPA's causal kernel (flash on CUDA: no mask, no K/V copies per query head).
+        runs as SDPA's causal kernel (flash on CUDA: no mask, no K/V copies per query head); sliding
+        layers of a prefill longer than their window, and models with sink logits, keep the mask.
         """
-        x = self.base.embed_tokens(ids)
-        cos, sin = self.base.rotary_emb(x, pos)
-        visible = None if prefill else self._visible(ids, pos, kv_len)
+        x = self.base.embed_tokens(ids)  # Gemma's embedding module scales by sqrt(hidden) itself
+        ropes = self._ropes(x, pos)
+        visible = self._visible(ids, pos, kv_len, prefill)
         fused = self._fused and not torch.compiler.is_compiling()  # a compiled step: inductor fuses them itself
         feats = {}
-        x, h = fused_target.add_rms_norm(x, None, self.base.layers[0].input_layernorm, fused)
+        x, h = self._add_norm(x, None, self.base.layers[0].input_layernorm, fused)
         for i, layer in enumerate(self.base.layers):
-            a = self._attention(layer.self_attn, h, cos, sin, pos, visible, cache.keys[i], cache.values[i], kv_len,
-                                fused)
-            x, h = fused_target.add_rms_norm(x, a, layer.post_attention_layernorm, fused)
-            m = fused_target.swiglu_mlp(layer.mlp, h, True) if fused and self._fused_mlp else layer.mlp(h)
-            # this layer's residual add with the next norm: the next layer's input norm, or the final one
+            kind = self.layer_types[i]
+            a = self._attention(layer.self_attn, h, *ropes[kind], pos, visible[kind], cache.keys[i], cache.values[i],
+                                kv_len, fused)
             last_layer = i + 1 == self.n_layers
-            norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
-            x, h = fused_target.add_rms_norm(x, m, norm, fused)
+            next_norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
+            x, h = self._residuals(layer, x, a, next_norm, fused)
             if i in layers:
                 feats[i] = h if last_layer else x  # HF's hidden_states[N] is the final-normed output
         features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None
         if logits == "none":
             return StepOut(None, features)
-        if logits == "last":
+        if logits == "last":  # one row a sequence: at a 262K vocabulary a row's logits are 0.5 MB in bf16
             h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]
-        return StepOut(self.model.lm_head(h), features)
+        return StepOut(self._head(h), features)
 
-    def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor | Lengths:
-        """What each query may see: slots 0..pos. A one-token step of a wide batch on CUDA gets each row's
-        key count (Lengths: the decode kernel reads only those slots); others get a mask [b, q, kv_len]."""
-        if self._kernel_applies(ids) and not torch.compiler.is_compiling():  # compiled steps keep the batched matmuls
-            return Lengths(pos[:, 0] + 1)
-        return torch.arange(kv_len, device=ids.device)[None, None, :] <= pos[:, :, None]
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_target.add_rms_norm(x, delta, norm, fused, kind=self.family.norm)
+
+    def _residuals(self, layer: nn.Module, x: torch.Tensor, a: torch.Tensor, next_norm: nn.Module,
+                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's two residual adds (attention output a, then the MLP's), each fused with the norm
+        after it. Returns (x, next_norm(x)). Gemma norms each branch's output before its add too."""
+        if self.family.sandwich:
+            a = self._add_norm(a, None, layer.post_attention_layernorm, fused)[1]
+            x, h = self._add_norm(x, a, layer.pre_feedforward_layernorm, fused)
+        else:
+            x, h = self._add_norm(x, a, layer.post_attention_layernorm, fused)
+        m = fused_target.swiglu_mlp(layer.mlp, h, True) if fused and self._fused_mlp else layer.mlp(h)
+        if self.family.routed_mlp:
+            m = m[0]  # (output, router scores)
+        if self.family.sandwich:
+            m = self._add_norm(m, None, layer.post_feedforward_layernorm, fused)[1]
+        return self._add_norm(x, m, next_norm, fused)
+
+    def _ropes(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [b, q, d] per layer type: Gemma 3's local and global layers rotate with their own bases."""
+        if self.family.rope_by_layer_type:
+            return {kind: _whole(*self.base.rotary_emb(x, pos, kind), self.head_dim) for kind in self.windows}
+        both = _whole(*self.base.rotary_emb(x, pos), self.head_dim)
+        return dict.fromkeys(self.windows, both)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits, tanh-capped where the config says (Gemma's final_logit_softcapping)."""
+        out = self.model.lm_head(h)
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
+                 prefill: bool) -> dict[str, torch.Tensor | Lengths | None]:
+        """Per layer type, what each query may see: slots 0..pos, of which a sliding layer sees the last
+        `window`. None: plain causal over a prefill's slots (no longer than the layer's window, and no
+        sink logits, which SDPA does not take). A one-token step of a wide batch on CUDA gets each row's
+        key count (Lengths: the decode kernel reads only those slots); others a mask [b, q, kv_len]."""
+        kernel = self._kernel_applies(ids) and not torch.compiler.is_compiling()  # compiled: batched matmuls
+        slots = torch.arange(kv_len, device=ids.device)[None, None, :]
+        out = {}
+        for kind, window in self.windows.items():
+            if prefill and (window is None or ids.shape[1] <= window) and not self.family.sinks:
+                out[kind] = None
+            elif kernel:
+                out[kind] = Lengths(pos[:, 0] + 1, window)
+            elif window is None:
+                out[kind] = slots <= pos[:, :, None]
+            else:
+                out[kind] = (slots <= pos[:, :, None]) & (slots > pos[:, :, None] - window)
+        return out
 
     def _kernel_applies(self, ids: torch.Tensor) -> bool:
         """Whether a step of these ids [b, q] attends through the Triton kernel (attention_kernel.applies)."""
@@ -233,19 +283,22 @@ class StaticLM(CompiledSteps):
         qs = attn.q_proj(h).view(b, q, -1, d)
         ks = attn.k_proj(h).view(b, q, -1, d)
         vs = attn.v_proj(h).view(b, q, -1, d)
-        if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before RoPE
+        if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
         qs, ks = fused_target.rope_(qs, cos, sin, fused), fused_target.rope_(ks, cos, sin, fused)
         qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)  # [b, heads, q, d]
         slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
         k_cache.scatter_(2, slots, ks)  # the new K/V first: a query at pos p sees slot p
         v_cache.scatter_(2, slots, vs)
+        sinks = attn.sinks if self.family.sinks else None  # [heads]
         if visible is None:  # a prefill from position 0: causal over the q slots just written
             out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
         elif isinstance(visible, Lengths):  # each row up to its own length, whatever kv_len the batch has
-            out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling)
+            out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling,
+                                                    window=visible.window, sinks=sinks)
         else:
-            out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling)
+            out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling,
+                                   sinks)
         return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
 
     # --- graphs ----------------------------------------------------------------------------
@@ -266,6 +319,14 @@ class StaticLM(CompiledSteps):
         return graphs.replay(cache, (tuple(ids.shape), kv_len, layers, logits), run, ids, pos)
 
 
+def _whole(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [b, q, head_dim]: gpt_oss's rotary module gives one half (its rotation pairs dims i and
+    i + d/2 as rotate_half does, so repeating the half is the same math, roundings included)."""
+    if cos.shape[-1] == head_dim:
+        return cos, sin
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [b, H, n, d], k/v [b, Hkv, n, d] -> [b, H, n, d], query i seeing keys 0..i.
 
@@ -284,11 +345,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]."""
+                     scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]. sinks [H]: a logit per head
+    that joins each softmax's denominator and no key (gpt_oss): always the folded path below, whose
+    scores SDPA would not expose."""
     b, H, n, d = q.shape
     g = H // k.shape[1]
-    if g * n > _FOLD_ROWS:
+    if g * n > _FOLD_ROWS and sinks is None:
         return attend(q, k, v, visible[:, None], scale)  # prefill: compute-bound, the drafter's SDPA path
     # Decode: query head h uses K/V head h // g, so a group's g heads become g*n query rows against
     # one K/V head, and the work is reading K and V once (two batched GEMVs; measured faster than
@@ -300,6 +363,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     # its dtype (so its bf16 output is HF's float32 softmax cast to bf16).
     qf = (q * scale).reshape(b, k.shape[1], g * n, d)
     blocked = (~visible)[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
-    scores = torch.matmul(qf, k.transpose(-1, -2))
-    probs = scores.masked_fill_(blocked, float("-inf")).softmax(-1)
-    return torch.matmul(probs, v).view(b, H, n, d)
+    scores = torch.matmul(qf, k.transpose(-1, -2)).masked_fill_(blocked, float("-inf"))
+    if sinks is not None:
+        return torch.matmul(_sink_softmax(scores, sinks, n), v).view(b, H, n, d)
+    return torch.matmul(scores.softmax(-1), v).view(b, H, n, d)
+
+
+def _sink_softmax(scores: torch.Tensor, sinks: torch.Tensor, n: int) -> torch.Tensor:
+    """softmax over [scores, sink] without the sink's column, as gpt_oss's eager attention (less the max
+    first: softmax subtracts it). scores [b, Hkv, g*n, T], rows head-major; sinks [H]."""
+    b, hkv, rows, _ = scores.shape
+    sink = sinks.to(scores.dtype).view(1, hkv, rows // n, 1, 1).expand(b, hkv, rows // n, n, 1).reshape(b, hkv, rows, 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]

@@ -107,7 +107,9 @@ class Target:
         every layer) stand in for the padded batch.
         """
         cfg = self.model.config
-        types = getattr(cfg, "layer_types", None) or ["full_attention"]
+        # no layer_types but a window (Mistral, Mixtral): HF slides every layer
+        default = ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"]
+        types = getattr(cfg, "layer_types", None) or default
         return all(t == "full_attention" for t in types) and not getattr(cfg, "attn_logit_softcapping", None)
 
     @torch.inference_mode()

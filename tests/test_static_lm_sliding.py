@@ -1,0 +1,206 @@
+"""StaticLM on sliding-window, Gemma 3 and gpt_oss targets: HF's logits and features, HF's greedy tokens, and
+lossless DFlash decoding, with prompts longer than the window (float32, CPU)."""
+
+import pytest
+import torch
+from sliding_targets import SLIDING_ARCHS, sliding_window_model
+
+from dflash_train.decode import architectures, static_lm
+from dflash_train.decode import speculative as spec
+from dflash_train.decode.generate import generate
+from dflash_train.decode.static_lm import StaticLM
+from dflash_train.eval.evaluate import EvalConfig, evaluate
+from dflash_train.models.factory import drafter_config_for, new_drafter
+from dflash_train.models.loading import byte_tokenizer
+from dflash_train.models.target import Target
+
+WINDOW = 6  # sliding_window_model's default
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only add overhead on a shared CPU
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=SLIDING_ARCHS)
+def target(request):
+    return Target(model=sliding_window_model(request.param), tokenizer=byte_tokenizer(),
+                  spec=f"{request.param}-sliding-test")
+
+
+def _prompts(n, seed=0, base=3):
+    """Lengths from under the window to several windows long."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (base + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_supported_families_and_refusals():
+    assert all(static_lm.supports(sliding_window_model(arch)) for arch in SLIDING_ARCHS)
+    gemma = sliding_window_model("gemma3")
+    gemma.config.attn_logit_softcapping = 50.0  # Gemma 2's score softcap: not ours
+    assert not static_lm.supports(gemma)
+    assert all(architectures.capturable(sliding_window_model(arch)) for arch in SLIDING_ARCHS)  # grouped_mm experts
+    oss = sliding_window_model("gpt_oss")
+    oss.config._experts_implementation = "eager"  # its experts pick their tokens with a host read (nonzero)
+    assert static_lm.supports(oss) and not architectures.capturable(oss)
+
+
+def test_the_window_changes_the_logits():
+    """The checks below see the window: the same weights with a wider one give other logits."""
+    ids = torch.tensor([_prompts(4)[-1]])
+    for arch in SLIDING_ARCHS:
+        a, b = sliding_window_model(arch)(ids).logits, sliding_window_model(arch, window=64)(ids).logits
+        assert (a[0, -1] - b[0, -1]).abs().max() > 1e-3, arch
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefill", [False, True], ids=["masked", "causal"])
+def test_prefill_and_steps_equal_hf_forward(target, prefill):
+    """A padded batched prefill of prompts shorter and longer than the window, then one-token steps and
+    a 4-token block: logits and features as HF's forward over the whole sequence."""
+    lm, model = StaticLM(target.model), target.model
+    prompts = _prompts(4)
+    layers = (0, 2, target.num_layers - 1)
+    cache = lm.cache_for(len(prompts), 64)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    out = lm.forward(ids, torch.arange(width).expand(len(prompts), width), cache, static_lm.bucket(width),
+                     layers=layers, logits="last", last=last, prefill=prefill)
+    for i, p in enumerate(prompts):
+        ref = model(torch.tensor([p]), output_hidden_states=True)
+        torch.testing.assert_close(out.logits[i, 0], ref.logits[0, -1], rtol=0, atol=1e-5)
+        want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0]
+        torch.testing.assert_close(out.features[i, :len(p)], want, rtol=0, atol=1e-5)
+    seqs = [list(p) for p in prompts]
+    for q in (1, 1, 4, 1):
+        new = torch.randint(0, 256, (len(prompts), q))
+        pos = torch.tensor([len(s) for s in seqs])[:, None] + torch.arange(q)
+        step = lm.step(new, pos, cache, static_lm.bucket(int(pos.max()) + 1), layers=layers)
+        for i, s in enumerate(seqs):
+            s += new[i].tolist()
+            ref = model(torch.tensor([s]), output_hidden_states=True)
+            torch.testing.assert_close(step.logits[i], ref.logits[0, -q:], rtol=0, atol=1e-5)
+            want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0, -q:]
+            torch.testing.assert_close(step.features[i], want, rtol=0, atol=1e-5)
+
+
+def test_batched_generate_equals_hf_generate(target):
+    """Regeneration's batched decode: each row's tokens are transformers' greedy generate's."""
+    prompts = _prompts(4, seed=1)
+    rows = generate(StaticLM(target.model), prompts, 16, [], lag=0).rows
+    for p, row in zip(prompts, rows, strict=True):
+        ref = target.model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                    pad_token_id=0)
+        assert row == ref[0, len(p):].tolist()
+
+
+def test_target_generate_equals_hf(target):
+    for p in _prompts(2, seed=3, base=9):
+        assert spec.target_generate(target, p, 20).tokens == spec.hf_target_generate(target, p, 20).tokens
+
+
+def _drafter(target, **kw):
+    cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32", **kw)
+    return new_drafter(cfg, 1).float().eval()
+
+
+def test_dflash_is_lossless(target):
+    """T=0 DFlash with an untrained drafter: the device loop's tokens are the target's greedy ones."""
+    rep = evaluate(target, _drafter(target), _prompts(3, seed=4, base=8), EvalConfig(max_new_tokens=20),
+                   progress=False)
+    assert rep.lossless == "exact" and rep.mismatched_prompts == [] and rep.divergences == []
+
+
+def test_the_graphed_drafter_embeds_blocks_as_training_does():
+    """Gemma's embedding module scales by sqrt(hidden); training embeds the block's tokens from the table
+    (F.embedding of the weight, as Target.embed), and the graphed drafter step, which decodes Gemma targets
+    now, does the same."""
+    from dflash_train.decode.static_drafter import StaticDrafter
+    from dflash_train.models.drafter import ContextCache
+
+    target = Target(model=sliding_window_model("gemma3"), tokenizer=byte_tokenizer(), spec="gemma3-sliding-test")
+    drafter, B, n = _drafter(target), 4, 9
+    engine = StaticDrafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, n, len(drafter.config.target_layer_ids) * target.hidden_size, generator=g)
+    block = torch.randint(0, 256, (1, B), generator=g)
+    with torch.no_grad():
+        hidden = drafter(target.embed(block), feats, torch.arange(n + B)[None], cache=ContextCache())
+        want = target.lm_head(hidden[:, 1:])[0]
+    got = engine.step(feats, block, torch.tensor([0, n, B]), engine.cache_for(64), static_lm.bucket(n + B))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_dflash_equals_the_hf_verifier(target, monkeypatch, device_loop):
+    """Step for step as the loop that verifies through HF's forward and its sliding-window DynamicCache."""
+    drafter = _drafter(target, num_sliding_layers=1, sliding_window=WINDOW)
+    prompt = _prompts(1, seed=5, base=15)[0]
+    ours = spec.speculative_generate(target, drafter, prompt, 18, device_loop=device_loop)
+    monkeypatch.setattr(static_lm, "for_model", lambda model: None)  # force HF's forward
+    theirs = spec.speculative_generate(target, drafter, prompt, 18)
+    assert ours.tokens == theirs.tokens and len(ours.tokens) == 18
+    assert (ours.committed, ours.accepted, ours.slots) == (theirs.committed, theirs.accepted, theirs.slots)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_cuda_graph_replays_equal_eager_and_hf(arch):
+    """float32 on the GPU: graph replays give the eager steps' tokens, and those transformers' greedy ones."""
+    model = sliding_window_model(arch).cuda()
+    if arch == "gpt_oss":  # grouped_mm's CUDA kernels may not take float32; batched_mm is sync-free too
+        model.config._experts_implementation = "batched_mm"
+    prompts = _prompts(4, seed=6)
+    eager = generate(StaticLM(model, graphs=False), prompts, 16, [], lag=0).rows
+    graphed = generate(StaticLM(model, graphs=True), prompts, 16, []).rows
+    assert graphed == eager
+    for p, row in zip(prompts, eager, strict=True):
+        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16,
+                             do_sample=False, pad_token_id=0)
+        assert row == ref[0, len(p):].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_cuda_kernels_equal_the_pytorch_math_in_bf16(arch, monkeypatch):
+    """bf16 on the GPU, compiled Triton: the windowed decode kernel (every one-token step: MIN_PROGRAMS 1) and
+    the fused chains give the PyTorch math's logits up to bf16 rounding, over a prefill and steps past the window."""
+    from dflash_train.decode import attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "MIN_PROGRAMS", 1)
+    model = sliding_window_model(arch).to("cuda", torch.bfloat16)
+    plain, fast = StaticLM(model, attention_kernel=False, fused=False), StaticLM(model)
+    assert fast._fused
+    prompts = _prompts(4, seed=7)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    ids, pos = ids.cuda(), torch.arange(width, device="cuda").expand(len(prompts), width)
+    pairs = [(lm, lm.cache_for(len(prompts), 64)) for lm in (plain, fast)]
+    outs = [lm.forward(ids, pos, c, static_lm.bucket(width), prefill=True).logits for lm, c in pairs]
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=0, atol=0.1)
+    step_pos = torch.tensor([[len(p)] for p in prompts], device="cuda")
+    for n in range(12):
+        new = torch.randint(0, 256, (len(prompts), 1), device="cuda")
+        a, b = (lm.step(new, step_pos + n, c, static_lm.bucket(width + n + 1)).logits.float().clone()
+                for lm, c in pairs)
+        torch.testing.assert_close(b, a, rtol=0, atol=0.1)
+
+
+@pytest.mark.slow
+def test_compiled_steps_take_the_eager_steps():
+    """StaticLM.compile on a Gemma 3 target: steps over the whole cache, both layer types' masks and RoPE bases
+    traced, give the eager tokens, prompts longer than the window included."""
+    model = sliding_window_model("gemma3")
+    prompts = _prompts(3, seed=8)
+    want = generate(StaticLM(model), prompts, 12, [], lag=0).rows
+    lm = StaticLM(model)
+    lm.compile()
+    assert generate(lm, prompts, 12, [], lag=0).rows == want
