@@ -118,9 +118,8 @@ def test_dflash_is_lossless(target):
 
 
 def test_the_graphed_drafter_embeds_blocks_as_training_does():
-    """Gemma's embedding module scales by sqrt(hidden); training embeds the block's tokens from the table
-    (F.embedding of the weight, as Target.embed), and the graphed drafter step, which decodes Gemma targets
-    now, does the same."""
+    """Gemma's embedding module scales by sqrt(hidden); training (Target.embed_scale), the eager loop
+    (Target.embed), the graphed drafter step and the serving engines all embed the block's tokens so."""
     from dflash_train.decode.static_drafter import StaticDrafter
     from dflash_train.models.drafter import ContextCache
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.decode import graphs
@@ -100,9 +99,9 @@ class StaticDrafter(CompiledSteps):
         block_slots = start + torch.arange(q, device=dev)
         positions = torch.cat([ctx_slots, block_slots])[None]
         ctx = d.fuse(features.to(self.dtype))
-        # the table's rows, as training embeds blocks (objective: F.embedding of the weight) and the eager
-        # drafter's loop does (Target.embed): a Gemma embedding module's sqrt(hidden) scale is not applied
-        x = F.embedding(block, self.embed.weight).to(self.dtype)
+        # through the target's embedding module, as training (Target.embed_scale), the eager drafter loop
+        # (Target.embed) and the serving engines embed blocks: Gemma's module scales by sqrt(hidden)
+        x = self.embed(block).to(self.dtype)
         cos, sin = d.rotary(x, positions)
         masks = self._masks(block_slots, start + meta[2], kv_len)
         for i, layer in enumerate(d.layers):
