@@ -3,6 +3,7 @@ gives the tokens of the HF-forward loops: regeneration, the target-only baseline
 
 import pytest
 import torch
+from static_lm_checks import check_prefill_and_steps
 
 from dflash_train.data import regenerate as regen
 from dflash_train.data.regenerate import RegenConfig
@@ -60,35 +61,7 @@ def test_supports_the_families_of_the_table_only(tiny_target):
 def test_prefill_and_steps_equal_hf_forward(target, prefill):
     """Padded batched prefill (through the general mask, or SDPA's causal kernel as `prefill=True`
     runs it), then decode steps, then a 4-token block: logits and features as HF's."""
-    lm = StaticLM(target.model)
-    model = target.model
-    prompts = _prompts(3)
-    layers = (0, target.num_layers - 1)
-    cache = lm.cache_for(len(prompts), 64)
-    width = max(map(len, prompts))
-    ids = torch.zeros(3, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)
-    last = torch.tensor([len(p) - 1 for p in prompts])
-    out = lm.forward(ids, torch.arange(width).expand(3, width), cache, static_lm.bucket(width), layers=layers,
-                     logits="last", last=last, prefill=prefill)
-    for i, p in enumerate(prompts):
-        ref = model(torch.tensor([p]), output_hidden_states=True)
-        torch.testing.assert_close(out.logits[i, 0], ref.logits[0, -1], rtol=0, atol=1e-5)
-        want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0]
-        torch.testing.assert_close(out.features[i, :len(p)], want, rtol=0, atol=1e-5)
-    # three one-token steps, then a 4-token block: each row continues from its own length
-    seqs = [list(p) for p in prompts]
-    for q in (1, 1, 1, 4):
-        new = torch.randint(0, 256, (3, q))
-        pos = torch.tensor([len(s) for s in seqs])[:, None] + torch.arange(q)
-        step = lm.step(new, pos, cache, static_lm.bucket(int(pos.max()) + 1), layers=layers)
-        for i, s in enumerate(seqs):
-            s += new[i].tolist()
-            ref = model(torch.tensor([s]), output_hidden_states=True)
-            torch.testing.assert_close(step.logits[i], ref.logits[0, -q:], rtol=0, atol=1e-5)
-            want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0, -q:]
-            torch.testing.assert_close(step.features[i], want, rtol=0, atol=1e-5)
+    check_prefill_and_steps(target, _prompts(3), (0, target.num_layers - 1), (1, 1, 1, 4), prefill)
 
 
 def test_regeneration_equals_hf_loop(target):

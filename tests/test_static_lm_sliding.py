@@ -4,6 +4,7 @@ lossless DFlash decoding, with prompts longer than the window (float32, CPU)."""
 import pytest
 import torch
 from sliding_targets import SLIDING_ARCHS, sliding_window_model
+from static_lm_checks import check_prefill_and_steps
 
 from dflash_train.decode import architectures, static_lm
 from dflash_train.decode import speculative as spec
@@ -61,33 +62,7 @@ def test_the_window_changes_the_logits():
 def test_prefill_and_steps_equal_hf_forward(target, prefill):
     """A padded batched prefill of prompts shorter and longer than the window, then one-token steps and
     a 4-token block: logits and features as HF's forward over the whole sequence."""
-    lm, model = StaticLM(target.model), target.model
-    prompts = _prompts(4)
-    layers = (0, 2, target.num_layers - 1)
-    cache = lm.cache_for(len(prompts), 64)
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)
-    last = torch.tensor([len(p) - 1 for p in prompts])
-    out = lm.forward(ids, torch.arange(width).expand(len(prompts), width), cache, static_lm.bucket(width),
-                     layers=layers, logits="last", last=last, prefill=prefill)
-    for i, p in enumerate(prompts):
-        ref = model(torch.tensor([p]), output_hidden_states=True)
-        torch.testing.assert_close(out.logits[i, 0], ref.logits[0, -1], rtol=0, atol=1e-5)
-        want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0]
-        torch.testing.assert_close(out.features[i, :len(p)], want, rtol=0, atol=1e-5)
-    seqs = [list(p) for p in prompts]
-    for q in (1, 1, 4, 1):
-        new = torch.randint(0, 256, (len(prompts), q))
-        pos = torch.tensor([len(s) for s in seqs])[:, None] + torch.arange(q)
-        step = lm.step(new, pos, cache, static_lm.bucket(int(pos.max()) + 1), layers=layers)
-        for i, s in enumerate(seqs):
-            s += new[i].tolist()
-            ref = model(torch.tensor([s]), output_hidden_states=True)
-            torch.testing.assert_close(step.logits[i], ref.logits[0, -q:], rtol=0, atol=1e-5)
-            want = torch.cat([ref.hidden_states[j + 1] for j in layers], dim=-1)[0, -q:]
-            torch.testing.assert_close(step.features[i], want, rtol=0, atol=1e-5)
+    check_prefill_and_steps(target, _prompts(4), (0, 2, target.num_layers - 1), (1, 1, 4, 1), prefill)
 
 
 def test_batched_generate_equals_hf_generate(target):

@@ -64,7 +64,8 @@ def _static_features(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
 
 def _check(target, drafter, seqs, backend: str, feature_mode: str = "auto", static: bool = False) -> None:
     batch, anchors = _pack(seqs), _anchors(seqs)
-    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=backend))
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=backend),
+                          embed_scale=target.embed_scale)  # Gemma's embedding scales its rows
     with torch.no_grad():
         feats = packed_features(target, batch, list(drafter.config.target_layer_ids), mode=feature_mode)
         blocks = obj.blocks(batch, anchors)
