@@ -43,7 +43,7 @@ _reported: set[tuple[str, str]] = set()
 
 def prepare_chat(target: Target) -> str:
     """Give the target's tokenizer the chat format the run uses (see module docstring); say which, once
-    per target and process. Returns the description said."""
+    per target and process, where it is not the tokenizer's own template. Returns its description."""
     return prepare_tokenizer(target.tokenizer, str(getattr(target.config, "model_type", "")), target.spec)
 
 
@@ -61,7 +61,7 @@ def prepare_tokenizer(tok, model_type: str, spec: str) -> str:
         tok.chat_template = _BOS + tok.chat_template
         what = f"the tokenizer's chat template, {tok.bos_token} put first: the model needs it and the template omits it"
     else:
-        what = "the tokenizer's chat template"
+        return "the tokenizer's chat template"  # its own, unchanged: nothing to say
     if (spec, what) not in _reported:
         _reported.add((spec, what))
         say(f"chat format: {what}")
