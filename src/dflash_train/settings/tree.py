@@ -27,16 +27,18 @@ from dflash_train.settings.commands import Use, build_sections, nest
 from dflash_train.settings.sections import DataConfig, DrafterConfig, PipelineConfig, RunConfig
 from dflash_train.training.config import OptimizerConfig, TrainerConfig
 
+REGENERATION = Use("regeneration", RegenConfig, "regen_", skip=("seed", "max_context"))  # train's: --seed, --max-length
+EVAL = Use("eval", EvalConfig, "eval_", skip=("seed",), starts={"limit": 4})  # the CPU default's minutes
 TRAIN = (
     Use("run", RunConfig, skip=("dtype", "target_seed")),
     Use("data", DataConfig, skip=("split",)),
-    Use("regeneration", RegenConfig, "regen_", skip=("seed", "max_context")),  # train's: --seed, --max-length
+    REGENERATION,
     Use("drafter", DrafterConfig, skip=("target_layer_ids", "mask_token_id")),
     Use("objective", ObjectiveConfig),
     Use("optimizer", OptimizerConfig),
     Use("trainer", TrainerConfig),
     Use("pipeline", PipelineConfig),
-    Use("eval", EvalConfig, "eval_", skip=("seed",), starts={"limit": 4}),  # the CPU default's minutes
+    EVAL,
     Use("profiling", ProfilingConfig),
 )
 
@@ -51,7 +53,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    eval: EvalConfig = field(default_factory=lambda: TRAIN[-2].build({}))
+    eval: EvalConfig = field(default_factory=lambda: EVAL.build({}))
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def __post_init__(self) -> None:
@@ -71,7 +73,7 @@ class TrainConfig:
             try:  # the URL and the key's variable, checked before any work; errors name train's flags
                 server_config(regen)
             except UsageError as e:
-                raise UsageError(TRAIN[2].renamed(str(e))) from None
+                raise UsageError(REGENERATION.renamed(str(e))) from None
         if self.data.max_length < self.drafter.block_size:
             raise UsageError(f"--max-length {self.data.max_length} is shorter than a block "
                              f"(--block-size {self.drafter.block_size})")
@@ -123,23 +125,28 @@ def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     uses = {use.section: use for use in TRAIN}
     for key, table in raw.items():
         if key not in uses or not isinstance(table, dict):
-            home = next((u.section for u in TRAIN if key in {f.name for f in u.fields()}), None)
+            home = _home(key)
             raise UsageError(f"{path}: {key!r} is not a section ({', '.join(uses)})"
                              + (f"; {key} belongs in [{home}]" if home else ""))
+        hints = config.field_types(uses[key].cls)
+        types = {f.name: _accepted(hints[f.name]) for f in uses[key].fields()}
         for name, value in table.items():
-            _check_value(path, uses[key], name, value)
+            _check_value(path, key, types, name, value)
     return raw
 
 
-def _check_value(path: Path, use: Use, name: str, value: Any) -> None:
-    types = {f.name: _accepted(tp) for f in use.fields() for n, tp in config.field_types(use.cls).items()
-             if n == f.name}
+def _home(name: str) -> str | None:
+    """The section of train's field `name`, if any."""
+    return next((u.section for u in TRAIN if name in {f.name for f in u.fields()}), None)
+
+
+def _check_value(path: Path, section: str, types: dict[str, tuple[type, ...]], name: str, value: Any) -> None:
     if name not in types:
-        home = next((u.section for u in TRAIN if name in {f.name for f in u.fields()}), None)
-        raise UsageError(f"{path}: [{use.section}] has no option {name!r}" + (f" (it is in [{home}])" if home else ""))
+        home = _home(name)
+        raise UsageError(f"{path}: [{section}] has no option {name!r}" + (f" (it is in [{home}])" if home else ""))
     ok = types[name]
     if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
-        raise UsageError(f"{path}: [{use.section}] {name} must be {ok[0].__name__}, got {value!r}")
+        raise UsageError(f"{path}: [{section}] {name} must be {ok[0].__name__}, got {value!r}")
 
 
 def _accepted(tp: Any) -> tuple[type, ...]:
