@@ -72,8 +72,8 @@ class Target:
         return float(torch.as_tensor(scale).to(self.embedding_weight.dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(input_ids, self.embedding_weight)
-        return rows * self.embed_scale if self.embed_scale != 1.0 else rows
+        rows, scale = F.embedding(input_ids, self.embedding_weight), self.embed_scale
+        return rows * scale if scale != 1.0 else rows
 
     @torch.no_grad()
     def greedy_labels(self, final: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
