@@ -102,6 +102,16 @@ def good(tmp_path):
     return path
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny matmuls: too small to split, extra threads only add sync
+    overhead, and on a busy shared CPU they made such tests ~40x slower. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)

@@ -17,14 +17,7 @@ from dflash_train.models.target import Target
 NEW = 8  # tokens per turn: enough to be meaningful, cheap on CPU
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are too small to split: extra threads only add sync overhead, and
-    on a busy shared CPU they make these tests ~40x slower. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls (conftest)
 
 
 def sys_(text):

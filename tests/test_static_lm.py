@@ -14,13 +14,7 @@ from dflash_train.decode.static_lm import StaticLM
 from dflash_train.models.loading import byte_tokenizer
 from dflash_train.models.target import Target
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add overhead on a shared CPU
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls (conftest)
 
 
 def _llama():

@@ -18,12 +18,7 @@ from dflash_train.models.target import Target
 WINDOW = 6  # sliding_window_model's default
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add overhead on a shared CPU
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls (conftest)
 
 
 @pytest.fixture(scope="module", params=SLIDING_ARCHS)
