@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -9,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_train.app.drafter import drafter_side_target
 from dflash_train.cli import main
 from dflash_train.models.loading import load_target
+from dflash_train.settings.tree import TrainConfig
 
 BASE = ["train", "--max-length", "96", "--token-budget", "192", "--num-anchors", "16", "--block-size", "4",
         "--eval-limit", "0", "--log-every", "1", "--quiet", "--seed", "3", "--max-steps", "4"]
@@ -27,21 +30,43 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-def _losses(run: Path) -> torch.Tensor:
-    return torch.tensor([json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()])
+def _losses(run: Path, key: str = "loss") -> torch.Tensor:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return torch.tensor([r[key] for r in records if key in r])
 
 
 @pytest.mark.slow
 def test_a_split_target_trains_the_drafter_a_whole_one_does(prepared, tiny_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    common = [*BASE, "--target", tiny_dir, "--data", prepared]
+    common = [*BASE, "--target", tiny_dir, "--data", prepared, "--val-conversations", "3", "--val-every", "2"]
     assert main([*common, "--run-dir", str(whole), "--device", "cpu"]) == 0
     assert main([*common, "--run-dir", str(split), "--target-devices", "cpu,cpu", "--drafter-devices", "cpu",
                  "--target-tp", "2", "--profile-interval", "0.5"]) == 0
     torch.testing.assert_close(_losses(split), _losses(whole), rtol=1e-4, atol=1e-5)
+    # the held-out packs: built by the first target replica (no process holds the whole target), not the job
+    torch.testing.assert_close(_losses(split, "val_loss"), _losses(whole, "val_loss"), rtol=1e-4, atol=1e-5)
+    assert len(_losses(whole, "val_loss")) == 2 and not (split / "validation.pt").exists()
     processes = {json.loads(x)["process"] for x in (split / "profile.jsonl").read_text().splitlines()}
     assert processes == {"rank0/target/cpu", "rank1/target/cpu", "rank2/drafter/cpu"}
+
+
+def test_the_processes_that_do_not_run_a_split_target_read_only_its_head(tiny_dir):
+    """The job and the drafter ranks of a --target-tp run: embedding, final norm, LM head and the layers the
+    drafter starts as; the same weights as the whole target's."""
+    whole = load_target(tiny_dir, device="cpu")
+    cfg = TrainConfig.of(target=tiny_dir, target_tp=2, target_devices="cpu,cpu", drafter_devices="cpu", num_layers=2)
+    head = drafter_side_target(cfg, torch.device("cpu"), fresh=True, where="cpu")
+    assert head.num_layers == whole.num_layers and len(head.decoder.layers) == 2
+    full = dict(whole.model.named_parameters())
+    shift = whole.num_layers - 2
+    for name, param in head.model.named_parameters():
+        layer = re.search(r"layers\.(\d+)\.", name)
+        twin = name.replace(layer[0], f"layers.{int(layer[1]) + shift}.") if layer else name
+        torch.testing.assert_close(param, full[twin], rtol=0, atol=0)
+    assert sum(p.numel() for p in head.model.parameters()) < sum(p.numel() for p in full.values())
+    resumed = drafter_side_target(cfg, torch.device("cpu"), fresh=False, where="cpu")
+    assert len(resumed.decoder.layers) == 0
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -13,11 +13,24 @@ from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
+from dflash_train.models.loading import default_dtype, load_target
+from dflash_train.models.sharded_loading import load_target_head
 from dflash_train.models.target import Target
 from dflash_train.settings.tree import TrainConfig
 
 # The flags that shape a fresh drafter; a starting drafter (--init-drafter, a checkpoint) has its own.
 SHAPE_FLAGS = ("num_layers", "block_size", "num_features", "sliding_layers", "sliding_window", "intermediate_size")
+
+
+def drafter_side_target(cfg: TrainConfig, device: torch.device, *, fresh: bool, where: str | torch.device) -> Target:
+    """The target of a process that builds or trains the drafter, on `where` (the host or `device`), in
+    `device`'s dtype. Split by --target-tp, its replicas hold the layers: this process reads only the
+    embedding, final norm and LM head, and the last layers a `fresh` drafter starts as (--init-from-target),
+    on `device` itself (a random preset's draw then equals the replicas'). Otherwise the whole target."""
+    if cfg.pipeline.target_tp > 1:
+        last = cfg.drafter.num_layers if fresh and cfg.drafter.init_from_target else 0
+        return load_target_head(cfg.run.target, device, last_layers=last)
+    return load_target(cfg.run.target, device=where, dtype=default_dtype(device))
 
 
 def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:

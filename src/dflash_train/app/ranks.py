@@ -22,15 +22,15 @@ from typing import NoReturn
 import torch
 
 from dflash_train.app.dataset import open_prepared
-from dflash_train.app.drafter import drafter_config, make_drafter
+from dflash_train.app.drafter import drafter_config, drafter_side_target, make_drafter
 from dflash_train.app.local import feature_cache, features_here, flop_counter, train_loop
 from dflash_train.app.plan import RunPlan
 from dflash_train.app.run_dir import export_drafter, run_dir_lock, write_config
-from dflash_train.app.validation import Validation
+from dflash_train.app.validation import VALIDATION_FILE, Awaited, Validation, validation_key
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.loading import default_dtype, load_target
+from dflash_train.models.loading import load_target
 from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
 from dflash_train.pipeline.worker import Peers, WorkerSpec, drafter_packs, join_group, receive_features, serve_features
@@ -133,6 +133,8 @@ def run_torchrun_rank(cfg: TrainConfig, roles, resume: bool, progress: bool) -> 
         if writer:
             write_config(run_dir, cfg)
         drafter = run_rank(work, spec, Peers.unwatched(len(devices)))
+        if writer:  # the first target replica's held-out packs: read by every drafter rank, which is done
+            (run_dir / VALIDATION_FILE).unlink(missing_ok=True)
         if drafter is not None and writer:
             export = export_drafter(drafter, run_dir, cfg)
             print(f"drafter exported to {export}; measure it with `dflash-train eval --drafter {export}`")
@@ -158,19 +160,33 @@ def run_rank(work: TrainWork, spec: WorkerSpec, peers: Peers) -> DFlashDrafter |
             return None
 
 
-def _validation(work: TrainWork, plan: RunPlan, dataset, target, device: torch.device) -> Validation | None:
-    """The held-out packs a drafter rank validates on: the launcher's saved ones, or, under torchrun,
-    where no job process holds the target before the ranks start, built here. Every drafter rank
-    builds the same ones (the split and the packing are seeded), on its own device: a drafter-only
-    rank's target, loaded on the host, runs its whole stack there once."""
+def _validation(work: TrainWork, spec: WorkerSpec, plan: RunPlan, dataset, target,
+                device: torch.device) -> Validation | Awaited | None:
+    """The held-out packs a drafter rank validates on: the job's saved ones; where no job holds the whole
+    target before the ranks start, the first target replica's (a drafter-only rank awaits its file), or
+    built here by a rank with both roles, on its own device. Every drafter rank has the same ones (the
+    split and the packing are seeded)."""
     cfg = work.cfg
     if work.validation_path:
         return Validation.load(Path(work.validation_path), device)
     held_out = plan.held_out_data(dataset)
     if held_out is None:
         return None
-    target.model.to(device)
+    if spec.role == "drafter":
+        return Awaited(Path(work.run_dir) / VALIDATION_FILE, validation_key(cfg, plan.held_out, plan.features),
+                       cfg.trainer.val_every, device, cfg.pipeline.peer_timeout)
     return Validation.build(cfg, target, held_out, plan.features)
+
+
+def _serve_validation(work: TrainWork, spec: WorkerSpec, plan: RunPlan, dataset, target) -> None:
+    """The first target replica's part where no job computed the held-out packs: build them (every rank of
+    the replica runs the same forwards) and save them for the drafter ranks (its leader)."""
+    held_out = plan.held_out_data(dataset)
+    if work.validation_path or held_out is None or spec.replica_of(spec.rank) != 0:
+        return
+    packs = Validation.build(work.cfg, target, held_out, plan.features)
+    if spec.rank == spec.replicas[0][0]:
+        packs.save(Path(work.run_dir) / VALIDATION_FILE, validation_key(work.cfg, plan.held_out, plan.features))
 
 
 def _plan(work: TrainWork, spec: WorkerSpec, dataset, drafter_config) -> RunPlan:
@@ -192,6 +208,7 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session, tp_group) -
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
     dataset = open_prepared(cfg, work.data_dir)
     plan = _plan(work, spec, dataset, drafter_cfg)
+    _serve_validation(work, spec, plan, dataset, target)
     stream = plan.stream(cfg, dataset)
     # of the packs it serves
     cache = feature_cache(cfg, target, stream.tokens(), plan.features, share=len(spec.target_ranks))
@@ -207,14 +224,8 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     # initialise the drafter), so a real target loads on the host and only those reach the GPU.
     # Random targets are drawn on the device, so that they equal the target workers' draw.
     head_only = spec.role == "drafter"
-    split = cfg.pipeline.target_tp > 1
     on_host = head_only and not cfg.run.target.startswith("random:")
-    # the dtype of the device that computes, not of the host it loads on (as target workers load it)
-    where = "cpu" if on_host else device
-    if split:  # the weights the target replicas split
-        target = load_sharded_target(cfg.run.target, None, where, dtype=default_dtype(device))
-    else:
-        target = load_target(cfg.run.target, device=where, dtype=default_dtype(device))
+    target = drafter_side_target(cfg, device, fresh=work.drafter_dir is None, where="cpu" if on_host else device)
     if work.drafter_dir is not None:
         drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
@@ -222,7 +233,7 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     dataset = open_prepared(cfg, work.data_dir)
     plan = _plan(work, spec, dataset, drafter.config)
     layer_ids = plan.features
-    validate = _validation(work, plan, dataset, target, device)  # while this rank still holds the whole target
+    validate = _validation(work, spec, plan, dataset, target, device)  # before the layers are freed
     if head_only:
         target.keep_only_head(device)
         if device.type == "cuda":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.app.dataset import build_dataset
-from dflash_train.app.drafter import check_mask_token_absent, check_num_features, make_drafter
+from dflash_train.app.drafter import check_mask_token_absent, check_num_features, drafter_side_target, make_drafter
 from dflash_train.app.local import train_local
 from dflash_train.app.phases import Phases
 from dflash_train.app.placement import check_placement
@@ -37,8 +37,6 @@ from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.loading import default_dtype, load_target
-from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.models.target import Target
 from dflash_train.objective.objective import check_backend_device
 from dflash_train.profiling.session import profile_session
@@ -82,14 +80,15 @@ def evaluates_before(cfg: TrainConfig, ckpt: Path | None) -> bool:
     return cfg.eval.before == "yes" or cfg.drafter.init_drafter is not None
 
 
-def job_target(cfg: TrainConfig, roles, device: torch.device) -> Target:
-    """The target this process holds: on `device`, or for a target split by --target-tp on the host, whole,
-    with the weights its ranks split (app/placement.py says what the job asks of it)."""
-    if cfg.pipeline.target_tp == 1:
-        return load_target(cfg.run.target, device=device)
-    say(f"--target-tp {cfg.pipeline.target_tp}: this process holds the target on the host (the data stage, the "
-        "drafter's start); its replicas split it over their devices")
-    return load_sharded_target(cfg.run.target, None, "cpu", dtype=default_dtype(device))
+def job_target(cfg: TrainConfig, device: torch.device, ckpt: Path | None = None) -> Target:
+    """The target this process holds, on `device`: whole, or for a target split by --target-tp only the parts
+    the job uses (tokenizer, embedding and LM head, the drafter's start): its replicas hold the layers."""
+    fresh = ckpt is None and not cfg.drafter.init_drafter
+    if cfg.pipeline.target_tp > 1:
+        say(f"--target-tp {cfg.pipeline.target_tp}: this process holds the target's embedding and LM head "
+            f"{'and the layers the drafter starts as ' if fresh and cfg.drafter.init_from_target else ''}"
+            "only; its replicas hold its layers, split over their devices")
+    return drafter_side_target(cfg, device, fresh=fresh, where=device)
 
 
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
@@ -103,7 +102,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         load_config(cfg.drafter.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
     check_placement(cfg, roles, device)  # before anything loads
     with phases.time("load target"):
-        target = job_target(cfg, roles, device)
+        target = job_target(cfg, device, ckpt)
     say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes the features itself
         check_num_features(target, cfg.drafter.num_features)  # before the data work
@@ -148,7 +147,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
             if code:
                 return code
             if prompts:  # released while the workers ran; the evaluation decodes with it
-                target = job_target(cfg, roles, device)
+                target = job_target(cfg, device)
             drafter = load_drafter(latest_checkpoint(run_dir) / "drafter", device=device, dtype=torch.float32)
         else:
             steps, seconds = _train_here(cfg, target, drafter, dataset, run_dir, state, progress, plan)
@@ -193,7 +192,7 @@ def _train_here(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, datase
 def save_validation(cfg: TrainConfig, target: Target, plan: RunPlan, dataset, run_dir: Path) -> Path | None:
     """The held-out packs and their target features, saved for the workers (app/validation.py); None without."""
     held_out = plan.held_out_data(dataset)
-    if held_out is None:
+    if held_out is None or cfg.pipeline.target_tp > 1:  # split: the first target replica builds them
         return None
     path = run_dir / VALIDATION_FILE
     Validation.build(cfg, target, held_out, plan.features).save(path)  # the packs carry what training's do

@@ -7,7 +7,9 @@ storage yet), then every parameter is filled from the safetensors shards with `g
 rank reads and holds only its part of the split weights (plus the replicated rest: embedding,
 norms, routers, LM head). The Target it returns behaves as load_target's: `features` gives the
 full hidden states of the chosen layers on every rank of the group, so any one rank can hand
-them on. A group of one loads the whole model the same way (one reader, no transient copy).
+them on. A group of one loads the whole model the same way (one reader, no transient copy);
+load_target_head reads only the embedding, final norm and LM head (and optionally the last layers)
+for the processes of a split run that never run the target (the job, the drafter ranks).
 
 spec: an HF model directory with safetensors weights, or random:<preset> (models/presets.py:
 weights drawn per parameter from a seed, equal on every rank and for every TP size).
@@ -61,6 +63,28 @@ def load_sharded_target(spec: str, tp_group: dist.ProcessGroup | None, device: s
         parallelize_decoder(model.base_model, DeviceMesh.from_group(tp_group, device.type), plan)
     with source:
         fill_parameters(model, source, dist.get_rank(tp_group) if tp > 1 else 0, tp, device, dtype)
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def load_target_head(spec: str, device: str | torch.device, *, last_layers: int = 0, dtype: torch.dtype | None = None,
+                     seed: int = 0, flag: str = "--target") -> Target:
+    """What a process of a split run uses of the target without running it: the embedding, final norm and LM
+    head (the drafter embeds and scores with them), plus its last `last_layers` decoder layers when the drafter
+    starts as a copy of them (--init-from-target). No process holds the whole target: its replicas hold the
+    layers, split. The weights equal load_sharded_target's on a device of the same type (same reader, same
+    seed); `features` cannot run on it."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    config, source, tokenizer = _open(spec, seed, device, flag)
+    model = build_on_meta(config, dtype, device)
+    layers = model.base_model.layers
+    kept = list(layers)[max(0, len(layers) - last_layers):] if last_layers else []
+    for i in range(len(layers) - len(kept)):
+        layers[i] = nn.Module()  # no parameters to read; the kept layers keep their names (and checkpoint keys)
+    with source:
+        fill_parameters(model, source, 0, 1, device, dtype)
+    model.base_model.layers = nn.ModuleList(kept)
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, spec=spec)
 
