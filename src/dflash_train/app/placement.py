@@ -1,9 +1,9 @@
 """Where the target goes, checked before anything loads: the memory plan of each target GPU, and what
 a target split by --target-tp asks of the job.
 
-The job process never puts a split target on one device: it reads the target's data on the host (the
-drafter's start, the held-out packs), regenerates only through a server, and leaves the evaluation to
-`dflash-train eval` where the target fits.
+No process holds a split target whole: the job reads only its head (the tokenizer, the drafter's start),
+the first replica computes the held-out packs, regeneration goes through a server, and the evaluation is
+left to `dflash-train eval` where the target fits.
 """
 
 from __future__ import annotations
