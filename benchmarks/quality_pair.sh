@@ -6,8 +6,8 @@
 # starts the same way once B's train job has ended (e.g. a throughput run, alone but for B's evals).
 #   bash benchmarks/quality_pair.sh RUN_A RUN_B "A's train flags" "B's train flags" [RUN_C "C's train flags"]
 #   e.g. bash benchmarks/quality_pair.sh /tmp/qa /tmp/qb "--max-steps 2664" "--max-steps 2664 --lr 2e-3"
-# Each run writes RUN/quality.json (benchmarks/quality_smollm2_h200.sh); the pair's log is RUN_A.pair.log.
-# The plumbing on a CPU (under a minute): the CPU flags of quality_smollm2_h200.sh's header as both
+# Each run writes RUN/quality.json (benchmarks/quality_h200.sh); the pair's log is RUN_A.pair.log.
+# The plumbing on a CPU (under a minute): the CPU flags of quality_h200.sh's header as both
 # runs' flags (B's with --lr 2e-3), with its EVAL_LIMIT=2 MTBENCH_LIMIT=2 EVAL_TOKENS=8.
 # Longer than one device call: start it with setsid nohup and poll for RUN_A.pair.done.
 set -uo pipefail
@@ -28,13 +28,13 @@ after_train() {  # waits until run $1's train job has ended (or its script $2 ha
 start_on_a_data() {  # run $1 with flags $2 on A's copied data caches, in the background
   mkdir -p "$1" && cp -r "$a"/regenerated-* "$a"/data-* "$1"/ 2>/dev/null
   # shellcheck disable=SC2086  # the flags are word-split on purpose
-  bash "$here/quality_smollm2_h200.sh" "$1" $2 > "$1.out" 2>&1 &
+  bash "$here/quality_h200.sh" "$1" $2 > "$1.out" 2>&1 &
 }
 
 {
   echo "A: $a $flags_a; B: $b $flags_b${c:+; C: $c $flags_c}; start $(date -u +%FT%T)"
   # shellcheck disable=SC2086
-  bash "$here/quality_smollm2_h200.sh" "$a" $flags_a > "$a.out" 2>&1 &
+  bash "$here/quality_h200.sh" "$a" $flags_a > "$a.out" 2>&1 &
   pa=$!
   after_train "$a" $pa
   start_on_a_data "$b" "$flags_b"

@@ -113,7 +113,7 @@ def variant_summary(d: Path) -> dict:
                 out[f"tau_{name}_by_category"] = r["tau_by_category"]
             if name == "mtbench" and len(r.get("per_prompt_tau", [])) > 40:
                 out["tau_mtbench_first40"] = first_tau(r, 40)  # what sweeps before 2026-12-02 measured
-    quality = d / "quality.json"  # quality_smollm2_h200.sh's record: its taus stand in for eval files not fetched
+    quality = d / "quality.json"  # quality_h200.sh's record: its taus stand in for eval files not fetched
     if quality.is_file():
         q = json.loads(quality.read_text())
         out.update({k: q[k] for k in ("tau_humaneval", "tau_mtbench", "tau_sharegpt", "tau_mtbench_first40",

@@ -239,7 +239,7 @@ def test_profile_h200_plumbing_with_the_shipped_config(tmp_path):
 
 @pytest.mark.slow
 def test_quality_pair_runs_two_quality_runs(tmp_path):
-    """quality_pair.sh runs benchmarks/quality_smollm2_h200.sh twice (B on A's copied data): both
+    """quality_pair.sh runs benchmarks/quality_h200.sh twice (B on A's copied data): both
     scripts' plumbing, with each run's quality.json."""
     a, b = tmp_path / "qa", tmp_path / "qb"
     _run(["bash", str(BENCH / "quality_pair.sh"), str(a), str(b), TINY_TRAIN, TINY_TRAIN + " --lr 2e-3"],
@@ -252,7 +252,24 @@ def test_quality_pair_runs_two_quality_runs(tmp_path):
                   "steps", "wall_s", "phases_s", "device", "command")
         assert q["steps"] == 2 and q["device"] == "cpu"
         assert (run / "train.log").is_file()  # moved in once the job ended
-    assert "quality_smollm2_h200.sh" in json.loads((b / "quality.json").read_text())["command"]
+    assert "quality_h200.sh" in json.loads((b / "quality.json").read_text())["command"]
+
+
+@pytest.mark.slow
+def test_quality_run_of_another_recipe_config(tmp_path):
+    """quality_h200.sh with CONFIG: the Gemma recipe's file, shrunk to the tiny target; its record names it."""
+    run = tmp_path / "q"
+    _run(["bash", str(BENCH / "quality_h200.sh"), str(run), *TINY_TRAIN.split()], tmp_path, timeout=240,
+         CONFIG="configs/gemma3-h200.toml", **QUICK_EVAL)
+    q = _json(run / "quality.json", "tau_humaneval", "steps", "command")
+    assert q["steps"] == 2 and q["command"].startswith("CONFIG=configs/gemma3-h200.toml bash")
+    assert (run / "config.toml").read_text().count('data_topic = "any"') == 1  # the config's, under the flags
+
+
+def test_quality_smollm2_h200_is_the_general_script_with_its_config(tmp_path):
+    proc = subprocess.run(["bash", str(BENCH / "quality_smollm2_h200.sh")], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert proc.returncode != 0 and "usage: quality_h200.sh RUN_DIR" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
