@@ -12,7 +12,7 @@ import torch
 
 from dflash_train.errors import UsageError
 from dflash_train.models import presets
-from dflash_train.models.memory_plan import meta_model, parameter_counts, plan_memory
+from dflash_train.models.memory_plan import meta_model, parameter_counts, plan_memory, tp_sizes
 
 # (total, active) from the model cards; gpt-oss counts "active" without the input embedding
 KNOWN = {"qwen3-30b-a3b": (30.5e9, 3.3e9), "gpt-oss-20b": (21e9, 3.6e9), "llama3.3-70b": (70.6e9, 70.6e9),
@@ -64,9 +64,15 @@ def test_feature_buffers_and_drafter_state_are_counted_as_stated():
     assert plan.weights == pytest.approx(8.2e9 * 2, rel=0.02)
 
 
-def test_a_tp_size_for_an_architecture_without_a_plan_is_refused():
-    with pytest.raises(UsageError, match="no tensor-parallel plan for gpt_oss"):
-        plan_memory(presets.hf_config("gpt-oss-20b"), tp=2, device_bytes=139e9, token_budget=4096, n_features=5)
+def test_gpt_oss_splits_by_the_projects_plan_and_an_architecture_without_a_plan_is_refused():
+    from transformers import GPT2Config
+
+    cfg = presets.hf_config("gpt-oss-20b")
+    assert tp_sizes(cfg) == [1, 2, 4, 8]  # 64 heads, 8 KV heads, 2880 units in every expert
+    plan = plan_memory(cfg, tp=2, device_bytes=139e9, token_budget=4096, n_features=5)
+    assert 21.9e9 < plan.weights < 22.3e9  # half of 41.8 GB, plus the whole embedding and LM head
+    with pytest.raises(UsageError, match="no tensor-parallel plan for gpt2"):
+        plan_memory(GPT2Config(n_layer=1), tp=2, device_bytes=139e9, token_budget=4096, n_features=5)
 
 
 _MEASURE = """

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
 from dflash_train.models.loading import byte_tokenizer, load_target
-from dflash_train.models.sharded_loading import load_sharded_target
+from dflash_train.models.sharded_loading import SafetensorsShards, load_sharded_target
 from dflash_train.models.tp_plan import check_tp_size, tensor_plan
 from dflash_train.pipeline.features import packed_features
 
@@ -39,7 +39,7 @@ def tiny_configs() -> dict:
     }
 
 
-TP_ARCHS = ["llama", "qwen3", "qwen3_moe", "gemma3"]
+TP_ARCHS = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"]
 
 
 def save_tiny(model_type: str, out) -> str:
@@ -48,6 +48,12 @@ def save_tiny(model_type: str, out) -> str:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_configs()[model_type], dtype=torch.float32)
+    # biases and gpt_oss's sinks random: the initializer's zeros (sinks near zero) would let a wrong sink slice
+    # or a bias summed on every rank pass
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.normal_(0.0, 1.0)
     model.save_pretrained(str(out), max_shard_size="40KB")
     byte_tokenizer().save_pretrained(str(out))
     return str(out)
@@ -72,10 +78,11 @@ def _tp_worker(rank: int, world: int, rdv: str, dirs: dict[str, str], out: str) 
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                         for p in target.model.parameters())
             feats = {mode: packed_features(target, packed_batch(), LAYERS, mode=mode) for mode in ("padded", "dense")}
-            experts = getattr(target.decoder.layers[0].mlp, "experts", None)
-            split = experts.gate_up_proj.to_local().shape if experts is not None else None
-            results[name] = dict(feats=feats, local=local, experts=split, total=sum(p.numel() for p in
-                                                                                    target.model.parameters()))
+            layer = target.decoder.layers[0]
+            experts, sinks = getattr(layer.mlp, "experts", None), getattr(layer.self_attn, "sinks", None)
+            results[name] = dict(feats=feats, local=local, total=sum(p.numel() for p in target.model.parameters()),
+                                 experts=None if experts is None else experts.gate_up_proj.to_local().shape,
+                                 sinks=None if sinks is None else sinks.to_local().tolist())
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     except BaseException:
         traceback.print_exc()
@@ -115,6 +122,9 @@ def test_tp2_features_equal_tp1_for_every_architecture_with_a_plan(tiny_dirs, tm
         assert ranks[0][name]["local"] < total  # the split weights are held once across the group
     assert ranks[0]["random:tiny"]["local"] < ranks[0]["random:tiny"]["total"]
     assert ranks[0]["qwen3_moe"]["experts"] == (4, 32, 64)  # [E, 2I/2, H]: half of gate and of up per rank
+    assert ranks[0]["gpt_oss"]["experts"] == (4, 64, 32)  # [E, H, 2I/2]: interleaved, half of the units per rank
+    sinks = load_target(tiny_dirs["gpt_oss"], dtype=torch.float32).decoder.layers[0].self_attn.sinks.tolist()
+    assert [ranks[0]["gpt_oss"]["sinks"], ranks[1]["gpt_oss"]["sinks"]] == [sinks[:2], sinks[2:]]  # with their heads
 
 
 def test_the_sharded_loader_reads_several_shards_and_equals_the_ordinary_loader(tiny_dirs, tmp_path):
@@ -138,8 +148,21 @@ def _group_of_one(rdv):
 
 
 def test_an_architecture_without_a_plan_is_refused_in_one_line():
-    with pytest.raises(UsageError, match=r"no tensor-parallel plan for gpt_oss.*--target-tp 1") as e:
-        tensor_plan(tiny_configs()["gpt_oss"])
+    from transformers import GPT2Config
+
+    with pytest.raises(UsageError, match=r"no tensor-parallel plan for gpt2.*--target-tp 1") as e:
+        tensor_plan(GPT2Config(n_layer=1))
+    assert "\n" not in str(e.value)
+
+
+def test_mxfp4_experts_are_refused_in_one_line_naming_the_fix(tmp_path):
+    """The published gpt-oss checkpoints store experts as MXFP4 blocks and scales, not the module's weights."""
+    from safetensors.torch import save_file
+
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    save_file({f"{name}_blocks": torch.zeros(2, 8, 2, 16, dtype=torch.uint8)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UsageError, match="MXFP4.*bf16") as e:
+        SafetensorsShards(tmp_path, "--target").read(name, torch.Size([2, 64, 8]), None)
     assert "\n" not in str(e.value)
 
 

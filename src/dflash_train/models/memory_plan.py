@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.models.tp_plan import SPLIT_SIZES, check_tp_size, split_parameters, tensor_plan
+from dflash_train.models.tp_plan import SPLIT_SIZES, check_tp_size, has_tensor_plan, split_parameters, tensor_plan
 
 ADAMW_BYTES = 16  # fp32 weight + gradient + exp_avg + exp_avg_sq
 HEAD_ROWS = 4096  # Target.greedy_labels' LM-head chunk
@@ -110,8 +110,7 @@ def _replan(plan: MemoryPlan, config, counts: ParameterCounts, tp: int, tokens: 
 def parameter_counts(config) -> ParameterCounts:
     """Parameters of the target, counted on a model built on the meta device (no storage)."""
     model = meta_model(config)
-    plan = getattr(config, "base_model_tp_plan", None)
-    split = split_parameters(model.base_model, tensor_plan(config)) if plan else set()
+    split = split_parameters(model.base_model, tensor_plan(config)) if has_tensor_plan(config) else set()
     prefix = model.base_model_prefix + "."
     total = split_n = experts = 0
     for name, p in model.named_parameters():
@@ -142,7 +141,7 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
 
 def tp_sizes(config) -> list[int]:
     """TP sizes the architecture splits into evenly (heads, KV heads, MLP widths); [1] without a plan."""
-    if not getattr(config, "base_model_tp_plan", None):
+    if not has_tensor_plan(config):
         return [1]
     sizes = [n for field, _ in SPLIT_SIZES if (n := getattr(config, field, None))]
     return [t for t in range(1, min(sizes) + 1) if all(n % t == 0 for n in sizes)]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dflash_train.errors import UsageError
@@ -44,7 +44,9 @@ from dflash_train.models.loading import byte_tokenizer, default_dtype
 from dflash_train.models.target import Target
 from dflash_train.models.tp_plan import check_tp_size, parallelize_decoder, tensor_plan
 
-Blocks = tuple[int, list[tuple[int, int]]]  # (dim, [(start, stop), ...]): a rank's part, concatenated along dim
+# (dim, [(start, stop), ...]): a rank's part, concatenated along dim; no ranges: zeros of the whole shape
+# (a Partial parameter's share on every rank but the first, which holds the value)
+Blocks = tuple[int, list[tuple[int, int]]]
 
 
 def load_sharded_target(spec: str, tp_group: dist.ProcessGroup | None, device: str | torch.device, *,
@@ -135,6 +137,8 @@ def fill_parameters(model: nn.Module, source, rank: int, tp: int, device: torch.
 
 def local_blocks(shape: torch.Size, placement: Placement, rank: int, tp: int) -> Blocks:
     """The index ranges along one dimension that `rank` of `tp` holds under `placement`."""
+    if isinstance(placement, Partial):  # summed over the group: the value counted once, on rank 0
+        return 0, [(0, shape[0])] if rank == 0 else []
     if isinstance(placement, _StridedShard):  # [a; b] packed: the rank's slice of each of the split_factor parts
         d, parts = placement.dim % len(shape), placement.split_factor
         chunk = shape[d] // parts
@@ -193,12 +197,17 @@ class SafetensorsShards:
         self._handles.clear()
 
     def read(self, name: str, shape: torch.Size, blocks: Blocks | None) -> torch.Tensor:
+        if blocks is not None and not blocks[1]:
+            return torch.zeros(shape)
         if self._has(name):
             return self._read_key(name, blocks)
         stem, _, leaf = name.rpartition(".")
         if stem.endswith(".experts") and self._has(f"{stem}.0.down_proj.weight"):
             blocks = blocks or (1, [(0, shape[1])])
             return torch.stack([self._read_expert(stem, e, leaf, blocks) for e in range(shape[0])])
+        if self._has(f"{name}_blocks"):
+            raise UsageError(f"{self.flag} {self.path}: {name} is MXFP4-quantized ({name}_blocks); the tensor-parallel "
+                             "loader reads unquantized weights: use a bf16 or fp32 copy of the checkpoint")
         raise UsageError(f"{self.flag} {self.path}: the checkpoint has no weight {name}")
 
     def _read_expert(self, stem: str, e: int, leaf: str, blocks: Blocks) -> torch.Tensor:
@@ -264,6 +273,8 @@ class RandomWeights:
         pass
 
     def read(self, name: str, shape: torch.Size, blocks: Blocks | None) -> torch.Tensor:
+        if blocks is not None and not blocks[1]:
+            return torch.zeros(shape, device=self.device)
         whole = self._draw(name, shape)
         if blocks is None:
             return whole

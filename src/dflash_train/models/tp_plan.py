@@ -1,16 +1,23 @@
-"""Tensor parallelism of a target's decoder: transformers' per-architecture plan applied with
+"""Tensor parallelism of a target's decoder: the architecture's per-module plan applied with
 PyTorch's own `parallelize_module` over a TP device mesh.
 
-    tensor_plan(config)               the plan transformers ships (config.base_model_tp_plan)
+    tensor_plan(config)               the plan transformers ships (config.base_model_tp_plan) or, where
+                                      it ships none, the project's own (PROJECT_PLANS)
     check_tp_size(config, tp)         refuses a TP size the plan cannot split evenly
     parallelize_decoder(decoder, mesh) shards the decoder layers in place (DTensor parameters)
 
 Styles, as transformers names them:
     colwise   a Linear split by output features (attention heads, MLP columns): ColwiseParallel
     rowwise   a Linear split by input features, outputs summed over the group: RowwiseParallel
-    packed_colwise / rowwise on 3-D expert parameters, with moe_tp_experts on their module:
-              every expert's intermediate dimension split, [gate; up] kept packed
-              (ExpertShards: the experts run on their local slices, their outputs summed)
+              (its bias stays whole: DTensor's linear rule adds bias / T on every rank, once in the sum)
+    colwise / packed_colwise / rowwise on a parameter the module uses itself (fused experts
+              [E, out, in], or [E, in, out] where the module is_transposed; their [E, out] biases;
+              attention sinks, one per head): its outputs split, or its inputs. A fused gate/up
+              keeps each rank's gate and up units paired, whether packed [gate; up] or interleaved
+              (the module's is_concatenated). A row-parallel bias joins the summed output once:
+              rank 0 holds it, the others zeros (a Partial DTensor). The module's forward runs on
+              its local slices (LocalShards)
+    moe_tp_experts on fused experts: their partial outputs summed over the group (ExpertShards)
     replicated_with_grad_allreduce  (q_norm, k_norm) stays whole on every rank: inference only
     embedding_rowwise  stays whole too: the drafter side embeds with it as a plain weight
 Everything the plan does not name (routers, norms, LM head) is replicated.
@@ -22,6 +29,7 @@ on every rank: the feature capture of models/target.py works unchanged.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -40,16 +48,39 @@ SPLIT_SIZES = (("num_attention_heads", "attention heads"), ("num_key_value_heads
 # workers use as a plain weight (Target.embed) and which is small next to the layers
 _REPLICATED = ("replicated_with_grad_allreduce", "embedding_rowwise")
 _EXPERT_MODULE = "moe_tp_experts"
+_COLUMNS = ("colwise", "packed_colwise")
+
+# The project's plans, in transformers' keys and styles, for architectures whose config ships
+# none (config.base_model_tp_plan empty); used only then.
+PROJECT_PLANS: dict[str, dict[str, str]] = {
+    "gpt_oss": {  # heads as Llama's, each rank with its heads' sinks; every expert's intermediate dimension
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.sinks": "colwise",
+        "layers.*.mlp.experts.gate_up_proj": "colwise",  # [E, H, 2I], gate and up interleaved
+        "layers.*.mlp.experts.gate_up_proj_bias": "colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",  # [E, I, H]
+        "layers.*.mlp.experts.down_proj_bias": "rowwise",
+        "layers.*.mlp.experts": _EXPERT_MODULE,
+    },
+}
+
+
+def has_tensor_plan(config) -> bool:
+    """Whether transformers or the project has a TP plan for the architecture (tensor_plan: which)."""
+    return bool(getattr(config, "base_model_tp_plan", None) or PROJECT_PLANS.get(config.model_type))
 
 
 def tensor_plan(config, flag: str = "--target-tp") -> dict[str, str]:
-    """transformers' TP plan of the architecture: {module or parameter pattern: style}."""
-    plan = getattr(config, "base_model_tp_plan", None)
+    """The architecture's TP plan: {module or parameter pattern: style}."""
+    plan = getattr(config, "base_model_tp_plan", None) or PROJECT_PLANS.get(config.model_type)
     if not plan:
-        raise UsageError(f"{flag}: transformers has no tensor-parallel plan for {config.model_type} "
-                         f"(config.base_model_tp_plan): use {flag} 1 and a GPU that holds the whole target")
-    unknown = sorted({s for s in plan.values()} - {"colwise", "rowwise", "packed_colwise", _EXPERT_MODULE,
-                                                   *_REPLICATED})
+        raise UsageError(f"{flag}: no tensor-parallel plan for {config.model_type} (transformers ships none in "
+                         f"config.base_model_tp_plan, nor does this project): use {flag} 1 and a GPU that holds the "
+                         "whole target")
+    unknown = sorted({s for s in plan.values()} - {"rowwise", *_COLUMNS, _EXPERT_MODULE, *_REPLICATED})
     if unknown:
         raise UsageError(f"{flag}: the {config.model_type} plan uses styles {unknown} this loader does not apply: "
                          f"use {flag} 1")
@@ -68,18 +99,33 @@ def check_tp_size(config, tp: int, flag: str = "--target-tp") -> None:
 
 
 def split_parameters(decoder: nn.Module, plan: dict[str, str]) -> set[str]:
-    """Names of the decoder's parameters the plan splits over the group (the rest is whole on every rank).
-
-    A row-parallel Linear's bias is added after the sum, so it stays whole.
-    """
+    """Names of the decoder's parameters the plan splits over the group (the rest is whole on every rank)."""
     out = set()
+    for name, style, module in _named(decoder, plan):
+        if _is_linear(module, style):  # a row-parallel Linear's bias stays whole
+            out |= {f"{name}.{p}" for p, _ in module.named_parameters() if style != "rowwise" or p == "weight"}
+    for owner, placements in parameter_placements(decoder, plan).items():
+        out |= {f"{owner}.{p}" for p, placement in placements.items() if isinstance(placement, Shard | _StridedShard)}
+    return out
+
+
+def parameter_placements(decoder: nn.Module, plan: dict[str, str]) -> dict[str, dict[str, Placement]]:
+    """{module: {parameter: placement}} of the parameters the plan names one by one."""
+    out: dict[str, dict[str, Placement]] = {}
+    for name, style, param in _named(decoder, plan):
+        if isinstance(param, nn.Parameter) and style not in _REPLICATED:
+            owner, _, pname = name.rpartition(".")
+            out.setdefault(owner, {})[pname] = _placement(style, decoder.get_submodule(owner), pname, param.dim())
+    return out
+
+
+def _named(decoder: nn.Module, plan: dict[str, str]) -> Iterator[tuple[str, str, nn.Module | nn.Parameter]]:
+    """(name, style, module or parameter) of everything a plan key names."""
     for pattern, style in plan.items():
         rx = _pattern(pattern)
-        for name, module in decoder.named_modules():
-            if rx.match(name) and style in ("colwise", "rowwise") and isinstance(module, nn.Linear):
-                out |= {f"{name}.{p}" for p, _ in module.named_parameters() if style == "colwise" or p == "weight"}
-        out |= {name for name, param in decoder.named_parameters() if rx.match(name) and param.dim() == 3}
-    return out
+        for name, item in (*decoder.named_modules(), *decoder.named_parameters()):
+            if rx.match(name):
+                yield name, style, item
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -87,23 +133,36 @@ def _pattern(pattern: str) -> re.Pattern:
     return re.compile(pattern.replace(".", r"\.").replace("*", r"\d+") + "$")
 
 
+def _is_linear(module, style: str) -> bool:
+    return isinstance(module, nn.Linear) and style in ("colwise", "rowwise")
+
+
+def _placement(style: str, module: nn.Module, pname: str, ndim: int) -> Placement:
+    """How a parameter the plan names is split: see the module docstring."""
+    transposed = getattr(module, "is_transposed", False)
+    if style in _COLUMNS:
+        out_dim = ndim - 1 if ndim < 3 or transposed else 1
+        if pname.startswith("gate_up_proj") and getattr(module, "is_concatenated", True):
+            return _StridedShard(out_dim, split_factor=2)  # [gate; up]: rank r holds gate's and up's r-th slices
+        return Shard(out_dim)  # interleaved [g0, u0, g1, u1, ...]: an even-length slice keeps the pairs
+    if style == "rowwise" and ndim == 3:
+        return Shard(1 if transposed else 2)  # the input (intermediate) dimension
+    if style == "rowwise" and pname.endswith("bias"):
+        # Every rank adds its copy to its partial output before the sum: rank 0's bias and zeros elsewhere
+        # count it once, exactly (the output is linear in it: experts scale it by the routing weight, then add).
+        return Partial()
+    raise UsageError(f"--target-tp: {type(module).__name__}.{pname} split as {style!r} is not supported: "
+                     "use --target-tp 1")
+
+
 def parallelize_decoder(decoder: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
     """Shard `decoder` (a transformers base model, usually still on the meta device) in place."""
-    styles: dict[str, ParallelStyle] = {}
-    experts: dict[str, dict[str, Placement]] = {}
-    for pattern, style in plan.items():
-        rx = _pattern(pattern)
-        for name, module in decoder.named_modules():
-            if rx.match(name):
-                if style == _EXPERT_MODULE:
-                    experts.setdefault(name, {})
-                elif style not in _REPLICATED and isinstance(module, nn.Linear):
-                    styles[name] = _linear_style(style)
-        for name, param in decoder.named_parameters():
-            if rx.match(name) and param.dim() == 3:  # fused experts [E, out, in]: a parameter entry
-                owner, _, pname = name.rpartition(".")
-                experts.setdefault(owner, {})[pname] = _expert_placement(style)
-    styles.update({name: ExpertShards(placements) for name, placements in experts.items()})
+    styles: dict[str, ParallelStyle] = {name: _linear_style(style) for name, style, module in _named(decoder, plan)
+                                        if _is_linear(module, style)}
+    summed = {name for name, style, _ in _named(decoder, plan) if style == _EXPERT_MODULE}
+    placements = parameter_placements(decoder, plan)
+    for name in summed | set(placements):
+        styles[name] = (ExpertShards if name in summed else LocalShards)(placements.get(name, {}))
     parallelize_module(decoder, mesh, styles)
 
 
@@ -113,23 +172,12 @@ def _linear_style(style: str) -> ParallelStyle:
     return out
 
 
-def _expert_placement(style: str) -> Placement:
-    """Placement of a fused expert parameter [E, out, in] (a Linear's layout per expert)."""
-    if style == "packed_colwise":  # [E, 2I, H] = [gate; up]: rank r holds gate's and up's r-th slices
-        return _StridedShard(1, split_factor=2)
-    if style == "rowwise":
-        return Shard(2)  # split the input (intermediate) dimension
-    # a plain column split of fused gate/up rows would hand one rank all the gates: refuse rather than guess
-    raise UsageError(f"--target-tp: fused experts split as {style!r} are not supported (packed_colwise and rowwise "
-                     "are): use --target-tp 1")
+class LocalShards(ParallelStyle):
+    """Parameters a module's own forward uses (fused experts, attention sinks), split as placed.
 
-
-class ExpertShards(ParallelStyle):
-    """Fused experts split along their intermediate dimension; partial outputs summed over the group.
-
-    The parameters are DTensors (what loading and memory accounting see); the expert kernels
-    index them per expert, so a forward runs on the local slices and DTensor turns the partial
-    sums into the full output (an all-reduce by the engine, not by hand).
+    The parameters are DTensors (what loading and memory accounting see); the module's kernels
+    index them per expert or per head, so its forward runs on the local slices, plain tensors
+    as a ColwiseParallel projection's outputs are.
     """
 
     def __init__(self, placements: dict[str, Placement]) -> None:
@@ -138,15 +186,38 @@ class ExpertShards(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, placement in self.placements.items():
-            param = module._parameters[name]
-            module._parameters[name] = nn.Parameter(
-                distribute_tensor(param, device_mesh, [placement], src_data_rank=None), requires_grad=False)
+            module._parameters[name] = nn.Parameter(_placed(module._parameters[name], device_mesh, placement),
+                                                    requires_grad=False)
+        module.register_forward_pre_hook(_to_local)
+        module.register_forward_hook(lambda m, _args, output: self._restore(m, output, device_mesh))
+        return module
+
+    def _restore(self, module: nn.Module, output, mesh: DeviceMesh):
+        """Put the DTensor parameters back after the forward."""
+        module._parameters.update(module._dtensor_params)
+        del module._dtensor_params
+        return output
+
+
+class ExpertShards(LocalShards):
+    """Fused experts split along their intermediate dimension: DTensor turns the partial outputs
+    into the full output (an all-reduce by the engine, not by hand)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         whole = [n for n, p in module._parameters.items() if p is not None and n not in self.placements]
         if whole:  # a per-expert bias left whole would be added once per rank in the summed outputs
             raise UsageError(f"tensor parallelism: the plan leaves {type(module).__name__}'s {whole} whole")
-        module.register_forward_pre_hook(_to_local)
-        module.register_forward_hook(_sum_partials(device_mesh))
-        return module
+        return super()._apply(module, device_mesh)
+
+    def _restore(self, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        partial = super()._restore(module, output, mesh)
+        return DTensor.from_local(partial, mesh, [Partial()], run_check=False).full_tensor()
+
+
+def _placed(param: torch.Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:
+    if isinstance(placement, Partial):  # every rank's local value has the whole shape
+        return DTensor.from_local(param, mesh, [placement], run_check=False)
+    return distribute_tensor(param, mesh, [placement], src_data_rank=None)
 
 
 def _to_local(module: nn.Module, _args) -> None:
@@ -154,11 +225,3 @@ def _to_local(module: nn.Module, _args) -> None:
     module._dtensor_params = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
     for name, param in module._dtensor_params.items():
         module._parameters[name] = nn.Parameter(param.to_local(), requires_grad=False)
-
-
-def _sum_partials(mesh: DeviceMesh):
-    def hook(module: nn.Module, _args, output: torch.Tensor) -> torch.Tensor:
-        module._parameters.update(module._dtensor_params)
-        del module._dtensor_params
-        return DTensor.from_local(output, mesh, [Partial()], run_check=False).full_tensor()
-    return hook
