@@ -226,6 +226,26 @@ def test_a_turn_whose_prompt_reaches_max_context_ends_the_conversation(tiny_targ
         RegenConfig(max_context=1)
 
 
+def test_replies_stay_inside_the_targets_positions(tiny_target, tmp_path, monkeypatch):
+    """A turn without room for --max-new-tokens in max_position_embeddings gets no reply: a first prompt
+    drops the conversation, a later one ends it; a reply longer than the whole context is refused up front."""
+    convs = [Conversation("long", [user("many words " * 30), asst("orig")]),
+             Conversation("fits", [user("one"), asst("o1"), user("two " * 30), asst("o2")])]
+    first = render_chat(tiny_target, [user("one")])
+    monkeypatch.setattr(tiny_target.model.config, "max_position_embeddings", len(first) + NEW + 8)
+    report = regenerate(tiny_target, convs, tmp_path / "r.jsonl", RegenConfig(max_new_tokens=NEW, max_turns=0),
+                        progress=False)
+    (fits,) = read_lines(tmp_path / "r.jsonl")
+    assert fits["id"] == "fits" and [m["role"] for m in fits["messages"]] == ["user", "assistant"]
+    assert (report.written, report.turns, report.context_cut) == (1, 1, 2)
+    assert "no room for a reply in the target's context" in report.summary()
+    limit = tiny_target.model.config.max_position_embeddings
+    with pytest.raises(UsageError, match=f"^--max-new-tokens {limit}: a reply that long runs past the target's "
+                                         f"context of {limit} positions"):
+        regenerate(tiny_target, convs, tmp_path / "s.jsonl", RegenConfig(max_new_tokens=limit), progress=False)
+    assert not (tmp_path / "s.jsonl").exists()
+
+
 def test_sampling_is_seeded(tiny_target, tmp_path):
     convs = conversations(1)
     runs = []

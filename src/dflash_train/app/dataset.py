@@ -22,12 +22,12 @@ from dflash_train.data.regen_common import RegenConfig, RegenReport, read_regene
 from dflash_train.data.regenerate import regenerate
 from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import Conversation, SourceReport, default_split, iter_conversations
-from dflash_train.errors import say
+from dflash_train.errors import UsageError, say
 from dflash_train.files import write_atomic
 from dflash_train.models.target import Target
 from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.target_features import FeatureSpec
-from dflash_train.settings.tree import TrainConfig
+from dflash_train.settings.tree import REGENERATION, TrainConfig
 
 
 def build_dataset(cfg: TrainConfig, target: Target, run_dir: Path, progress: bool,
@@ -188,7 +188,10 @@ def _regenerate(cfg: TrainConfig, target: Target, convs: list[Conversation], pat
     """The target writes the replies: in this process, or through --regen-server."""
     if not cfg.regeneration.server:
         say(f"regenerating {len(convs)} conversations with the target into {path}")
-        return regenerate(target, convs, path, regen_cfg, progress=progress)
+        try:
+            return regenerate(target, convs, path, regen_cfg, progress=progress)
+        except UsageError as e:  # its messages name regenerate's flags; here they are --regen-*
+            raise UsageError(REGENERATION.renamed(str(e))) from None
     server = server_config(cfg.regeneration)
     say(f"regenerating {len(convs)} conversations through {server.url} into {path}")
     return regenerate_via_server(convs, path, regen_cfg, server, tokenizer=target.tokenizer, tokenizer_name=target.spec,

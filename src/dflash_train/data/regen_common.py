@@ -162,7 +162,8 @@ class RegenReport:
         if self.empty_replies:
             text += f"; {self.empty_replies} empty replies"
         if self.context_cut:
-            text += f"; {self.context_cut} conversations ended where the next prompt reached --max-context"
+            text += (f"; {self.context_cut} conversations ended where the next prompt reached --max-context or left "
+                     "no room for a reply in the target's context")
         if self.duplicate_ids:
             text += f"; skipped {self.duplicate_ids} conversations with a repeated id"
         return text

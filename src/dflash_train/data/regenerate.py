@@ -73,6 +73,7 @@ from dflash_train.data.tokenize import decode_rows
 from dflash_train.decode import static_lm
 from dflash_train.decode.generate import generate
 from dflash_train.decode.sampling import pick
+from dflash_train.errors import UsageError
 from dflash_train.models.chat import render_chats, stop_token_ids
 from dflash_train.models.target import Target
 
@@ -110,6 +111,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     out_path = Path(out_path)
     t0 = time.perf_counter()
     header = {"regenerated_by": target.spec, **cfg.settings()}
+    bound = prompt_bound(target, cfg)  # before the output file is touched
     done = resume(out_path, header)
     stops = stop_token_ids(target)  # builds the vocabulary dict: once per run, not per turn
     report = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
@@ -123,15 +125,29 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
         rate = lambda: bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")  # noqa: E731
         while pool := list(islice(todo, cfg.batch_size * POOL_BATCHES)):
             jobs = [_Job(c.id, reply_segments(c, cfg.turns)) for c in pool]
-            _run_batch(target, jobs, cfg, stops, report, on_batch=rate)
+            _run_batch(target, jobs, cfg, stops, report, bound, on_batch=rate)
             t = time.perf_counter()
-            append(out, [_record(job, header) for job in jobs])
+            records = [_record(job, header) for job in jobs if job.history]  # none: its first prompt had no room
+            append(out, records)
             report.write_s += time.perf_counter() - t
-            report.written += len(jobs)
+            report.written += len(records)
             bar.update(len(jobs))
     report.seconds = time.perf_counter() - t0
     _free_decode_memory(target)
     return report
+
+
+def prompt_bound(target: Target, cfg: RegenConfig) -> int | None:
+    """The prompt length at which a turn gets no reply: one of --max-new-tokens would run past the target's
+    positions (max_position_embeddings: past them it writes text it was never trained to). None: no limit.
+    A --max-new-tokens that leaves no room for any prompt is refused up front."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if not limit:
+        return None
+    if cfg.max_new_tokens >= limit:
+        raise UsageError(f"--max-new-tokens {cfg.max_new_tokens}: a reply that long runs past the target's context "
+                         f"of {limit} positions (max_position_embeddings)")
+    return limit - cfg.max_new_tokens + 1
 
 
 def _free_decode_memory(target: Target) -> None:
@@ -153,8 +169,9 @@ def _record(job: _Job, header: dict) -> dict:
 
 @torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
 def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport,
-               on_batch: Callable[[], None] = lambda: None) -> None:
-    """Fill every job's history, one batched decode per turn index (on_batch() after each batch)."""
+               bound: int | None, on_batch: Callable[[], None] = lambda: None) -> None:
+    """Fill every job's history, one batched decode per turn index (on_batch() after each batch). A turn whose
+    prompt reaches `bound` tokens, or a later one reaching --max-context, ends its conversation."""
     for k in range(max(len(j.segments) for j in jobs)):
         active, prompts = [], []
         turn = [job for job in jobs if k < len(job.segments)]
@@ -162,7 +179,8 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
         rendered = render_chats(target, [job.history + job.segments[k] for job in turn])  # one batch: every core
         report.render_s += time.perf_counter() - t
         for job, prompt in zip(turn, rendered, strict=True):
-            if k and cfg.max_context is not None and len(prompt) >= cfg.max_context:
+            if (bound is not None and len(prompt) >= bound) or (
+                    k and cfg.max_context is not None and len(prompt) >= cfg.max_context):
                 del job.segments[k:]  # the conversation ends at its last reply (its user turn is dropped)
                 report.context_cut += 1
                 continue
