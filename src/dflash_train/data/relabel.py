@@ -136,8 +136,9 @@ def _greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]]) -> list[
     hidden = target.decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev), use_cache=False).last_hidden_state
     out = []
     for r, (x, m, *_) in enumerate(items):  # each row up to its length, not the padding
-        labels = target.greedy_labels(hidden[r, :len(x)], torch.as_tensor(np.asarray(x, dtype=np.int64)),
-                                      torch.as_tensor(np.asarray(m)), torch.arange(len(x)))
+        # copies: the rows are read-only views of the memory-mapped dataset, which torch must not wrap
+        labels = target.greedy_labels(hidden[r, :len(x)], torch.tensor(x, dtype=torch.long),
+                                      torch.tensor(m), torch.arange(len(x)))
         out.append(labels.cpu().numpy().astype(np.int32))
     return out
 
