@@ -4,6 +4,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +51,25 @@ def test_a_split_target_trains_the_drafter_a_whole_one_does(prepared, tiny_dir, 
     assert len(_losses(whole, "val_loss")) == 2 and not (split / "validation.pt").exists()
     processes = {json.loads(x)["process"] for x in (split / "profile.jsonl").read_text().splitlines()}
     assert processes == {"rank0/target/cpu", "rank1/target/cpu", "rank2/drafter/cpu"}
+
+
+@pytest.mark.slow
+def test_two_split_replicas_and_two_drafter_ranks_under_torchrun_train_as_one_device(prepared, tiny_dir, tmp_path,
+                                                                                       monkeypatch):
+    """torchrun, 6 processes: two TP=2 target replicas, each serving its share of the packs, and two data-parallel
+    drafter ranks; the losses and held-out values of one device with 2 packs a step."""
+    monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
+    one, split = tmp_path / "one", tmp_path / "split"
+    common = [*BASE, "--target", tiny_dir, "--data", prepared, "--val-conversations", "3", "--val-every", "2"]
+    assert main([*common, "--run-dir", str(one), "--device", "cpu", "--grad-accum", "2"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6",
+                           "-m", "dflash_train.cli", *common, "--run-dir", str(split), "--target-tp", "2",
+                           "--target-devices", "cpu,cpu,cpu,cpu", "--drafter-devices", "cpu,cpu"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for key in ("loss", "val_loss"):
+        torch.testing.assert_close(_losses(split, key), _losses(one, key), rtol=1e-4, atol=1e-5)
+    assert (split / "drafter" / "model.safetensors").is_file() and not (split / "validation.pt").exists()
 
 
 def test_the_processes_that_do_not_run_a_split_target_read_only_its_head(tiny_dir):
