@@ -68,7 +68,7 @@ def test_gpt_oss_splits_by_the_projects_plan_and_an_architecture_without_a_plan_
     from transformers import GPT2Config
 
     cfg = presets.hf_config("gpt-oss-20b")
-    assert tp_sizes(cfg) == [1, 2, 4, 8]  # 64 heads, 8 KV heads, 2880 units in every expert
+    assert tp_sizes(cfg) == [1, 2, 4, 8, 16, 32, 64]  # 64 heads, 8 KV heads (repeated past 8), 2880 units an expert
     plan = plan_memory(cfg, tp=2, device_bytes=139e9, token_budget=4096, n_features=5)
     assert 21.9e9 < plan.weights < 22.3e9  # half of 41.8 GB, plus the whole embedding and LM head
     with pytest.raises(UsageError, match="no tensor-parallel plan for gpt2"):

@@ -127,6 +127,21 @@ def test_tp2_features_equal_tp1_for_every_architecture_with_a_plan(tiny_dirs, tm
     assert [ranks[0]["gpt_oss"]["sinks"], ranks[1]["gpt_oss"]["sinks"]] == [sinks[:2], sinks[2:]]  # with their heads
 
 
+@pytest.mark.slow
+def test_a_group_larger_than_the_kv_heads_repeats_them_and_keeps_the_features(tiny_dirs, tmp_path):
+    """TP=4 over 2 KV heads: each rank holds one copy of its query heads' KV head; features equal TP=1's."""
+    names = ("llama", "qwen3_moe", "gpt_oss")
+    specs = {name: tiny_dirs[name] for name in names}
+    mp.start_processes(_tp_worker, args=(4, str(tmp_path / "rdv"), specs, str(tmp_path)), nprocs=4,
+                       start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    for name in names:
+        ref = packed_features(load_target(tiny_dirs[name], dtype=torch.float32), packed_batch(), LAYERS, mode="padded")
+        for r in ranks:
+            torch.testing.assert_close(r[name]["feats"]["padded"], ref, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_the_sharded_loader_reads_several_shards_and_equals_the_ordinary_loader(tiny_dirs, tmp_path):
     """A group of one: the meta build and the per-slice reads give the same target as load_target."""
     assert len(list(os.scandir(tiny_dirs["qwen3_moe"]))) > 4  # several safetensors shards
@@ -166,13 +181,15 @@ def test_mxfp4_experts_are_refused_in_one_line_naming_the_fix(tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("field, tp, numbers", [("num_key_value_heads", 4, ("4", "2 KV heads")),
+@pytest.mark.parametrize("field, tp, numbers", [("num_key_value_heads", 3, ("3", "8 KV heads")),
                                                 ("num_attention_heads", 3, ("3", "4 attention heads")),
                                                 ("moe_intermediate_size", 3, ("3", "32 expert MLP"))])
 def test_a_tp_size_that_does_not_divide_is_refused_naming_both_numbers(field, tp, numbers):
     cfg = tiny_configs()["qwen3_moe"]
     if field == "moe_intermediate_size":
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = 6, 3, 96
+    if field == "num_key_value_heads":  # neither a divisor nor a multiple of 8 (a multiple repeats the KV heads)
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = 12, 8, 96
     with pytest.raises(UsageError) as e:
         check_tp_size(cfg, tp)
     msg = str(e.value)

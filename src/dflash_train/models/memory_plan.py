@@ -143,8 +143,11 @@ def tp_sizes(config) -> list[int]:
     """TP sizes the architecture splits into evenly (heads, KV heads, MLP widths); [1] without a plan."""
     if not has_tensor_plan(config):
         return [1]
-    sizes = [n for field, _ in SPLIT_SIZES if (n := getattr(config, field, None))]
-    return [t for t in range(1, min(sizes) + 1) if all(n % t == 0 for n in sizes)]
+    kv = getattr(config, "num_key_value_heads", None)
+    sizes = [n for field, _ in SPLIT_SIZES if field != "num_key_value_heads" and (n := getattr(config, field, None))]
+    # past the KV heads, a multiple of them: each rank holds a copy of one (tp_plan.kv_repeats)
+    return [t for t in range(1, min(sizes) + 1) if all(n % t == 0 for n in sizes)
+            and (not kv or kv % t == 0 or t % kv == 0)]
 
 
 def meta_model(config):

@@ -27,7 +27,9 @@ T must divide what the plan splits (models/tp_plan.py check_tp_size, tp_sizes in
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import re
 import zlib
 from pathlib import Path
 
@@ -42,7 +44,7 @@ from dflash_train.errors import UsageError
 from dflash_train.models import presets
 from dflash_train.models.loading import byte_tokenizer, default_dtype
 from dflash_train.models.target import Target
-from dflash_train.models.tp_plan import check_tp_size, parallelize_decoder, tensor_plan
+from dflash_train.models.tp_plan import check_tp_size, kv_repeats, parallelize_decoder, tensor_plan
 
 # (dim, [(start, stop), ...]): a rank's part, concatenated along dim; no ranges: zeros of the whole shape
 # (a Partial parameter's share on every rank but the first, which holds the value)
@@ -52,14 +54,16 @@ Blocks = tuple[int, list[tuple[int, int]]]
 def load_sharded_target(spec: str, tp_group: dist.ProcessGroup | None, device: str | torch.device, *,
                         dtype: torch.dtype | None = None, seed: int = 0, flag: str = "--target") -> Target:
     """The frozen target `spec`, its decoder split over `tp_group` (every rank of it calls this); with no
-    group, the whole of it, with the same weights (the processes of a split run that hold it whole: the
-    job's data stage, the drafter ranks' embedding and LM head)."""
+    group, the whole of it, with the same weights. A group larger than the target's KV heads builds the
+    model with each KV head repeated (tp_plan.kv_repeats): its config then counts the repeated heads."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     config, source, tokenizer = _open(spec, seed, device, flag)
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     plan = tensor_plan(config) if tp > 1 else {}
     check_tp_size(config, tp)
+    if (rep := kv_repeats(config, tp)) > 1:
+        config, source = _repeated_kv(config, rep), RepeatedKVHeads(source, _head_dim(config), rep)
     model = build_on_meta(config, dtype, device)
     if plan:
         parallelize_decoder(model.base_model, DeviceMesh.from_group(tp_group, device.type), plan)
@@ -89,6 +93,50 @@ def load_target_head(spec: str, device: str | torch.device, *, last_layers: int 
     model.base_model.layers = nn.ModuleList(kept)
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _repeated_kv(config, rep: int):
+    """A copy of `config` with `rep` times the KV heads: the same function (every query head's KV head is a
+    copy of its group's), built with one KV head per rank. head_dim is pinned: some configs derive it."""
+    out = copy.deepcopy(config)
+    out.head_dim = _head_dim(config)
+    out.num_key_value_heads = config.num_key_value_heads * rep
+    return out
+
+
+class RepeatedKVHeads:
+    """A weight reader whose KV projections (weight and bias rows) have each head repeated `rep` times:
+    repeated head j reads head j // rep of `source`."""
+
+    _KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+
+    def __init__(self, source, head_dim: int, rep: int) -> None:
+        self.source, self.head_dim, self.rep = source, head_dim, rep
+
+    def __enter__(self):
+        self.source.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.source.__exit__(*exc)
+
+    def read(self, name: str, shape: torch.Size, blocks: Blocks | None) -> torch.Tensor:
+        if not self._KV.search(name):
+            return self.source.read(name, shape, blocks)
+        real = torch.Size((shape[0] // self.rep, *shape[1:]))
+        dim, ranges = blocks or (0, [(0, shape[0])])
+        if dim != 0:  # the plan splits KV projections by output rows (colwise)
+            raise UsageError(f"--target-tp: {name} is split along dim {dim}; repeated KV heads need rows")
+        hd = self.head_dim
+        if any(start % hd or stop % hd for start, stop in ranges):
+            raise UsageError(f"--target-tp: {name} is split inside a head; repeated KV heads need whole heads")
+        heads = [h for start, stop in ranges for h in range(start // hd, stop // hd)]
+        return torch.cat([self.source.read(name, real, (0, [((h // self.rep) * hd, (h // self.rep + 1) * hd)]))
+                          for h in heads])
 
 
 def target_config(spec: str, flag: str = "--target"):

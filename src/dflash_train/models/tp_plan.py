@@ -93,9 +93,17 @@ def check_tp_size(config, tp: int, flag: str = "--target-tp") -> None:
         raise UsageError(f"{flag} {tp}: must be 1 or more")
     for field, what in SPLIT_SIZES:
         n = getattr(config, field, None)
-        if n and n % tp:
+        if n and n % tp and not (field == "num_key_value_heads" and tp % n == 0):
             raise UsageError(f"{flag} {tp} does not divide the {n} {what} of {config.model_type} ({field}): "
-                             f"use a divisor of {n}")
+                             f"use a divisor of {n}" + (f" or a multiple of {n}" if field == "num_key_value_heads" else ""))
+
+
+def kv_repeats(config, tp: int) -> int:
+    """How often each KV head is repeated for `tp` ranks: 1, or tp / KV heads when the group is larger than
+    the KV heads (each rank then holds one copy of its query heads' KV head, as grouped-query attention
+    shares it; the KV projections are a small part of a layer)."""
+    kv = getattr(config, "num_key_value_heads", None)
+    return tp // kv if kv and tp > kv else 1
 
 
 def split_parameters(decoder: nn.Module, plan: dict[str, str]) -> set[str]:
