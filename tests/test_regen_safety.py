@@ -13,8 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from dflash_train.app.run_dir import write_config
 from dflash_train.cli import main
 from dflash_train.data.regen_common import check_same_run
+from dflash_train.settings.tree import TrainConfig
 
 pytestmark = pytest.mark.slow  # starts an HTTP server
 
@@ -127,6 +129,14 @@ def test_url_credentials_are_sent_but_never_written_or_printed(echo_server, tmp_
     (tmp_path / "out.jsonl").unlink()
     code, out, err = _run(_regenerate(secret_url, tmp_path, 1), capsys)
     assert code == 1 and "hunter2pw" not in err and basic not in err and "Basic <redacted>" in err
+
+
+def test_the_run_config_keeps_the_server_url_without_its_credentials(tmp_path):
+    cfg = TrainConfig.of(regen_server="http://bob:hunter2pw@127.0.0.1:9", regen_model=MODEL)
+    write_config(tmp_path, cfg)
+    text = (tmp_path / "config.toml").read_text()
+    assert 'server = "http://127.0.0.1:9"' in text and "hunter2pw" not in text
+    assert cfg.regeneration.server == "http://bob:hunter2pw@127.0.0.1:9"  # the run itself still uses them
 
 
 def test_a_file_written_with_credentials_in_its_url_resumes(tmp_path):

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from dflash_train.app.drafter import shape
 from dflash_train.app.owned import TOP_LEFTOVERS, check_removable, check_run_dir, claim, settle
 from dflash_train.app.validation import VALIDATION_FILE
+from dflash_train.data.regen_common import without_credentials
 from dflash_train.errors import UsageError, say
 from dflash_train.files import DirectoryLock, write_atomic
 from dflash_train.models.checkpoint import check_replaceable, load_config, parse_dtype, save_drafter
@@ -88,7 +90,13 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> tuple[Pa
 
 
 def write_config(run_dir: Path, cfg: TrainConfig) -> None:
-    """RUN_DIR/config.toml, the resolved settings, written whole or not at all (never through a symlink)."""
+    """RUN_DIR/config.toml, the resolved settings, written whole or not at all (never through a symlink).
+    A --regen-server URL is written without its user:password@ part (the file is kept and read by others):
+    a --resume that still regenerates gives the URL again."""
+    regen = cfg.regeneration
+    if regen.server:
+        bare = dataclasses.replace(regen, server=without_credentials(regen.server))
+        cfg = dataclasses.replace(cfg, regeneration=bare)
     toml = cfg.to_toml().encode()
     write_atomic(run_dir / "config.toml", lambda f: f.write(toml))
 

@@ -93,9 +93,10 @@ def check_tp_size(config, tp: int, flag: str = "--target-tp") -> None:
         raise UsageError(f"{flag} {tp}: must be 1 or more")
     for field, what in SPLIT_SIZES:
         n = getattr(config, field, None)
-        if n and n % tp and not (field == "num_key_value_heads" and tp % n == 0):
+        kv = field == "num_key_value_heads"
+        if n and n % tp and not (kv and tp % n == 0):
             raise UsageError(f"{flag} {tp} does not divide the {n} {what} of {config.model_type} ({field}): "
-                             f"use a divisor of {n}" + (f" or a multiple of {n}" if field == "num_key_value_heads" else ""))
+                             f"use a divisor of {n}" + (f" or a multiple of {n}" if kv else ""))
 
 
 def kv_repeats(config, tp: int) -> int:
