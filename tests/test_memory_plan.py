@@ -12,7 +12,7 @@ import torch
 
 from dflash_train.errors import UsageError
 from dflash_train.models import presets
-from dflash_train.models.memory_plan import meta_model, parameter_counts, plan_memory, tp_sizes
+from dflash_train.models.memory_plan import eager_attention, meta_model, parameter_counts, plan_memory, tp_sizes
 
 # (total, active) from the model cards; gpt-oss counts "active" without the input embedding
 KNOWN = {"qwen3-30b-a3b": (30.5e9, 3.3e9), "gpt-oss-20b": (21e9, 3.6e9), "llama3.3-70b": (70.6e9, 70.6e9),
@@ -73,6 +73,23 @@ def test_gpt_oss_splits_by_the_projects_plan_and_an_architecture_without_a_plan_
     assert 21.9e9 < plan.weights < 22.3e9  # half of 41.8 GB, plus the whole embedding and LM head
     with pytest.raises(UsageError, match="no tensor-parallel plan for gpt2"):
         plan_memory(GPT2Config(n_layer=1), tp=2, device_bytes=139e9, token_budget=4096, n_features=5)
+
+
+def test_eager_attention_targets_count_their_tokens_by_tokens_scores():
+    """gpt_oss has no sdpa in transformers, so its feature forward runs eager attention: [heads/tp, L, L] scores,
+    L up to the token budget. Its activations grow with the budget squared (by exactly the scores term),
+    shrink with TP as its heads split; an sdpa architecture's stay linear in the budget."""
+    oss, qwen = presets.hf_config("gpt-oss-20b"), presets.hf_config("qwen3-8b")
+    assert eager_attention(oss) and not eager_attention(qwen)
+
+    def acts(cfg, tokens, tp=1):
+        return plan_memory(cfg, tp=tp, device_bytes=1e12, token_budget=tokens, n_features=5).activations
+
+    assert acts(qwen, 8192) == 2 * acts(qwen, 4096)
+    scores = 3 * 64 * 8192 * 8192 * 2  # three bf16 copies of 64 heads' 8192 x 8192 scores: 25.8 GB
+    assert acts(oss, 8192) - 2 * acts(oss, 4096) == scores // 2  # 2 x 4096^2 of them at half the budget
+    assert acts(oss, 8192) > scores > acts(oss, 8192, tp=2) - acts(oss, 8192, tp=4) >= scores // 4
+    assert eager_attention(meta_model(oss).config)  # the implementation transformers picks for it
 
 
 _MEASURE = """

@@ -115,6 +115,99 @@ def test_sliding_window_targets_keep_the_padded_batch(monkeypatch):
     assert ran == ["padded"]
 
 
+@pytest.fixture(scope="module")
+def sink_target():
+    """A tiny float32 gpt_oss with every layer full attention (so the document mask applies) and nonzero
+    attention sinks of either sign, redrawn large: a sink's weight in its head's softmax is not small."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from dflash_train.models.target import Target
+
+    torch.manual_seed(3)
+    cfg = GptOssConfig(vocab_size=256, hidden_size=48, intermediate_size=32, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, num_hidden_layers=3,
+                       layer_types=["full_attention"] * 3, num_local_experts=4, num_experts_per_tok=2)
+    model = GptOssForCausalLM(cfg).float().eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(4)
+    for layer in model.model.layers:
+        layer.self_attn.sinks.copy_(2 * torch.randn(cfg.num_attention_heads, generator=g))
+    target = Target(model, None, "gpt_oss-full-attention-test")
+    assert target.full_attention_only and model.config._attn_implementation == "eager"  # gpt_oss has no sdpa
+    return target
+
+
+@pytest.mark.parametrize("mode", ["dense", "flex"])
+def test_attention_sinks_in_the_packed_row_equal_the_targets_own_forward(sink_target, mode):
+    """gpt_oss's sinks: the packed row (dense: the sink a logit in the softmax; flex: the output rescaled from
+    FlexAttention's log-sum-exp) gives the padded batch's features, i.e. the model's own eager attention."""
+    layers = [0, 2]
+    batch = make_batch([37, 5, 120, 1, 140], seed=5)  # 303 tokens: a flex row of 3 tiles, documents across them
+    want = packed_features(sink_target, batch, layers, mode="padded")
+    torch.testing.assert_close(packed_features(sink_target, batch, layers, mode=mode), want, rtol=0, atol=1e-5)
+    assert sink_target.model.config._attn_implementation == "eager"  # switched back after the forward
+
+
+def test_attention_sinks_under_compile_target(sink_target):
+    """--compile-target: FlexAttention with its log-sum-exp and the sink rescale traced into the layers' graph."""
+    batch = make_batch([37, 5, 120, 140], seed=6)
+    want = packed_features(sink_target, batch, [0, 2], mode="padded")
+    with sink_target.compiled_layers(backend="eager"):  # the plumbing; inductor is what runs on the GPU
+        got = packed_features(sink_target, batch, [0, 2], mode="flex")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_the_sinks_matter_to_the_features(sink_target):
+    """The test above has teeth: the same target without its sinks (each at -inf: no weight) gives other features."""
+    batch = make_batch([37, 5, 120], seed=5)
+    want = packed_features(sink_target, batch, [0, 2], mode="padded")
+    sinks = [layer.self_attn.sinks for layer in sink_target.decoder.layers]
+    saved = [s.clone() for s in sinks]
+    try:
+        for s in sinks:
+            s.fill_(float("-inf"))
+        assert (packed_features(sink_target, batch, [0, 2], mode="padded") - want).abs().max() > 1e-2
+    finally:
+        for s, v in zip(sinks, saved, strict=True):
+            s.copy_(v)
+
+
+def test_sink_rescale_of_flex_attention_equals_the_softmax_with_the_sink():
+    """FlexAttention plus sink_rescale against the dense softmax over [scores, sink], GQA, sinks far from 0."""
+    from dflash_train.models.document_attention import _document_dense, _document_flex
+
+    gen = torch.Generator().manual_seed(0)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate([100, 1, 155])])
+    q, k, v = (torch.randn(1, h, 256, 16, generator=gen) for h in (6, 2, 2))
+    sinks = torch.tensor([-4.0, -1.0, 0.0, 0.5, 2.0, 6.0])
+    flex = _document_flex(q, k, v, document_block_mask(doc, torch.device("cpu"), FLEX_TILE), 0.25, sinks)
+    dense = _document_dense(q, k, v, document_dense_mask(doc), 0.25, sinks)
+    torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
+    assert (dense - _document_dense(q, k, v, document_dense_mask(doc), 0.25)).abs().max() > 0.1
+
+
+def test_document_modes_refuse_sliding_window_targets(tmp_path):
+    """A forced document mode on gpt_oss with its sliding layers: refused in one line naming 'padded' (one mask
+    for every layer would drop the windows); 'auto' runs padded; the attention itself refuses a windowed layer."""
+    from sliding_targets import sliding_window_model
+
+    from dflash_train.data.relabel import relabel
+    from dflash_train.errors import UsageError
+    from dflash_train.models.document_attention import document_row
+    from dflash_train.models.target import Target
+
+    target = Target(sliding_window_model("gpt_oss"), None, "gpt_oss-sliding-test")
+    batch = make_batch([30, 7, 50])
+    for mode in ("packed", "dense", "flex"):
+        with pytest.raises(UsageError, match="sliding_attention.*use mode 'padded'"):
+            packed_features(target, batch, [0, 1], mode=mode)
+        with pytest.raises(UsageError, match="relabel: mode"):
+            relabel(target, tmp_path, mode=mode)
+    assert packed_features(target, batch, [0, 1]).shape == (87, 2 * target.hidden_size)  # auto: padded
+    ids, pos, mask = document_row(batch.input_ids, batch.seq_ids, batch.positions, torch.device("cpu"), flex=False)
+    with pytest.raises(ValueError, match="layer 0 has a sliding window"):
+        target.features(ids, [0], position_ids=pos, attention_mask=mask)
+
+
 def test_compiled_layers_run_the_document_mask_with_one_dynamic_recompile():
     """--compile-target: the flex attention is traced into the layers' graph; a new length recompiles once."""
     import torch._dynamo

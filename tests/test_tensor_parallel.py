@@ -36,10 +36,13 @@ def tiny_configs() -> dict:
                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], **_SMALL),
         "gpt_oss": GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                                 **_SMALL),
+        # every layer full attention: its packed rows run the document attention, each rank with its heads' sinks
+        "gpt_oss_full": GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["full_attention"] * 3, **_SMALL),
     }
 
 
-TP_ARCHS = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"]
+TP_ARCHS = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "gpt_oss_full"]
 
 
 def save_tiny(model_type: str, out) -> str:
@@ -77,7 +80,9 @@ def _tp_worker(rank: int, world: int, rdv: str, dirs: dict[str, str], out: str) 
             target = load_sharded_target(path, dist.group.WORLD, "cpu", dtype=torch.float32)
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                         for p in target.model.parameters())
-            feats = {mode: packed_features(target, packed_batch(), LAYERS, mode=mode) for mode in ("padded", "dense")}
+            # the document mask only where every layer is full attention (packed_features refuses the others)
+            modes = ("padded", "dense") if target.full_attention_only else ("padded",)
+            feats = {mode: packed_features(target, packed_batch(), LAYERS, mode=mode) for mode in modes}
             layer = target.decoder.layers[0]
             experts, sinks = getattr(layer.mlp, "experts", None), getattr(layer.self_attn, "sinks", None)
             results[name] = dict(feats=feats, local=local, total=sum(p.numel() for p in target.model.parameters()),
@@ -114,8 +119,10 @@ def test_tp2_features_equal_tp1_for_every_architecture_with_a_plan(tiny_dirs, tm
     for name, path in tiny_dirs.items():
         whole = load_target(path, dtype=torch.float32)
         total = sum(p.numel() for p in whole.model.parameters())
-        for mode in ("padded", "dense"):
-            ref = packed_features(whole, packed_batch(), LAYERS, mode=mode)
+        assert list(ranks[0][name]["feats"]) == (["padded", "dense"] if whole.full_attention_only else ["padded"])
+        refs = {mode: packed_features(whole, packed_batch(), LAYERS, mode=mode) for mode in ranks[0][name]["feats"]}
+        for mode, ref in refs.items():
+            torch.testing.assert_close(ref, refs["padded"], atol=1e-5, rtol=1e-5)  # the document mask is exact
             for r in ranks:  # replicated: every rank has the full features
                 torch.testing.assert_close(r[name]["feats"][mode], ref, atol=1e-5, rtol=1e-5,
                                            msg=lambda m, n=name, md=mode: f"{n} {md}: {m}")

@@ -73,6 +73,8 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int | 
         mode = "packed" if target.device.type == "cuda" and target.full_attention_only else "padded"
     if mode == "packed":
         mode = document_backend(target.device)
+    if mode != "padded":
+        target.check_document_mask(mode, "relabel")
     if batch_tokens is None:
         batch_tokens = PADDED_TOKENS if mode == "padded" else PACKED_TOKENS
     if mode == "dense":

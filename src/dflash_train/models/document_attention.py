@@ -3,8 +3,13 @@
 A packed row holds several sequences ("documents") back to back, positions restarting at 0
 in each. Token r may attend to keys [start(r), r], start(r) the first token of its document.
 CUDA: a FlexAttention BlockMask (empty tiles skipped, no padding to the longest sequence);
-elsewhere: the same predicate as a dense [1, 1, L, L] boolean mask for sdpa. Both replace the
-model's own masks in every layer (Target.features takes either as its attention_mask).
+elsewhere: the same predicate as a dense [1, 1, L, L] boolean mask. Both replace the model's own
+masks in every layer (Target.features takes either as its attention_mask), and either runs
+through this module's attention function for that forward, whatever the model's own (eager
+attention would add a boolean mask to its scores as 0/1). It honours attention sinks (gpt_oss's
+s_aux: one extra logit per head in every row's softmax, with no value), as the model's eager
+attention defines them. One mask for every layer: a target with sliding-window layers or
+soft-capped logits is refused (Target.document_mask_refusal); its packs run padded.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
-DOCUMENT_ATTENTION = "dflash_document_flex"  # the name registered with transformers' AttentionInterface
+DOCUMENT_ATTENTION = "dflash_document"  # the name registered with transformers' AttentionInterface
 
 
 def is_block_mask(mask) -> bool:
@@ -24,6 +30,12 @@ def is_block_mask(mask) -> bool:
     except ImportError:  # pragma: no cover - FlexAttention exists from torch 2.5
         return False
     return isinstance(mask, BlockMask)
+
+
+def is_document_mask(mask) -> bool:
+    """A packed row's mask as Target.features takes it: a BlockMask or a [b, 1, L, L] boolean tensor
+    (not None, and not a [b, L] padding mask, which the model's own attention handles)."""
+    return is_block_mask(mask) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
 
 
 def document_starts(doc: torch.Tensor) -> torch.Tensor:
@@ -116,11 +128,50 @@ def document_row(ids: torch.Tensor, doc: torch.Tensor, pos: torch.Tensor, device
     return ids[None].to(device, non_blocking=True), pos[None].to(device, non_blocking=True), mask
 
 
-def _document_flex(query, key, value, block_mask, scale):
-    from torch.nn.attention.flex_attention import flex_attention
+def _document_flex(query, key, value, block_mask, scale, sinks=None):
+    """FlexAttention over a BlockMask; with sinks [Hq], rescaled by sink_rescale from the row's log-sum-exp."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
-                          enable_gqa=query.shape[1] != key.shape[1])
+    gqa = query.shape[1] != key.shape[1]
+    if sinks is None:
+        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    # return_aux (torch >= 2.9) rather than the deprecated return_lse; either gives the natural log
+    out, aux = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                              return_aux=AuxRequest(lse=True))
+    return sink_rescale(out, aux.lse, sinks)
+
+
+def sink_rescale(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention without sinks -> with them: out [b, H, L, d] * sigmoid(lse - sink), per head and row.
+
+    lse [b, H, L]: the natural log of Z = sum_j exp(s_j) over the row's visible scores; sinks [H].
+    A sink adds exp(sink) to the softmax's denominator and nothing to its numerator, so each
+    weight exp(s_j) / Z becomes exp(s_j) / (Z + exp(sink)): the output scales by
+    Z / (Z + exp(sink)) = 1 / (1 + exp(sink - lse)) = sigmoid(lse - sink). Exact, not an
+    approximation. FlexAttention's kernel keeps its statistics in base 2, but its frontend
+    returns the lse in base e (times ln 2) in every torch this supports; a base-2 lse here would
+    shrink every row's weight toward the sink. In float32, then back to the output's dtype.
+    """
+    w = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))  # [b, H, L]
+    return (out.float() * w[..., None]).to(out.dtype)
+
+
+def _document_dense(query, key, value, mask, scale, sinks=None):
+    """Attention under a dense boolean mask [1, 1, L, L] (True = may attend); query [b, Hq, L, d], key/value
+    [b, Hkv, L, d] -> [b, Hq, L, d]. Without sinks: sdpa. With sinks [Hq]: the softmax written out, the
+    sink one more logit per row whose weight is dropped, as gpt_oss's eager attention (CPU rows only:
+    DENSE_MASK_MAX_TOKENS bounds the [Hq, L, L] scores)."""
+    gqa = query.shape[1] != key.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    g = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)  # head h reads K/V head h // g
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [b, Hq, L, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # the sink's weight goes nowhere
+    return torch.matmul(probs.to(value.dtype), value)
 
 
 @functools.cache  # one per process: its graphs are reused by every target forward
@@ -138,18 +189,26 @@ def compiled_document_flex(backend: str = "inductor"):
     return compile_serialized(_document_flex, dynamic=True, backend=backend)
 
 
-def _document_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention function for a BlockMask.
+def _document_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
+                        s_aux=None, sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention function for a packed row's document mask (a BlockMask or a dense boolean).
 
-    query [b, Hq, L, d], key/value [b, Hkv, L, d] (GQA) -> output [b, L, Hq, d], no weights.
+    query [b, Hq, L, d], key/value [b, Hkv, L, d] (GQA), s_aux [Hq] attention sinks or None
+    (gpt_oss; under tensor parallelism the rank's heads' own) -> output [b, L, Hq, d], no weights.
     """
-    if torch.compiler.is_compiling():
-        fn = _document_flex  # inside --compile-target's layer graph: traced into it
+    if sliding_window is not None or softcap is not None:
+        # packed_features refuses such targets first (Target.document_mask_refusal); this keeps any other
+        # caller from getting full causal attention where the layer slides or caps its logits
+        raise ValueError(f"document mask: layer {getattr(module, 'layer_idx', '?')} has a sliding window or "
+                         "soft-capped logits, which one mask for every layer cannot express; run it padded")
+    if not is_block_mask(attention_mask):
+        out = _document_dense(query, key, value, attention_mask, scaling, s_aux)
+    elif torch.compiler.is_compiling():
+        out = _document_flex(query, key, value, attention_mask, scaling, s_aux)  # traced into --compile-target's graph
     elif query.is_cuda:
-        fn = compiled_document_flex()  # FlexAttention is only fast compiled
+        out = compiled_document_flex()(query, key, value, attention_mask, scaling, s_aux)  # only fast compiled
     else:
-        fn = _document_flex  # eager FlexAttention: the unfused reference (tests)
-    out = fn(query, key, value, attention_mask, scaling)
+        out = _document_flex(query, key, value, attention_mask, scaling, s_aux)  # eager: the unfused reference (tests)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -161,15 +220,15 @@ def _register_document_attention() -> str:
 
 
 @contextlib.contextmanager
-def flex_attention_for(config, mask) -> Iterator[None]:
-    """A BlockMask needs FlexAttention: switch the model's attention to it for this forward only.
+def document_attention_for(config, mask) -> Iterator[None]:
+    """A packed row's document mask: switch the model's attention to _document_attention for this forward only.
 
-    Decoding (eval, regeneration) keeps the model's own implementation (sdpa). The attention
-    modules read config._attn_implementation at each call, so switching is one attribute;
-    under --compile-target the layer graph guards on it (one graph per implementation).
-    Not thread-safe: one target per worker.
+    Any other mask (None, a padding mask) and decoding (eval, regeneration) keep the model's own
+    implementation (sdpa; eager for gpt_oss). The attention modules read config._attn_implementation
+    at each call, so switching is one attribute; under --compile-target the layer graph guards on it
+    (one graph per implementation). Not thread-safe: one target per worker.
     """
-    if not is_block_mask(mask):
+    if not is_document_mask(mask):
         yield
         return
     before = config._attn_implementation

@@ -16,7 +16,9 @@ Counted per GPU of a TP group (every rank holds the same amounts):
     drafter          a drafter trained on the same GPU: fp32 weights, gradients and AdamW's two
                      moments (16 bytes a parameter); 0 when the drafter has GPUs of its own
 Attention is assumed memory-efficient (FlexAttention or an sdpa kernel: no tokens x tokens
-scores); a dense CPU document mask adds token_budget^2 bytes, not counted.
+scores) except where transformers runs it eagerly (an architecture without sdpa support, gpt_oss):
+there each padded row of the pack's longest sequence L materialises [heads/tp, L, L] scores, a few
+copies at once (eager_score_bytes). A dense CPU document mask adds token_budget^2 bytes, not counted.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from dflash_train.models.tp_plan import SPLIT_SIZES, check_tp_size, has_tensor_p
 
 ADAMW_BYTES = 16  # fp32 weight + gradient + exp_avg + exp_avg_sq
 HEAD_ROWS = 4096  # Target.greedy_labels' LM-head chunk
+# [rows, heads, L, L] tensors alive at once at the peak of gpt_oss's eager attention: the masked scores,
+# [scores, sink] less its row max, and the softmax of that (the concatenation before the max is freed by then)
+EAGER_SCORE_COPIES = 3
 GB = 1e9
 
 
@@ -136,7 +141,31 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
         mlp = 3 * config.intermediate_size // tp
     per_token = 4 * h + qkv + mlp + n_features * h  # residual, norm, attention output, sum; features
     head = HEAD_ROWS * config.vocab_size * size if labels else 0
-    return tokens * per_token * size + head
+    return tokens * per_token * size + head + eager_score_bytes(config, tp, tokens, size)
+
+
+def eager_score_bytes(config, tp: int, tokens: int, size: int) -> int:
+    """The attention scores eager attention materialises in one layer of a padded feature forward; 0 elsewhere.
+
+    Each padded row holds [heads/tp, L, L] scores, L the pack's longest sequence; a pack of `tokens`
+    is about tokens / L such rows, so rows x L^2 ~ tokens x L <= tokens^2 (one sequence filling the
+    budget). Rows of padding beyond tokens / L (one long sequence among many short ones) are not counted.
+    """
+    if not eager_attention(config):
+        return 0
+    return EAGER_SCORE_COPIES * (config.num_attention_heads // tp) * tokens * tokens * size
+
+
+def eager_attention(config) -> bool:
+    """Whether the target's attention runs eagerly: the implementation its config names, else transformers'
+    default, which the loaders keep (sdpa where the architecture supports it, else eager: gpt_oss)."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is not None:
+        return impl == "eager"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return cls is not None and not cls._supports_sdpa
 
 
 def tp_sizes(config) -> list[int]:

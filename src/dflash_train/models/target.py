@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.errors import UsageError
-from dflash_train.models.document_attention import flex_attention_for
+from dflash_train.models.document_attention import document_attention_for
 
 _HEAD_ROWS = 4096  # LM head rows at a time in greedy_labels: [4096, vocab] logits, not a whole row's
 
@@ -104,13 +104,30 @@ class Target:
         """Every layer is plain causal attention (no sliding window, no logit soft-capping).
 
         Only then may a packed row's document mask (which replaces the model's own masks in
-        every layer) stand in for the padded batch.
+        every layer) stand in for the padded batch. Attention sinks (gpt_oss) do not matter:
+        the document attention adds them as the model does.
         """
+        return self.document_mask_refusal is None
+
+    @property
+    def document_mask_refusal(self) -> str | None:
+        """Why one causal document mask in every layer would change this target's attention, or None."""
         cfg = self.model.config
         # no layer_types but a window (Mistral, Mixtral): HF slides every layer
         default = ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"]
         types = getattr(cfg, "layer_types", None) or default
-        return all(t == "full_attention" for t in types) and not getattr(cfg, "attn_logit_softcapping", None)
+        if any(t != "full_attention" for t in types):
+            return f"layers other than full causal attention ({sorted(set(types) - {'full_attention'})})"
+        if getattr(cfg, "attn_logit_softcapping", None):
+            return "soft-capped attention logits"
+        return None
+
+    def check_document_mask(self, mode: str, where: str) -> None:
+        """Refuse a forced document-mask mode ('packed', 'flex', 'dense') for a target whose layers it would change."""
+        why = self.document_mask_refusal
+        if why is not None:
+            raise UsageError(f"{where}: mode {mode!r} puts one causal document mask in every layer, but target "
+                             f"{self.spec} has {why}: use mode 'padded' (or 'auto', which picks it)")
 
     @torch.inference_mode()
     def features(self, input_ids: torch.Tensor, layer_ids: Sequence[int], *,
@@ -118,13 +135,13 @@ class Target:
         """Concatenated features [b, n, len(layer_ids) * H]; runs layers 0..max(layer_ids) only, no LM head.
 
         attention_mask: None (causal), a [b, n] padding mask, a [b, 1, n, n] boolean mask (True =
-        may attend) or a FlexAttention BlockMask; the last two are used as given (e.g. a packed
-        row's document mask, models/document_attention.py) and a BlockMask runs this forward's
-        attention through FlexAttention.
+        may attend) or a FlexAttention BlockMask; the last two are a packed row's document mask
+        (models/document_attention.py), used as given in every layer, and run this forward's
+        attention through the document attention (FlexAttention for a BlockMask).
         """
         self.check_layer_ids(layer_ids, "target_layer_ids")
         with self.capture(layer_ids) as features, self._truncated(max(layer_ids) + 1), \
-                flex_attention_for(self.model.config, attention_mask):
+                document_attention_for(self.model.config, attention_mask):
             self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
         return features()
 

@@ -87,6 +87,7 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
         mode = document_backend(target.device)
     if mode == "padded":
         return padded_features(target, batch, layer_ids, prof)
+    target.check_document_mask(mode, "packed_features")  # a forced mode; 'auto' never picks it for such targets
     return document_features(target, batch, layer_ids, prof, flex=mode == "flex")
 
 
@@ -108,7 +109,8 @@ def document_features(target: Target, batch: PackedBatch, layer_ids: list[int], 
     """Features [S, n*H] of the packed row in one forward, each sequence causal within itself.
 
     flex: a FlexAttention BlockMask over the row padded to a multiple of FLEX_TILE (CUDA; on
-    CPU FlexAttention runs eagerly, a reference); else a dense [1, 1, S, S] mask for sdpa.
+    CPU FlexAttention runs eagerly, a reference); else a dense [1, 1, S, S] mask (sdpa; with
+    attention sinks the softmax written out). Attention sinks are kept either way.
     Everything is built from the loader's host copy of the batch: no host sync.
     """
     ids, pos, mask = document_row(batch.input_ids.cpu(), batch.seq_ids.cpu(), batch.positions.cpu(),
