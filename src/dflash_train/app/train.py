@@ -37,6 +37,7 @@ from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.experts import use_experts
 from dflash_train.models.loading import default_dtype, load_target
 from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.models.target import Target
@@ -86,10 +87,13 @@ def job_target(cfg: TrainConfig, roles, device: torch.device) -> Target:
     """The target this process holds: on `device`, or for a target split by --target-tp on the host, whole,
     with the weights its ranks split (app/placement.py says what the job asks of it)."""
     if cfg.pipeline.target_tp == 1:
-        return load_target(cfg.run.target, device=device)
-    say(f"--target-tp {cfg.pipeline.target_tp}: this process holds the target on the host (the data stage, the "
-        "drafter's start); its replicas split it over their devices")
-    return load_sharded_target(cfg.run.target, None, "cpu", dtype=default_dtype(device))
+        target = load_target(cfg.run.target, device=device)
+    else:
+        say(f"--target-tp {cfg.pipeline.target_tp}: this process holds the target on the host (the data stage, the "
+            "drafter's start); its replicas split it over their devices")
+        target = load_sharded_target(cfg.run.target, None, "cpu", dtype=default_dtype(device))
+    use_experts(target.model, cfg.pipeline.target_experts)
+    return target
 
 
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:

@@ -1,0 +1,99 @@
+"""Mixture-of-experts targets: the experts' kernel (models/experts.py)."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import cli_error
+
+from dflash_train.data.packing import pack
+from dflash_train.decode import architectures
+from dflash_train.errors import UsageError
+from dflash_train.models.experts import resolve, use_experts
+from dflash_train.models.loading import load_target
+from dflash_train.pipeline.features import packed_features
+
+MOE = ["tiny-qwen3-moe", "tiny-gpt-oss"]
+LAYERS = [1, 3, 5]  # the tiny presets have 6 layers; 5 gets the final norm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=MOE)
+def moe_target(request):
+    return load_target(f"random:{request.param}", device="cpu", dtype=torch.float32, seed=0)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    return pack([(rng.integers(0, 256, n), np.ones(n, dtype=np.int64)) for n in (37, 5, 60)], 1 << 20)
+
+
+class _GroupedMMCalls:
+    """Counts torch's grouped GEMM calls: the kernel transformers' grouped_mm experts run."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        owner, name = (torch.nn.functional, "grouped_mm") if hasattr(torch.nn.functional, "grouped_mm") \
+            else (torch, "_grouped_mm")
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+
+
+def test_auto_is_grouped_mm_for_bf16_on_cuda_and_eager_elsewhere():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve("auto", cuda, torch.bfloat16) == "grouped_mm"
+    assert resolve("auto", cuda, torch.float32) == "eager"  # the CUDA grouped GEMMs take bf16
+    assert resolve("auto", cpu, torch.bfloat16) == "eager"  # the reference (docs/performance.md#moe-targets)
+    assert resolve("grouped_mm", cpu, torch.float32) == "grouped_mm"
+
+
+def test_loading_sets_auto_on_moe_targets_and_leaves_dense_ones(moe_target, tiny_target):
+    assert moe_target.config._experts_implementation == "eager"  # auto on CPU, never "auto" itself
+    before = tiny_target.config._experts_implementation
+    assert use_experts(tiny_target.model, "grouped_mm") is None
+    assert tiny_target.config._experts_implementation == before
+
+
+@pytest.mark.parametrize("kernel", ["grouped_mm", "batched_mm"])
+def test_features_under_each_kernel_equal_eager(moe_target, kernel, monkeypatch):
+    """The features DFlash trains on do not depend on the kernel, within float32 rounding."""
+    batch = _batch()
+    calls = _GroupedMMCalls(monkeypatch)
+    try:
+        assert use_experts(moe_target.model, "eager") == "eager"
+        want = packed_features(moe_target, batch, LAYERS)
+        assert calls.n == 0
+        assert use_experts(moe_target.model, kernel) == kernel
+        got = packed_features(moe_target, batch, LAYERS)
+    finally:
+        use_experts(moe_target.model)
+    assert (calls.n > 0) == (kernel == "grouped_mm")  # the kernel asked for is the one that ran
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_train_job_applies_the_pipeline_setting():
+    from dflash_train.app.train import job_target
+    from dflash_train.settings.tree import TrainConfig
+
+    cfg = TrainConfig.of(target="random:tiny-gpt-oss", target_experts="grouped_mm")
+    assert job_target(cfg, None, torch.device("cpu")).config._experts_implementation == "grouped_mm"
+
+
+def test_an_unknown_kernel_is_one_line_naming_the_flag(moe_target, capsys, tmp_path):
+    with pytest.raises(UsageError, match=r"^--target-experts must be auto, eager, grouped_mm or batched_mm, got 'x'$"):
+        use_experts(moe_target.model, "x")
+    assert "--target-experts must be" in cli_error(["train", "--run-dir", str(tmp_path), "--target-experts",
+                                                    "fused"], capsys)
+
+
+def test_gpt_oss_steps_are_capturable_unless_its_experts_loop_on_the_host():
+    """decode/architectures.py: the eager loop finds each expert's tokens with a host read; the others do not."""
+    target = load_target("random:tiny-gpt-oss", device="cpu", dtype=torch.float32)
+    want = {"eager": False, "grouped_mm": True, "batched_mm": True}
+    for kernel, capturable in want.items():
+        use_experts(target.model, kernel)
+        assert architectures.capturable(target.model) is capturable
