@@ -1,4 +1,4 @@
-"""Mixture-of-experts targets: the experts' kernel (models/experts.py)."""
+"""Mixture-of-experts targets: the experts' kernel (models/experts.py) and their FLOPs counted on active parameters."""
 
 import numpy as np
 import pytest
@@ -8,9 +8,12 @@ from conftest import cli_error
 from dflash_train.data.packing import pack
 from dflash_train.decode import architectures
 from dflash_train.errors import UsageError
+from dflash_train.models import presets
 from dflash_train.models.experts import resolve, use_experts
 from dflash_train.models.loading import load_target
+from dflash_train.models.memory_plan import parameter_counts
 from dflash_train.pipeline.features import packed_features
+from dflash_train.profiling.flops import Shape, shape_of, target_flops
 
 MOE = ["tiny-qwen3-moe", "tiny-gpt-oss"]
 LAYERS = [1, 3, 5]  # the tiny presets have 6 layers; 5 gets the final norm
@@ -97,3 +100,36 @@ def test_gpt_oss_steps_are_capturable_unless_its_experts_loop_on_the_host():
     for kernel, capturable in want.items():
         use_experts(target.model, kernel)
         assert architectures.capturable(target.model) is capturable
+
+
+def test_moe_flops_count_the_router_and_the_top_k_experts_by_hand():
+    """tiny-qwen3-moe: 16 experts of width 32, 4 a token; tiny-gpt-oss: 8 of width 64, 2 a token."""
+    h, attn = 64, 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v, o: 4 heads and 2 KV heads of 16
+    assert shape_of(presets.hf_config("tiny-qwen3-moe")).layer_params(6) == 6 * (attn + h * 16 + 3 * h * 4 * 32)
+    assert shape_of(presets.hf_config("tiny-gpt-oss")).layer_params(6) == 6 * (attn + h * 8 + 3 * h * 2 * 64)
+    dense = Shape(hidden=h, intermediate=128, heads=4, kv_heads=2, head_dim=16)
+    assert dense.layer_params(3) == 3 * (attn + 3 * h * 128)
+    assert target_flops(dense, 3, [4]) == 2 * dense.layer_params(3) * 4 + 3 * dense.attn_pair * 10
+
+
+def test_qwen3_moe_dense_layers_count_a_dense_mlp():
+    cfg = presets.hf_config("tiny-qwen3-moe")
+    cfg.mlp_only_layers, cfg.decoder_sparse_step = [0], 2  # layers 1, 3, 5 route; 0, 2, 4 are dense
+    mlp = shape_of(cfg).mlp
+    assert mlp[0] == mlp[2] == 3 * 64 * 128 and mlp[1] == mlp[3] == 64 * 16 + 3 * 64 * 4 * 32
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3-235b-a22b"])
+def test_target_flops_count_active_parameters(name):
+    """The target's FLOPs per token are 2 x its active decoder parameters (memory_plan's count, less the
+    embedding and the LM head; the norms and biases FLOPs leave out are under 0.1% at these sizes), not
+    its total, which has 8x (gpt-oss-20b) to 16x (Qwen3-30B-A3B) the experts' share."""
+    cfg = presets.hf_config(name)
+    counts = parameter_counts(cfg)
+    head = 0 if cfg.tie_word_embeddings else counts.embedding
+    active = counts.active - counts.embedding - head
+    layer_params = shape_of(cfg).layer_params(cfg.num_hidden_layers)
+    assert layer_params == pytest.approx(active, rel=2e-3)
+    assert layer_params < 0.5 * (counts.total - counts.embedding - head)
+    assert target_flops(shape_of(cfg), cfg.num_hidden_layers, [1]) == pytest.approx(
+        2 * active + cfg.num_hidden_layers * shape_of(cfg).attn_pair, rel=2e-3)
