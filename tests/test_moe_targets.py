@@ -1,10 +1,13 @@
 """Mixture-of-experts targets: the experts' kernel (models/experts.py) and their FLOPs counted on active parameters."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from conftest import cli_error
 
+from dflash_train.cli import main
 from dflash_train.data.packing import pack
 from dflash_train.decode import architectures
 from dflash_train.errors import UsageError
@@ -91,6 +94,10 @@ def test_an_unknown_kernel_is_one_line_naming_the_flag(moe_target, capsys, tmp_p
         use_experts(moe_target.model, "x")
     assert "--target-experts must be" in cli_error(["train", "--run-dir", str(tmp_path), "--target-experts",
                                                     "fused"], capsys)
+    assert "--target-experts must be comma-separated" in cli_error(["bench", "--target-experts", "eager,fused"],
+                                                                   capsys)
+    assert "--splits runs one experts kernel" in cli_error(["bench", "--target-experts", "eager,grouped_mm",
+                                                            "--splits", "x2"], capsys)
 
 
 def test_gpt_oss_steps_are_capturable_unless_its_experts_loop_on_the_host():
@@ -133,3 +140,19 @@ def test_target_flops_count_active_parameters(name):
     assert layer_params < 0.5 * (counts.total - counts.embedding - head)
     assert target_flops(shape_of(cfg), cfg.num_hidden_layers, [1]) == pytest.approx(
         2 * active + cfg.num_hidden_layers * shape_of(cfg).attn_pair, rel=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE)
+def test_bench_runs_each_kernel_side_by_side(name, tmp_path):
+    """--target-experts eager,grouped_mm: every variant under both, named variant@kernel, with the kernel run."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", f"random:{name}", "--device", "cpu", "--num-layers", "1", "--block-size", "4",
+                 "--num-anchors", "8", "--seq-len", "64", "--steps", "1", "--variants", "target-only,overlap",
+                 "--target-experts", "eager,grouped_mm", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = {f"{v}@{k}": k for v in ("target-only", "overlap") for k in ("eager", "grouped_mm")}
+    assert set(res["variants"]) == set(runs)
+    assert all(res["variants"][run]["experts"] == kernel for run, kernel in runs.items())
+    assert res["best_variant"] in ("overlap@eager", "overlap@grouped_mm")
+    assert res["target_tflop_per_step"] > 0 and res["time_to_first_step_s"] > 0
