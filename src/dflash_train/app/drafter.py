@@ -12,6 +12,7 @@ from dflash_train.models.chat import token_text
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.experts import use_experts
 from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.loading import default_dtype, load_target
 from dflash_train.models.sharded_loading import load_target_head
@@ -30,7 +31,9 @@ def drafter_side_target(cfg: TrainConfig, device: torch.device, *, fresh: bool, 
     if cfg.pipeline.target_tp > 1:
         last = cfg.drafter.num_layers if fresh and cfg.drafter.init_from_target else 0
         return load_target_head(cfg.run.target, device, last_layers=last)
-    return load_target(cfg.run.target, device=where, dtype=default_dtype(device))
+    target = load_target(cfg.run.target, device=where, dtype=default_dtype(device))
+    use_experts(target.model, cfg.pipeline.target_experts)  # a "both" rank and the job's eval run its forwards
+    return target
 
 
 def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:

@@ -30,6 +30,7 @@ from dflash_train.app.validation import VALIDATION_FILE, Awaited, Validation, va
 from dflash_train.errors import UsageError
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.experts import use_experts
 from dflash_train.models.loading import load_target
 from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.pipeline.launcher import Launcher, free_port, parse_devices
@@ -205,6 +206,7 @@ def _serve(work: TrainWork, spec: WorkerSpec, peers: Peers, session, tp_group) -
         target = load_sharded_target(cfg.run.target, tp_group, device)
     else:
         target = load_target(cfg.run.target, device=device)
+    use_experts(target.model, cfg.pipeline.target_experts)
     drafter_cfg = load_config(work.drafter_dir) if work.drafter_dir is not None else drafter_config(cfg, target)
     dataset = open_prepared(cfg, work.data_dir)
     plan = _plan(work, spec, dataset, drafter_cfg)

@@ -10,11 +10,23 @@ import torch
 
 from dflash_train.config import RELEASED, AttentionBackend, flag, same_as, setting, validate
 from dflash_train.errors import UsageError
+from dflash_train.models.experts import CHOICES as EXPERTS
 from dflash_train.objective.objective import ObjectiveConfig
 from dflash_train.settings.sections import DrafterConfig, PipelineConfig, RunConfig
 from dflash_train.settings.tree import TrainConfig
 
 VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-only", "drafter-only")
+
+
+def _experts_list(text: str) -> str | None:
+    bad = [c for c in _items(text) if c not in EXPERTS]
+    if bad or not _items(text):
+        return f"must be comma-separated from {', '.join(EXPERTS)}, got {text!r}"
+    return None
+
+
+def _items(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,6 +47,9 @@ class BenchConfig:
     splits: str = setting("", "several GPUs: T+D (T target, D drafter GPUs) or xN (N GPUs with both roles), "
                       "comma-separated, e.g. 1+1,x2 (bench/multi.py)")
     compile_target: bool = same_as(PipelineConfig, "compile_target")
+    target_experts: str = setting("auto", "train's --target-experts (the kernel of a mixture-of-experts target's "
+                                  "experts); comma-separated runs every variant under each, side by side, e.g. "
+                                  "eager,grouped_mm", _experts_list)
     cold_start: bool = setting(False, "every variant's process starts with empty compile caches (inductor, Triton)")
 
     def __post_init__(self) -> None:
@@ -46,13 +61,26 @@ class BenchConfig:
         bad = [v for v in self.variant_list if v not in VARIANTS]
         if bad:
             raise UsageError(f"--variants: unknown {bad} (choose from {', '.join(VARIANTS)})")
+        if self.splits and len(self.experts_list) > 1:
+            raise UsageError(f"--target-experts {self.target_experts}: --splits runs one experts kernel (give one)")
 
     @property
     def variant_list(self) -> list[str]:
-        return [v.strip() for v in self.variants.split(",") if v.strip()]
+        return _items(self.variants)
+
+    @property
+    def experts_list(self) -> list[str]:
+        return _items(self.target_experts)
+
+    def runs(self) -> list[tuple[str, str, str]]:
+        """(name, variant, experts) of each one-device run: the variant's name alone for one experts
+        kernel, else `variant@experts` for every variant under every kernel."""
+        one = len(self.experts_list) == 1
+        return [(v if one else f"{v}@{e}", v, e) for e in self.experts_list for v in self.variant_list]
 
 
-def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, **extra) -> TrainConfig:
+def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, experts: str | None = None,
+                 **extra) -> TrainConfig:
     """The `train` settings of one variant's run: the bench's shapes, no checkpoints, no eval."""
     base = dict(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
                 block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
@@ -60,7 +88,7 @@ def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, **ex
                 max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
                 overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
                 profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0,
-                compile_target=cfg.compile_target)
+                compile_target=cfg.compile_target, target_experts=experts or cfg.experts_list[0])
     return TrainConfig.of(**(base | extra))
 
 

@@ -19,8 +19,12 @@ caches, as on a fresh machine; otherwise whatever earlier runs left in them). Va
     drafter-only  only the drafter steps: features cached during warm-up (the data has --steps sequences,
                   so the timed steps revisit them with new anchors)
 
-MFU = model FLOPs of the timed steps (profiling/flops.py) / (seconds x peak), peak 989 TFLOP/s
-(H200 dense BF16) on CUDA; on CPU no MFU is reported. --splits adds several-GPU runs (bench/multi.py).
+--target-experts eager,grouped_mm runs every variant under each experts kernel of a mixture-of-experts
+target (models/experts.py), named variant@kernel, side by side in one record.
+
+MFU = model FLOPs of the timed steps (profiling/flops.py; an MoE target's active parameters) / (seconds x
+peak), peak 989 TFLOP/s (H200 dense BF16) on CUDA; on CPU no MFU is reported. --splits adds several-GPU
+runs (bench/multi.py).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dflash_train.app.local import train_local
 from dflash_train.bench.config import BenchConfig, check_gpus, parse_splits, train_config
 from dflash_train.bench.multi import link_bandwidth, recommend, run_split, scaling, write_dataset
 from dflash_train.devices import resolve_device
+from dflash_train.models.experts import use_experts
 from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.loading import load_target
 from dflash_train.pipeline.features import packed_features
@@ -114,18 +119,20 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     check_gpus(splits, device)
     results: dict[str, Any] = {}
     plan = None
-    for variant in cfg.variant_list:
+    runs = cfg.runs()
+    width = max(14, *(len(name) for name, _, _ in runs))
+    for name, variant, experts in runs:
         # A second training loop in one process ran the overlapped pipeline ~12% slower than the
         # first on the H200 (not a recompile, not the allocator, not GC; docs/performance.md), so
         # no variant inherits another's process.
         # time to first step: from this variant's process start (a `train` launch), whatever ran before
         with _compile_caches(cfg.cold_start):
-            res, plan = _in_fresh_process(_run_variant, cfg, variant, str(device), time.perf_counter())
-        results[variant] = res
+            res, plan = _in_fresh_process(_run_variant, cfg, variant, experts, str(device), time.perf_counter())
+        results[name] = res
         mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
         blocks = f"  {res['block_tokens_per_s']:>10,.0f} block tokens/s" if "block_tokens_per_s" in res else ""
         verdict = f"  verdict {res['verdict']['kind']}" if "verdict" in res else ""
-        log(f"{variant:<14} {res['tokens_per_s']:>10,.0f} tokens/s{blocks}  {res['step_s'] * 1e3:8.1f} ms/step"
+        log(f"{name:<{width}} {res['tokens_per_s']:>10,.0f} tokens/s{blocks}  {res['step_s'] * 1e3:8.1f} ms/step"
             f"{mfu}{verdict}")
     if plan is None:
         plan = _in_fresh_process(_plan_only, cfg, str(device))
@@ -182,13 +189,13 @@ def _in_fresh_process(fn, *args):
                 break
             except queue.Empty:  # check that the child is still alive
                 if proc.exitcode is not None and q.empty():
-                    raise RuntimeError(f"bench process {fn.__name__}{args[1:2]} died (exit {proc.exitcode})") from None
+                    raise RuntimeError(f"bench process {fn.__name__}{args[1:3]} died (exit {proc.exitcode})") from None
     finally:
         proc.join(timeout=60)
         if proc.exitcode is None:
             proc.kill()
     if status == "error":
-        raise RuntimeError(f"bench {fn.__name__}{args[1:2]} failed:\n{value}")
+        raise RuntimeError(f"bench {fn.__name__}{args[1:3]} failed:\n{value}")
     return value
 
 
@@ -225,8 +232,9 @@ def _plan_only(cfg: BenchConfig, device_name: str) -> dict[str, Any]:
     return _setup(cfg, device_name)[3]
 
 
-def _run_variant(cfg: BenchConfig, variant: str, device_name: str, t_launch: float):
+def _run_variant(cfg: BenchConfig, variant: str, experts: str, device_name: str, t_launch: float):
     target, drafter, dataset, plan = _setup(cfg, device_name)
+    kernel = use_experts(target.model, experts)  # None: a dense target
     device = target.device
     cuda = device.type == "cuda"
     total = 2 * cfg.steps
@@ -234,15 +242,18 @@ def _run_variant(cfg: BenchConfig, variant: str, device_name: str, t_launch: flo
         with target.compiled_layers(cfg.compile_target):
             res = _target_only(cfg, target, drafter, dataset, total, device)
         res["mfu"] = plan["t_flops"] / (res["step_s"] * cfg.steps) / PEAK_BF16 if cuda else None
-        return res, plan
-    return _train_variant(cfg, variant, target, drafter, dataset, plan, t_launch), plan
+    else:
+        res = _train_variant(cfg, variant, experts, target, drafter, dataset, plan, t_launch)
+    res["experts"] = kernel
+    return res, plan
 
 
-def _train_variant(cfg: BenchConfig, variant: str, target, drafter, dataset, plan, t_launch) -> dict[str, Any]:
+def _train_variant(cfg: BenchConfig, variant: str, experts: str, target, drafter, dataset, plan,
+                   t_launch) -> dict[str, Any]:
     device = target.device
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
-        tcfg = train_config(cfg, Path(tmp), variant, 2 * cfg.steps)
+        tcfg = train_config(cfg, Path(tmp), variant, 2 * cfg.steps, experts)
         profiled = "+" in variant
         # as `train` profiles: allocator telemetry on CUDA too; the records go to tmp/profile.jsonl for the verdicts
         stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profiling.profile_cuda_events,
@@ -320,7 +331,8 @@ def _multi_summary(one: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]
 def _summary(cfg: BenchConfig, plan: dict[str, Any], results: dict) -> dict[str, Any]:
     import transformers
 
-    trained = [v for v in results if not v.endswith("-only")]  # the -only variants do half the work
+    # the -only variants do half the work (names: the variant, or variant@experts)
+    trained = [v for v in results if not v.partition("@")[0].endswith("-only")]
     best = max(trained, key=lambda v: results[v]["tokens_per_s"]) if trained else None
     top = results[best] if best else {}
     out: dict[str, Any] = {

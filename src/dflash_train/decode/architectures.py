@@ -24,8 +24,9 @@ softcapping (Gemma 2); Gemma 3's bidirectional mode; RoPE types whose frequencie
 sequence length (dynamic, longrope).
 
 CUDA graphs: gpt_oss's experts under transformers' "eager" experts implementation pick the tokens
-each expert runs with a host read (`nonzero`), which a graph cannot capture; under its default,
-"grouped_mm", the routing stays on the device. `capturable` says which. (Under torch.compile with
+each expert runs with a host read (`nonzero`), which a graph cannot capture; under "grouped_mm" (what
+the loaders' `auto` sets for bf16 on CUDA, models/experts.py) and "batched_mm" the routing stays on the
+device. `capturable` says which. (Under torch.compile with
 weights other than bf16, transformers' grouped_mm falls back to a loop that reads the expert
 offsets on the host: compiled gpt_oss steps want bf16.)
 """

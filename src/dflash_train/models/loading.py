@@ -24,6 +24,7 @@ from dflash_train.errors import UsageError
 from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
 from dflash_train.models.chat import prepare_chat, prepare_tokenizer
+from dflash_train.models.experts import use_experts
 from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
 from dflash_train.models.target import Target
 
@@ -68,6 +69,7 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
                          "owner/name)")
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    use_experts(model)  # MoE targets: the kernel `auto` picks for this device and dtype (models/experts.py)
     target = Target(model=model, tokenizer=tok, spec=spec)
     prepare_chat(target)
     return target

@@ -1,6 +1,7 @@
 """Named target shapes for `--target random:<preset>`: real architectures, random weights.
 
-`tiny` runs CPU tests in seconds; the others are the real shapes used by benchmarks. The large
+`tiny` runs CPU tests in seconds, and `tiny-qwen3-moe` and `tiny-gpt-oss` are the MoE presets'
+architectures at that size; the others are the real shapes used by benchmarks. The large
 ones (MoE, 70B and up) are for memory planning and tensor-parallel runs: built on the meta
 device they cost nothing (models/memory_plan.py counts their parameters that way).
 """
@@ -65,6 +66,22 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                      "original_max_position_embeddings": 4096},
                                     max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5)),
 }
+
+
+def _scaled_down(preset: str, **shape: Any) -> tuple[str, dict[str, Any]]:
+    """`preset`'s architecture (routing, attention types, RoPE, biases) at the size of `shape`."""
+    model_type, kwargs = PRESETS[preset]
+    return model_type, {**kwargs, **shape}
+
+
+_TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16)
+# the MoE presets at CPU size, for CPU runs of their code paths (bench, tests): top-k of E as a real router
+# picks them, so active and total parameters differ as in the full models
+PRESETS["tiny-qwen3-moe"] = _scaled_down("qwen3-30b-a3b", **_TINY, intermediate_size=128, moe_intermediate_size=32,
+                                         num_experts=16, num_experts_per_tok=4)
+PRESETS["tiny-gpt-oss"] = _scaled_down("gpt-oss-20b", **_TINY, intermediate_size=64, num_local_experts=8,
+                                       num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 3)
 
 
 def hf_config(preset: str):

@@ -42,6 +42,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from dflash_train.errors import UsageError
 from dflash_train.models import presets
+from dflash_train.models.experts import use_experts
 from dflash_train.models.loading import byte_tokenizer, default_dtype
 from dflash_train.models.target import Target
 from dflash_train.models.tp_plan import check_tp_size, kv_repeats, parallelize_decoder, tensor_plan
@@ -70,6 +71,7 @@ def load_sharded_target(spec: str, tp_group: dist.ProcessGroup | None, device: s
     with source:
         fill_parameters(model, source, dist.get_rank(tp_group) if tp > 1 else 0, tp, device, dtype)
     model.eval().requires_grad_(False)
+    use_experts(model)  # as load_target: the experts' kernel for this device and dtype
     return Target(model=model, tokenizer=tokenizer, spec=spec)
 
 

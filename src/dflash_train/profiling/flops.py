@@ -10,8 +10,10 @@ Convention: a matmul of [m, k] x [k, n] is 2mkn FLOPs; backward = 2 x forward fo
 layers. Counted (nothing else, no recomputation):
 
     target   (inference, layers 0..max(layer_ids) only, no LM head)
-             per token 2 x linear params of those layers; attention 4 x heads x head_dim per
-             causal (query, key) pair per layer
+             per token 2 x the linear params it uses in those layers; attention 4 x heads x
+             head_dim per causal (query, key) pair per layer. A mixture-of-experts layer's MLP
+             counts what a token runs: its router, its top-k routed experts and any shared
+             experts, not the experts it skips (active parameters: for Qwen3-30B-A3B 8 of 128)
     drafter  (forward + backward)
              block tokens: 6 x linear params per layer; context tokens: 6 x k/v-projection
              params per layer (the context enters k/v_proj) and 4 x fc params (forward +
@@ -39,11 +41,24 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
+    # a target's MLP params one token uses, per layer (routed: router + top-k + shared experts); () = dense
+    mlp: tuple[int, ...] = ()
+
+    @property
+    def attn_params(self) -> int:
+        h, a, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * a + 2 * h * kv + a * h
 
     @property
     def linear_params(self) -> int:
-        h, a, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * a + 2 * h * kv + a * h + 3 * h * self.intermediate
+        """One dense layer's (the drafter's)."""
+        return self.attn_params + 3 * self.hidden * self.intermediate
+
+    def layer_params(self, layers: int) -> int:
+        """The linear params one token uses in layers 0..layers-1."""
+        if not self.mlp:
+            return layers * self.linear_params
+        return layers * self.attn_params + sum(self.mlp[:layers])
 
     @property
     def kv_params(self) -> int:
@@ -56,13 +71,37 @@ class Shape:
 
 def shape_of(cfg) -> Shape:
     return Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                 getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+                 getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, routed_mlp(cfg))
+
+
+def routed_mlp(cfg) -> tuple[int, ...]:
+    """Per layer, the MLP params one token uses in a mixture-of-experts config; () for a dense one.
+
+    Fields as transformers names them: E experts num_experts (qwen2/3_moe) or num_local_experts (gpt_oss,
+    mixtral); an expert's width moe_intermediate_size, else intermediate_size (gpt_oss, mixtral); a
+    shared expert shared_expert_intermediate_size (qwen2_moe, with its one-output gate). A routed layer
+    counts its router (hidden x E), top-k experts and shared expert; the layers mlp_only_layers and
+    decoder_sparse_step leave dense (qwen2/3_moe) count a dense MLP of intermediate_size.
+    """
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return ()
+    h = cfg.hidden_size
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
+    routed = h * experts + 3 * h * (top_k * width + shared) + (h if shared else 0)
+    dense = 3 * h * cfg.intermediate_size
+    dense_layers = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = getattr(cfg, "decoder_sparse_step", None) or 1
+    return tuple(routed if i not in dense_layers and (i + 1) % step == 0 else dense
+                 for i in range(cfg.num_hidden_layers))
 
 
 def target_flops(shape: Shape, layers: int, seq_lengths: list[int]) -> float:
     tokens = sum(seq_lengths)
     pairs = sum(n * (n + 1) // 2 for n in seq_lengths)
-    return float(layers * (2 * shape.linear_params * tokens + shape.attn_pair * pairs))
+    return float(2 * shape.layer_params(layers) * tokens + layers * shape.attn_pair * pairs)
 
 
 def drafter_flops(shape: Shape, layers: int, num_features: int, vocab: int, block_size: int,

@@ -7,6 +7,7 @@ from typing import Literal
 
 from dflash_train.config import MAX_BLOCK_SIZE, MAX_MLP_RATIO, at_least, between, setting, validate
 from dflash_train.errors import UsageError
+from dflash_train.models.experts import ExpertsChoice
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,6 +111,10 @@ class PipelineConfig:
     dist_port: int = setting(0, "TCP port of the torch.distributed rendezvous on this host (0 = a free one)")
     compile_target: bool = setting(False, "torch.compile the target's decoder layers for the feature forwards "
                                           "(one graph for all layers, compiled once per run)")
+    target_experts: ExpertsChoice = setting("auto", "the kernel of a mixture-of-experts target's experts: auto = "
+                                                    "grouped_mm (grouped GEMMs) for bf16 on CUDA, else eager "
+                                                    "(transformers' loop over the experts); batched_mm copies "
+                                                    "weights per token (tiny shapes only); dense targets ignore it")
     cache_features: bool | None = setting(None, "compute each sequence's target features once and keep them in the "
                                                 "target's device memory (tokens x features x hidden x 2 bytes on a "
                                                 "GPU), so the target runs only in the first epoch (default: on for "
