@@ -86,7 +86,7 @@ def test_the_train_job_applies_the_pipeline_setting():
     from dflash_train.settings.tree import TrainConfig
 
     cfg = TrainConfig.of(target="random:tiny-gpt-oss", target_experts="grouped_mm")
-    assert job_target(cfg, None, torch.device("cpu")).config._experts_implementation == "grouped_mm"
+    assert job_target(cfg, torch.device("cpu")).config._experts_implementation == "grouped_mm"
 
 
 def test_an_unknown_kernel_is_one_line_naming_the_flag(moe_target, capsys, tmp_path):
