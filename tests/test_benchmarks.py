@@ -151,6 +151,24 @@ def test_mix_order_guard_runs_its_path_on_the_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_pack_padding(tmp_path):
+    out = tmp_path / "padding.json"
+    _run(_py("pack_padding.py", "--target", TINY, "--limit", "100", "--token-budget", "2048", "--json", str(out)),
+         tmp_path)
+    data = _json(out, "sequences", "real_tokens", "padded_batch_tokens", "packed_row_tokens", "command")
+    assert data["sequences"] == 200  # two reply chains a conversation
+    assert data["real_tokens"] <= data["packed_row_tokens"] < data["padded_batch_tokens"]
+
+
+def test_pack_padding_counts_one_pack():
+    """Lengths 10, 20 and 300 in one pack: 330 real tokens, a padded batch of 3 x 300, a flex row of 3 tiles."""
+    import numpy as np
+
+    got = _load("pack_padding.py").count(np.array([10, 20, 300]), 330, seed=0)
+    assert [got[k] for k in ("packs", "real_tokens", "padded_batch_tokens", "packed_row_tokens")] == [1, 330, 900, 384]
+
+
+@pytest.mark.slow
 def test_regen_widths(tmp_path):
     out = tmp_path / "widths.json"
     _run(_py("regen_widths.py", "--target", TINY, "--limit", "150", "--batch-size", "16", "--pool-batches", "1", "4",

@@ -52,6 +52,25 @@ def test_packed_rows_give_the_padded_batches_labels(tiny_target, data_dir, tmp_p
     np.testing.assert_array_equal(np.load(other / LABELS), np.load(data_dir / LABELS))
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+def test_sliding_window_targets_packed_rows_give_the_padded_batches_labels(arch, data_dir, tmp_path):
+    """A target with sliding-window layers (window 6, sequences up to 96 tokens): its packed rows under their
+    document masks, dense and flex, give the padded batches' labels."""
+    from sliding_targets import sliding_window_model
+
+    from dflash_train.models.loading import byte_tokenizer
+    from dflash_train.models.target import Target
+
+    target = Target(sliding_window_model(arch), byte_tokenizer(), f"{arch}-sliding-test")
+    relabel(target, data_dir, batch_tokens=200, progress=False, mode="padded")
+    for mode in ("dense", "flex"):
+        other = tmp_path / mode
+        shutil.copytree(data_dir, other)
+        (other / LABELS).unlink()
+        relabel(target, other, batch_tokens=200, progress=False, mode=mode)
+        np.testing.assert_array_equal(np.load(other / LABELS), np.load(data_dir / LABELS))
+
+
 def test_packed_rows_restart_positions_per_sequence(tiny_target, data_dir, monkeypatch):
     """Each packed sequence starts at position 0 (RoPE alone would not show a shifted start: it is relative)."""
     import dflash_train.data.relabel as rl

@@ -36,7 +36,7 @@ def tiny_configs() -> dict:
                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], **_SMALL),
         "gpt_oss": GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                                 **_SMALL),
-        # every layer full attention: its packed rows run the document attention, each rank with its heads' sinks
+        # every layer full attention: the document attention with sinks and no sliding mask
         "gpt_oss_full": GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                      layer_types=["full_attention"] * 3, **_SMALL),
     }
@@ -63,7 +63,7 @@ def save_tiny(model_type: str, out) -> str:
 
 
 def packed_batch() -> PackedBatch:
-    lengths = [11, 7, 14]  # unequal: a document mask (dense on CPU) keeps them apart
+    lengths = [11, 7, 14]  # unequal: a document mask (dense on CPU) keeps them apart; 11 and 14 outrun the window of 8
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (sum(lengths),), generator=gen)
     seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
@@ -80,8 +80,10 @@ def _tp_worker(rank: int, world: int, rdv: str, dirs: dict[str, str], out: str) 
             target = load_sharded_target(path, dist.group.WORLD, "cpu", dtype=torch.float32)
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                         for p in target.model.parameters())
-            # the document mask only where every layer is full attention (packed_features refuses the others)
-            modes = ("padded", "dense") if target.full_attention_only else ("padded",)
+            # the packed row's document masks for every architecture here: full and sliding layers (gemma3,
+            # gpt_oss), each rank with its heads' sinks
+            assert target.takes_document_mask
+            modes = ("padded", "dense")
             feats = {mode: packed_features(target, packed_batch(), LAYERS, mode=mode) for mode in modes}
             layer = target.decoder.layers[0]
             experts, sinks = getattr(layer.mlp, "experts", None), getattr(layer.self_attn, "sinks", None)
@@ -119,7 +121,7 @@ def test_tp2_features_equal_tp1_for_every_architecture_with_a_plan(tiny_dirs, tm
     for name, path in tiny_dirs.items():
         whole = load_target(path, dtype=torch.float32)
         total = sum(p.numel() for p in whole.model.parameters())
-        assert list(ranks[0][name]["feats"]) == (["padded", "dense"] if whole.full_attention_only else ["padded"])
+        assert list(ranks[0][name]["feats"]) == ["padded", "dense"]
         refs = {mode: packed_features(whole, packed_batch(), LAYERS, mode=mode) for mode in ranks[0][name]["feats"]}
         for mode, ref in refs.items():
             torch.testing.assert_close(ref, refs["padded"], atol=1e-5, rtol=1e-5)  # the document mask is exact

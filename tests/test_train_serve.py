@@ -11,7 +11,7 @@ all break this equality.
 import numpy as np
 import pytest
 import torch
-from sliding_targets import SLIDING_ARCHS, sliding_window_model
+from sliding_targets import DOCUMENT_ARCHS, sliding_window_model
 
 from dflash_train.data.packing import PackedBatch
 from dflash_train.decode import static_lm
@@ -110,17 +110,19 @@ def test_embedded_target_training_blocks_equal_decode_style_forward():
     _check(target, drafter.eval(), [t[:14] for t in text], "dense")
 
 
+@pytest.mark.parametrize("feature_mode", ["padded", "dense"])
 @pytest.mark.parametrize("static", [False, True], ids=["hf", "static-lm"])
-@pytest.mark.parametrize("arch", SLIDING_ARCHS)
-def test_sliding_window_targets_training_blocks_equal_decode_style_forward(arch, static):
-    """Gemma 3, Mistral and Qwen2 targets with sliding-window layers, sequences longer than the window: the
-    padded feature batch training uses, against the prefix's features from HF's forward and from StaticLM."""
+@pytest.mark.parametrize("arch", DOCUMENT_ARCHS)
+def test_sliding_window_targets_training_blocks_equal_decode_style_forward(arch, static, feature_mode):
+    """Gemma 3, gpt_oss, Mistral, Qwen2 and Qwen3 targets with sliding-window layers, sequences longer than the
+    window: the packed row's features under its document masks (what training runs for them on unequal lengths)
+    and the padded batch, against the prefix's features from HF's forward and from StaticLM."""
     from dflash_train.models.factory import drafter_config_for, new_drafter
 
     target = Target(model=sliding_window_model(arch), tokenizer=byte_tokenizer(), spec=f"{arch}-sliding-test")
-    assert not target.full_attention_only
+    assert any(target.attention_windows) and target.takes_document_mask
     drafter = new_drafter(drafter_config_for(target, num_layers=1, block_size=4, dtype="float32"), seed=0).float()
-    _check(target, drafter.eval(), _seqs(), "dense", static=static)
+    _check(target, drafter.eval(), _seqs(), "dense", feature_mode, static=static)
 
 
 def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp_path):

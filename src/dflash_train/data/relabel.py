@@ -11,8 +11,9 @@ The labels are written beside the dataset's arrays as labels.npy (atomically; a 
 them). Positions outside the loss mask keep their own token: they are never labels, and
 agreement across them holds.
 
-On CUDA, for a target whose every layer is plain causal attention, the sequences go through it
-as packed rows, each causal within itself (the training forward's document mask,
+On CUDA, for a target whose attention the document masks express (full and sliding-window
+layers, attention sinks: Target.takes_document_mask), the sequences go through it as packed
+rows, each causal within itself (the training forward's document masks,
 models/document_attention.py): up to PACKED_TOKENS real tokens a row (a longer sequence is a row of its
 own; FlexAttention pads a row by < 128 tokens), one host sync per row. Elsewhere as right-padded
 batches of similar lengths, up to PADDED_TOKENS padded tokens each.
@@ -62,15 +63,15 @@ def relabel(target: Target, data_dir: str | os.PathLike, *, batch_tokens: int | 
             progress: bool = True, mode: str = "auto") -> RelabelReport:
     """Write labels.npy into the prepared dataset at `data_dir` (see module docstring).
 
-    mode: 'auto' (packed rows on CUDA for a full-attention target, else padded), 'padded', 'packed'
-    (flex on CUDA, a dense document mask elsewhere), or 'flex' / 'dense' to force one document-mask
-    backend (tests, benchmarks). batch_tokens: per forward, default PACKED_TOKENS packed and
-    PADDED_TOKENS padded; a dense row holds at most DENSE_MASK_MAX_TOKENS.
+    mode: 'auto' (packed rows on CUDA for a target that takes the document masks, else padded),
+    'padded', 'packed' (flex on CUDA, dense document masks elsewhere), or 'flex' / 'dense' to force
+    one document-mask backend (tests, benchmarks). batch_tokens: per forward, default PACKED_TOKENS
+    packed and PADDED_TOKENS padded; a dense row holds at most DENSE_MASK_MAX_TOKENS.
     """
     if mode not in FORWARD_MODES:
         raise ValueError(f"relabel: mode {mode!r} not in {FORWARD_MODES}")
     if mode == "auto":
-        mode = "packed" if target.device.type == "cuda" and target.full_attention_only else "padded"
+        mode = "packed" if target.device.type == "cuda" and target.takes_document_mask else "padded"
     if mode == "packed":
         mode = document_backend(target.device)
     if mode != "padded":
@@ -150,7 +151,8 @@ def _packed_greedy_tokens(target: Target, items: list[tuple[np.ndarray, ...]], f
     """As _greedy_tokens, through one packed row: each sequence attends only within itself."""
     xs = [np.asarray(x) for x, *_ in items]
     batch = pack(items, max(len(x) for x in xs))  # the row: sequence ids and positions, nothing truncated
-    row, pos, mask = document_row(batch.input_ids, batch.seq_ids, batch.positions, target.device, flex=flex)
+    row, pos, mask = document_row(batch.input_ids, batch.seq_ids, batch.positions, target.device, flex=flex,
+                                  windows=target.attention_windows)
     last = target.num_layers - 1  # its feature is the final-normed state the LM head reads
     hidden = target.features(row, [last], position_ids=pos, attention_mask=mask)[0, :batch.num_tokens]
     labels = target.greedy_labels(hidden, batch.input_ids, batch.loss_mask, batch.positions)

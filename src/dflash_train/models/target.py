@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.errors import UsageError
-from dflash_train.models.document_attention import document_attention_for
+from dflash_train.models.document_attention import (
+    FULL,
+    SLIDING,
+    as_document_masks,
+    attention_windows,
+    document_attention_for,
+    is_document_mask,
+)
 
 _HEAD_ROWS = 4096  # LM head rows at a time in greedy_labels: [4096, vocab] logits, not a whole row's
 
@@ -100,33 +107,34 @@ class Target:
         return self.model.base_model
 
     @property
-    def full_attention_only(self) -> bool:
-        """Every layer is plain causal attention (no sliding window, no logit soft-capping).
+    def attention_windows(self) -> list[int | None]:
+        """Each decoder layer's window (keys back, its own included) as transformers runs it; None: full causal."""
+        return attention_windows(self.model.config)
 
-        Only then may a packed row's document mask (which replaces the model's own masks in
-        every layer) stand in for the padded batch. Attention sinks (gpt_oss) do not matter:
-        the document attention adds them as the model does.
-        """
+    @property
+    def takes_document_mask(self) -> bool:
+        """A packed row's document masks (models/document_attention.py) give this target's own attention:
+        full causal layers, sliding-window ones and attention sinks (gpt_oss) alike."""
         return self.document_mask_refusal is None
 
     @property
     def document_mask_refusal(self) -> str | None:
-        """Why one causal document mask in every layer would change this target's attention, or None."""
+        """What of this target's attention the document masks cannot express, or None."""
         cfg = self.model.config
-        # no layer_types but a window (Mistral, Mixtral): HF slides every layer
-        default = ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"]
-        types = getattr(cfg, "layer_types", None) or default
-        if any(t != "full_attention" for t in types):
-            return f"layers other than full causal attention ({sorted(set(types) - {'full_attention'})})"
+        other = set(getattr(cfg, "layer_types", None) or []) - {FULL, SLIDING}
+        if other:
+            return f"layers of types {sorted(other)}"
         if getattr(cfg, "attn_logit_softcapping", None):
             return "soft-capped attention logits"
+        if getattr(cfg, "use_bidirectional_attention", False) or not getattr(cfg, "is_causal", True):
+            return "bidirectional attention"
         return None
 
     def check_document_mask(self, mode: str, where: str) -> None:
-        """Refuse a forced document-mask mode ('packed', 'flex', 'dense') for a target whose layers it would change."""
+        """Refuse a forced document-mask mode ('packed', 'flex', 'dense') for a target whose attention it changes."""
         why = self.document_mask_refusal
         if why is not None:
-            raise UsageError(f"{where}: mode {mode!r} puts one causal document mask in every layer, but target "
+            raise UsageError(f"{where}: mode {mode!r} runs the target under document masks, but target "
                              f"{self.spec} has {why}: use mode 'padded' (or 'auto', which picks it)")
 
     @torch.inference_mode()
@@ -134,15 +142,19 @@ class Target:
                  position_ids: torch.Tensor | None = None, attention_mask=None) -> torch.Tensor:
         """Concatenated features [b, n, len(layer_ids) * H]; runs layers 0..max(layer_ids) only, no LM head.
 
-        attention_mask: None (causal), a [b, n] padding mask, a [b, 1, n, n] boolean mask (True =
-        may attend) or a FlexAttention BlockMask; the last two are a packed row's document mask
-        (models/document_attention.py), used as given in every layer, and run this forward's
-        attention through the document attention (FlexAttention for a BlockMask).
+        attention_mask: None (causal), a [b, n] padding mask, or a packed row's document masks
+        (models/document_attention.py: DocumentMasks, or one [b, 1, n, n] boolean mask (True = may
+        attend) or FlexAttention BlockMask for every layer), each layer's used as given, with this
+        forward's attention run through the document attention (FlexAttention for a BlockMask).
         """
         self.check_layer_ids(layer_ids, "target_layer_ids")
+        if is_document_mask(attention_mask):
+            masks = as_document_masks(attention_mask).model_kwargs()
+        else:
+            masks = {"attention_mask": attention_mask}
         with self.capture(layer_ids) as features, self._truncated(max(layer_ids) + 1), \
                 document_attention_for(self.model.config, attention_mask):
-            self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+            self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **masks)
         return features()
 
     @contextlib.contextmanager
@@ -174,8 +186,8 @@ class Target:
         """Inside: the decoder layers' forward under torch.compile (the feature forwards of training).
 
         Only `forward` is compiled, so the capture hooks stay outside the graph; every layer runs
-        the same code with its parameters as inputs, so all layers share one graph (recompiled
-        once as dynamic when the pack length first changes). The graph guards on the attention
+        the same code with its parameters as inputs, so all layers of a kind (full, sliding) share
+        one graph (recompiled once as dynamic when the pack length first changes). The graph guards on the attention
         implementation, so packed rows (FlexAttention, traced into the graph) and unpadded
         batches (sdpa) each get their own. On exit the layers are eager again, so decoding
         (eval, regeneration) never compiles its many cache shapes.

@@ -2,9 +2,11 @@
 
 The target must see each packed sequence alone (causal within it, nothing across). Two ways:
 
-    packed   the packed row itself, with a document mask (causal within each sequence) and
-             positions restarting per sequence: FlexAttention on CUDA, a dense mask on CPU.
-             No work on padding; the default whenever sequences differ in length.
+    packed   the packed row itself, with a document mask (causal within each sequence; a
+             second one for sliding-window layers, within the window too) and positions
+             restarting per sequence: FlexAttention on CUDA, dense masks on CPU. No work on
+             padding; the default whenever sequences differ in length, for every target whose
+             attention the masks express (Target.takes_document_mask; not soft-capped logits).
     padded   a right-padded [n_seq, longest] batch, valid rows gathered back into packed
              order. Used when it pads nothing (one sequence, or equal lengths: plain causal
              attention, the fastest kernel) and for long rows on CPU (a dense mask is L x L).
@@ -49,7 +51,11 @@ def sequence_lengths(batch: PackedBatch) -> torch.Tensor:
 
 
 def feature_mode(lengths: torch.Tensor, device: torch.device) -> str:
-    """'padded' when padding costs nothing (one sequence or equal lengths) or a CPU row is long, else the packed row."""
+    """'padded' when padding costs nothing (one sequence or equal lengths) or a CPU row is long, else the packed row.
+
+    The same for full-attention and sliding-window targets: a sliding layer's window only narrows
+    what each row reads, so the packed row saves the padded batch's pads either way.
+    """
     if lengths.numel() <= 1 or bool((lengths == lengths[0]).all()):
         return "padded"
     if document_backend(device) == "flex":
@@ -82,7 +88,7 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     if mode not in FORWARD_MODES:
         raise ValueError(f"packed_features: mode {mode!r} not in {FORWARD_MODES}")
     if mode == "auto":
-        mode = feature_mode(sequence_lengths(batch), target.device) if target.full_attention_only else "padded"
+        mode = feature_mode(sequence_lengths(batch), target.device) if target.takes_document_mask else "padded"
     elif mode == "packed":
         mode = document_backend(target.device)
     if mode == "padded":
@@ -108,13 +114,14 @@ def document_features(target: Target, batch: PackedBatch, layer_ids: list[int], 
                       flex: bool = True) -> torch.Tensor:
     """Features [S, n*H] of the packed row in one forward, each sequence causal within itself.
 
-    flex: a FlexAttention BlockMask over the row padded to a multiple of FLEX_TILE (CUDA; on
-    CPU FlexAttention runs eagerly, a reference); else a dense [1, 1, S, S] mask (sdpa; with
-    attention sinks the softmax written out). Attention sinks are kept either way.
+    flex: FlexAttention BlockMasks over the row padded to a multiple of FLEX_TILE (CUDA; on
+    CPU FlexAttention runs eagerly, a reference); else dense [1, 1, S, S] masks (sdpa; with
+    attention sinks the softmax written out). One mask per kind of layer the target has (full,
+    sliding), built once for the row. Attention sinks are kept either way.
     Everything is built from the loader's host copy of the batch: no host sync.
     """
     ids, pos, mask = document_row(batch.input_ids.cpu(), batch.seq_ids.cpu(), batch.positions.cpu(),
-                                  target.device, flex=flex)
+                                  target.device, flex=flex, windows=target.attention_windows)
     S = batch.num_tokens
     with prof.span("target_forward", device=True):
         feats = target.features(ids, layer_ids, position_ids=pos, attention_mask=mask)  # [1, L, n*H], inference mode
