@@ -1,5 +1,5 @@
 """The fast GGUF conversion (models/gguf_convert.py) yields what transformers' GGUF path yields, bit for bit,
-and the cached HF copy of a GGUF is written safely and loads the same model again.
+and the cached HF copy of a GGUF is written in the dtype it runs in, safely, and loads the same model again.
 
 The tiny GGUF (tests/tiny_gguf.py) runs both paths in about a second; the real SmolLM2 and Gemma 3 files
 are the slow tests (transformers' path alone takes ~20 s and ~60 s for them on 2 cores)."""
@@ -97,21 +97,32 @@ def test_files_it_was_not_checked_on_take_transformers_path(tmp_path, monkeypatc
     assert model.config.num_hidden_layers == 2
 
 
-def test_the_cached_copy_loads_the_same_model(tiny, cache):
-    cold = loading.load_target(str(tiny))
-    assert [p.name for p in cache.iterdir() if p.is_dir()] == [loading.gguf_cache_dir(tiny).name]
-    assert_same(cold.model, cold.tokenizer, *transformers_path(tiny))
-    warm = loading.load_target(str(tiny))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cached_copy_is_in_the_run_dtype_and_loads_the_same_model(tiny, cache, dtype):
+    cold = loading.load_target(str(tiny), dtype=dtype)
+    copies = sorted(p.name for p in cache.iterdir() if p.is_dir())
+    tag = "" if dtype == torch.float32 else "-bfloat16"
+    assert copies == [f"tiny-{loading.file_sha256(tiny)[:16]}{tag}"]
+    assert_same(cold.model, cold.tokenizer, *transformers_path(tiny, dtype))
+    warm = loading.load_target(str(tiny), dtype=dtype)
     assert_same(warm.model, warm.tokenizer, cold.model, cold.tokenizer)
 
 
-def test_the_tokenizer_alone_comes_from_the_copy_or_the_file(tiny, cache):
-    """Regeneration through a server loads the tokenizer alone: from the file, then from the copy."""
+def test_the_tokenizer_alone_comes_from_any_dtypes_copy_or_the_file(tiny, cache):
+    """Regeneration through a server loads the tokenizer alone: from the file, then from a bf16-only copy."""
     from dflash_train.data.regen_client import load_tokenizer
 
     before = tokenizer_fingerprint(load_tokenizer(str(tiny)))
-    loading.load_target(str(tiny))
+    loading.load_target(str(tiny), dtype=torch.bfloat16)
+    assert loading.cached_tokenizer_dir(tiny).name.endswith("-bfloat16")
     assert tokenizer_fingerprint(load_tokenizer(str(tiny))) == before
+
+
+def test_a_float32_copy_serves_bf16_without_a_second_copy(tiny, cache):
+    loading.load_target(str(tiny), dtype=torch.float32)
+    warm = loading.load_target(str(tiny), dtype=torch.bfloat16)
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert_same(warm.model, warm.tokenizer, *transformers_path(tiny, torch.bfloat16))
 
 
 def _fail(err: int):
