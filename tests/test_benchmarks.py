@@ -197,6 +197,16 @@ def test_reply_loops(tmp_path):
 
 
 @pytest.mark.slow
+def test_target_load(tmp_path):
+    from tiny_gguf import write_tiny_gguf
+
+    gguf, out = write_tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "load.json"
+    _run(_py("target_load.py", "--target", str(gguf), "--runs", "1", "--json", str(out)), tmp_path)
+    data = _json(out, "cold", "warm", "device_init_s", "transformers", "command")
+    assert len(data["cold"]["seconds"]) == len(data["warm"]["seconds"]) == 1
+
+
+@pytest.mark.slow
 def test_target_features(tmp_path):
     out = tmp_path / "features.json"
     _run(_py("target_features.py", "--device", "cpu", "--target", TINY, "--steps", "2", "--warmup", "1",

@@ -522,10 +522,10 @@ def load_tokenizer(spec: str, flag: str = "--target"):
         path = loading.embedded_gguf_path(flag) if spec == "smollm2-135m" else Path(spec)
         if not path.is_file():
             raise UsageError(f"{flag}: GGUF file {spec} not found")
-        cached = loading.gguf_cache_dir(path)  # the HF copy load_target writes on first use
-        if cached is not None and (cached / "tokenizer_config.json").is_file():
+        cached = loading.cached_tokenizer_dir(path)  # in the HF copy load_target writes on first use
+        if cached is not None:
             return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+        return loading.load_gguf_tokenizer(path)
     local = os.path.isdir(spec)
     try:
         cache_only = False if local else loading.hub_cache_only(spec, flag)

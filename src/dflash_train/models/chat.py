@@ -52,7 +52,8 @@ def prepare_tokenizer(tok, model_type: str, spec: str) -> str:
     gemma = model_type.startswith("gemma")
     bos = needs_bos(tok, gemma)
     if not getattr(tok, "chat_template", None):
-        turns = gemma and all(t in tok.get_vocab() for t in ("<start_of_turn>", "<end_of_turn>"))
+        vocab = tok.get_vocab() if gemma else {}  # one call: it builds the whole vocabulary (262K for Gemma 3)
+        turns = gemma and all(t in vocab for t in ("<start_of_turn>", "<end_of_turn>"))
         tok.chat_template = GEMMA_TURNS_TEMPLATE if turns else (_BOS if bos else "") + PLAIN_TEMPLATE
         what = ("Gemma turns (<start_of_turn>user … <start_of_turn>model), <bos> first" if turns
                 else f"plain (User: … Assistant: …, turns end at EOS){', <bos> first' if bos else ''}")

