@@ -15,6 +15,7 @@ import torch
 from tiny_gguf import write_tiny_gguf
 
 from dflash_train.data.fingerprint import tokenizer_fingerprint
+from dflash_train.errors import UsageError
 from dflash_train.models import gguf_convert, loading
 from dflash_train.models.chat import prepare_tokenizer
 from dflash_train.models.gguf_read import read_header
@@ -95,6 +96,14 @@ def test_files_it_was_not_checked_on_take_transformers_path(tmp_path, monkeypatc
     monkeypatch.setattr(gguf_convert, "convert", lambda *a: pytest.fail("took the fast route"))
     model, _ = gguf_convert.load_gguf(path)
     assert model.config.num_hidden_layers == 2
+
+
+def test_a_gguf_transformers_cannot_read_is_one_line(tmp_path, cache):
+    """transformers raises NotImplementedError on the llama file named "mistral" (its Mistral reading)."""
+    mistral = write_tiny_gguf(tmp_path / "m.gguf", name="mistral")
+    with pytest.raises(UsageError, match=r"^--target: cannot load GGUF .*m\.gguf: ") as e:
+        loading.load_target(str(mistral))
+    assert "\n" not in str(e.value) and not cache.exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

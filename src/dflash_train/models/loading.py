@@ -136,8 +136,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, flag: str, sha256: str | None = N
         raise UsageError(f"{flag}: loading {path.name} needs the `gguf` package (pip install gguf)")
     try:
         model, tok = load_gguf(path)
-    except (ValueError, OSError, KeyError) as e:
-        raise UsageError(f"{flag}: cannot load GGUF {path}: {str(e).splitlines()[0]}") from None
+    except (ValueError, OSError, KeyError, NotImplementedError) as e:  # the last: an architecture transformers lacks
+        raise UsageError(f"{flag}: cannot load GGUF {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
     model = model.to(dtype)
     _write_hf_copy(model, tok, gguf_cache_dir(path, sha256, dtype))
     return model, tok
