@@ -121,14 +121,23 @@ print(json.dumps({"weights": weights, "activations": status("VmHWM:") - before})
 """
 
 
+_SHAPES = {  # the MLP's transients the larger, and (wide-qkv) the attention's as large
+    "mlp-4x": dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False),
+    "wide-qkv": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=64, tie_word_embeddings=False),
+}
+
+
 @pytest.mark.slow
-def test_the_estimates_match_the_measured_resident_memory(tmp_path, monkeypatch):
-    """A 66M-parameter model loaded through the sharded loader in a fresh process: resident memory
-    grows by the weights the plan gives (within 15%), and a 2048-token feature forward's peak
-    stays under the plan's activations, by at most 25% (the estimate errs on the safe side)."""
-    shape = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
-    layers, tokens = [1, 3, 5, 6, 7], 2048
+@pytest.mark.parametrize("name", sorted(_SHAPES))
+def test_the_estimates_match_the_measured_resident_memory(tmp_path, monkeypatch, name):
+    """A 40-66M-parameter model loaded through the sharded loader in a fresh process: resident memory
+    grows by the weights the plan gives (within 15%), and a 2048-token feature forward's peak stays
+    under the plan's activations, by at most 15% (the estimate errs on the safe side). On this
+    machine's 2 cores (2026-12-05) the estimates were 11.7% and 12.7% over the measured peaks."""
+    shape = _SHAPES[name]
+    layers, tokens = list(range(1, shape["num_hidden_layers"]))[-5:], 2048
     # large blocks straight from mmap: a freed transient leaves the resident set at once
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "rdv"), json.dumps(shape), str(tokens),
@@ -141,4 +150,4 @@ def test_the_estimates_match_the_measured_resident_memory(tmp_path, monkeypatch)
     print(f"weights: estimated {plan.weights / 1e6:.1f} MB, measured {measured['weights'] / 1e6:.1f} MB; "
           f"activations: estimated {plan.activations / 1e6:.1f} MB, measured {measured['activations'] / 1e6:.1f} MB")
     assert measured["weights"] == pytest.approx(plan.weights, rel=0.15)
-    assert measured["activations"] <= plan.activations <= 1.25 * measured["activations"]
+    assert measured["activations"] <= plan.activations <= 1.15 * measured["activations"]

@@ -8,9 +8,9 @@ Counted per GPU of a TP group (every rank holds the same amounts):
     weights          the model built on the meta device (no storage): parameters the TP plan
                      splits count 1/tp, the rest (embedding, norms, routers, LM head) whole
     activations      the feature forward of one pack of `token_budget` tokens: the residual
-                     stream and one layer's transients (q/k/v, the MLP's or routed experts'
-                     intermediates, split over TP), the captured features, and an LM-head chunk
-                     when labels come from the target
+                     stream and the larger of one layer's attention transients (q/k/v, q and k
+                     after RoPE, its output) and MLP transients (or routed experts'), split over
+                     TP, the captured features, and an LM-head chunk when labels come from the target
     feature_buffers  queue_depth packs of features waiting for hand-off:
                      queue_depth x token_budget x n_features x hidden x dtype bytes
     drafter          a drafter trained on the same GPU: fp32 weights, gradients and AdamW's two
@@ -132,14 +132,17 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
     """Peak transient bytes of one feature forward (see the module docstring)."""
     h = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim // tp
+    q, kv = config.num_attention_heads * head_dim // tp, config.num_key_value_heads * head_dim // tp
+    attention = q + 2 * kv + (q + kv) + q  # q, k, v; q and k after RoPE; the attention's output
     top_k = getattr(config, "num_experts_per_tok", None)
     if top_k:  # routed tokens: each token's k copies of its input, gate/up and output rows
         width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # gpt_oss: the latter
         mlp = top_k * (3 * width // tp + 2 * h)
-    else:
+    else:  # act(gate), up and their product live together
         mlp = 3 * config.intermediate_size // tp
-    per_token = 4 * h + qkv + mlp + n_features * h  # residual, norm, attention output, sum; features
+    # the features captured so far; the residual, the normed input, a layer's output and sums (5 h, of which
+    # about 3 measured live beside the larger of the attention's and the MLP's transients; 2 h kept spare)
+    per_token = n_features * h + 5 * h + max(attention, mlp)
     head = HEAD_ROWS * config.vocab_size * size if labels else 0
     return tokens * per_token * size + head + eager_score_bytes(config, tp, tokens, size)
 
