@@ -49,6 +49,11 @@ def test_a_split_target_trains_the_drafter_a_whole_one_does(prepared, tiny_dir, 
     # the held-out packs: built by the first target replica (no process holds the whole target), not the job
     torch.testing.assert_close(_losses(split, "val_loss"), _losses(whole, "val_loss"), rtol=1e-4, atol=1e-5)
     assert len(_losses(whole, "val_loss")) == 2 and not (split / "validation.pt").exists()
+    # unsplit, the drafter rank reads only the HF directory's head too
+    plain = tmp_path / "plain"
+    assert main([*common, "--run-dir", str(plain), "--target-devices", "cpu", "--drafter-devices", "cpu"]) == 0
+    for key in ("loss", "val_loss"):
+        torch.testing.assert_close(_losses(plain, key), _losses(whole, key), rtol=1e-4, atol=1e-5)
     processes = {json.loads(x)["process"] for x in (split / "profile.jsonl").read_text().splitlines()}
     assert processes == {"rank0/target/cpu", "rank1/target/cpu", "rank2/drafter/cpu"}
 
@@ -88,6 +93,12 @@ def test_the_processes_that_do_not_run_a_split_target_read_only_its_head(tiny_di
     assert sum(p.numel() for p in head.model.parameters()) < sum(p.numel() for p in full.values())
     resumed = drafter_side_target(cfg, torch.device("cpu"), fresh=False, where="cpu")
     assert len(resumed.decoder.layers) == 0
+    unsplit = TrainConfig.of(target=tiny_dir, target_devices="cpu", drafter_devices="cpu", num_layers=2)
+    assert len(drafter_side_target(unsplit, torch.device("cpu"), fresh=True, where="cpu",
+                                   head_only=True).decoder.layers) == 2  # an HF directory: its head alone
+    random = TrainConfig.of(target="random:tiny", target_devices="cpu", drafter_devices="cpu")
+    assert len(drafter_side_target(random, torch.device("cpu"), fresh=True, where="cpu",
+                                   head_only=True).decoder.layers) == 6  # drawn whole, as its target ranks draw it
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -23,17 +23,28 @@ from dflash_train.settings.tree import TrainConfig
 SHAPE_FLAGS = ("num_layers", "block_size", "num_features", "sliding_layers", "sliding_window", "intermediate_size")
 
 
-def drafter_side_target(cfg: TrainConfig, device: torch.device, *, fresh: bool, where: str | torch.device) -> Target:
+def drafter_side_target(cfg: TrainConfig, device: torch.device, *, fresh: bool, where: str | torch.device,
+                        head_only: bool = False) -> Target:
     """The target of a process that builds or trains the drafter, on `where` (the host or `device`), in
-    `device`'s dtype. Split by --target-tp, its replicas hold the layers: this process reads only the
+    `device`'s dtype: the whole target, or only what a process that never runs it uses. That is the
     embedding, final norm and LM head, and the last layers a `fresh` drafter starts as (--init-from-target),
-    on `device` itself (a random preset's draw then equals the replicas'). Otherwise the whole target."""
-    if cfg.pipeline.target_tp > 1:
+    read on `device` itself: for a target split by --target-tp (its replicas hold the layers), and for a
+    `head_only` process when the target is an HF directory (each tensor read alone from its safetensors,
+    so a drafter rank no longer holds a whole copy on the host)."""
+    if cfg.pipeline.target_tp > 1 or (head_only and _safetensors_dir(cfg.run.target)):
         last = cfg.drafter.num_layers if fresh and cfg.drafter.init_from_target else 0
         return load_target_head(cfg.run.target, device, last_layers=last)
     target = load_target(cfg.run.target, device=where, dtype=default_dtype(device))
     use_experts(target.model, cfg.pipeline.target_experts)  # a "both" rank and the job's eval run its forwards
     return target
+
+
+def _safetensors_dir(spec: str) -> bool:
+    """An HF directory whose weights load_target_head reads as load_target does. (A random preset does not:
+    load_target draws it whole from one generator, load_target_head per parameter.)"""
+    path = Path(spec)
+    return (path / "config.json").is_file() and any(
+        (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
 
 
 def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:

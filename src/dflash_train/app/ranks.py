@@ -223,11 +223,13 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     """A drafter rank ("drafter": features from the target ranks; "both": from its own target thread)."""
     cfg, device = work.cfg, torch.device(spec.device)
     # A drafter-only worker uses the target's embedding and LM head (and its last layers once, to
-    # initialise the drafter), so a real target loads on the host and only those reach the GPU.
-    # Random targets are drawn on the device, so that they equal the target workers' draw.
+    # initialise the drafter): it reads only those where it can (a split target, an HF directory),
+    # else a real target loads on the host and only those reach the GPU. Random targets are drawn
+    # on the device, so that they equal the target workers' draw.
     head_only = spec.role == "drafter"
     on_host = head_only and not cfg.run.target.startswith("random:")
-    target = drafter_side_target(cfg, device, fresh=work.drafter_dir is None, where="cpu" if on_host else device)
+    target = drafter_side_target(cfg, device, fresh=work.drafter_dir is None, where="cpu" if on_host else device,
+                                 head_only=head_only)
     if work.drafter_dir is not None:
         drafter = load_drafter(work.drafter_dir, dtype=torch.float32).to(device)
     else:  # seeded, so every drafter rank builds the same one (DDP also broadcasts rank 0's)
@@ -235,7 +237,7 @@ def _train(work: TrainWork, spec: WorkerSpec, peers: Peers, session, group) -> D
     dataset = open_prepared(cfg, work.data_dir)
     plan = _plan(work, spec, dataset, drafter.config)
     layer_ids = plan.features
-    validate = _validation(work, spec, plan, dataset, target, device)  # before the layers are freed
+    validate = _validation(work, spec, plan, dataset, target, device)  # a "both" rank's, before any layer is freed
     if head_only:
         target.keep_only_head(device)
         if device.type == "cuda":
