@@ -136,6 +136,21 @@ def test_init_from_target_copies_the_last_layers(tiny_target):
         drafter_config_for(tiny_target, num_layers=7, block_size=4, dtype="float32")
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gpt-oss"])
+def test_init_from_an_moe_target_copies_attention_and_norms_and_leaves_the_mlp(preset):
+    """A routed MLP (router and experts) has no dense counterpart: the draft MLP keeps its random init."""
+    from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
+
+    target = load_target(f"random:{preset}", device="cpu", dtype=torch.float32)
+    drafter = new_drafter(drafter_config_for(target, num_layers=2, block_size=4, dtype="float32"), seed=0).float()
+    before = drafter.layers[0].mlp.gate_proj.weight.clone()
+    init_from_target(drafter, target)
+    src = list(target.decoder.layers)[-2]
+    torch.testing.assert_close(drafter.layers[0].self_attn.q_proj.weight, src.self_attn.q_proj.weight)
+    torch.testing.assert_close(drafter.layers[0].input_layernorm.weight, src.input_layernorm.weight)
+    torch.testing.assert_close(drafter.layers[0].mlp.gate_proj.weight, before)
+
+
 def test_a_wider_mlp_starts_as_the_targets_and_a_narrower_one_is_refused(tiny_target):
     """--intermediate-size: the target's units first, the extra ones silent (down_proj columns zero), not dead."""
     from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter

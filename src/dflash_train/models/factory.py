@@ -110,7 +110,9 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
     without per-head q/k norms (Llama) leave q_norm/k_norm at one. The fusion `fc` has no
     counterpart and keeps its random init. A wider MLP (--intermediate-size) gets the target's
     units first: its extra gate/up rows keep their random init and their down_proj columns start
-    at zero, so the layer starts as the target's and the extra units grow from there.
+    at zero, so the layer starts as the target's and the extra units grow from there. A layer whose
+    MLP routes tokens to experts (MoE targets) has no dense MLP to copy: the draft layer's MLP keeps
+    its random init (small: the layer starts near the target's attention block alone).
     """
     gemma = is_gemma(target)
     layers = target.decoder.layers
@@ -128,8 +130,9 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
             for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
                 if hasattr(src.self_attn, name):
                     _copy_module(getattr(dst.self_attn, name), getattr(src.self_attn, name), name, offset)
-            for name in _MLP:
-                _copy_module(getattr(dst.mlp, name), getattr(src.mlp, name), name)
+            if all(hasattr(src.mlp, name) for name in _MLP):  # a dense MLP (not a router and experts)
+                for name in _MLP:
+                    _copy_module(getattr(dst.mlp, name), getattr(src.mlp, name), name)
             for dst_name, src_name in norms:
                 _copy_module(getattr(dst, dst_name), getattr(src, src_name), dst_name, offset)
         _copy_module(drafter.norm, target.decoder.norm, "norm", offset)
