@@ -81,6 +81,18 @@ def test_features_under_each_kernel_equal_eager(moe_target, kernel, monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("preset", MOE)
+def test_train_regenerates_trains_and_evaluates_on_an_moe_target(preset, tmp_path, capsys):
+    """The whole job, the drafter started from the target (a routed MLP has no dense counterpart to copy)."""
+    run = tmp_path / "run"
+    assert main(["train", "--target", f"random:{preset}", "--device", "cpu", "--data-topic", "any",
+                 "--num-conversations", "4", "--regen-max-new-tokens", "8", "--max-steps", "2", "--max-length", "128",
+                 "--token-budget", "256", "--num-anchors", "8", "--block-size", "4", "--eval-limit", "1",
+                 "--eval-max-new-tokens", "8", "--run-dir", str(run), "--quiet"]) == 0
+    assert json.loads((run / "eval_after.json").read_text())["lossless"] == "exact"
+    assert (run / "drafter" / "model.safetensors").is_file() and len(list(run.glob("regenerated-*.jsonl"))) == 1
+
+
 def test_the_train_job_applies_the_pipeline_setting():
     from dflash_train.app.train import job_target
     from dflash_train.settings.tree import TrainConfig
