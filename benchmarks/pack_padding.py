@@ -26,13 +26,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from regen_widths import turn_lengths  # noqa: E402
+from regen_widths import selected_turns  # noqa: E402
 
 from dflash_train.data.packing import PackedLoader  # noqa: E402
-from dflash_train.data.selection import select_conversations  # noqa: E402
-from dflash_train.data.sources import SourceReport, iter_conversations  # noqa: E402
 from dflash_train.models.document_attention import FLEX_TILE  # noqa: E402
-from dflash_train.models.loading import load_target  # noqa: E402
 
 
 def chain_lengths(prompts: list[list[int]], replies: list[list[int]], turns: int, max_length: int) -> np.ndarray:
@@ -95,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="the first N conversations selected (default 0: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    target = load_target(args.target, device="cpu")
-    report = SourceReport()
-    convs = select_conversations(iter_conversations("sharegpt", split="train", on_bad="skip", report=report), report,
-                                 topic="any", limit=args.limit, target=target, max_prompt_tokens=args.max_prompt_tokens)
-    prompts, replies = turn_lengths(target.tokenizer, convs, args.max_turns, args.max_new_tokens)
+    convs, prompts, replies = selected_turns(args)
     lengths = np.repeat(chain_lengths(prompts, replies, args.max_turns, args.max_length), args.samples)
     out = {"target": args.target, "conversations": len(convs), "sequences": len(lengths),
            "mean_length": round(float(lengths.mean()), 1), "median_length": float(np.median(lengths)),

@@ -32,6 +32,17 @@ from dflash_train.models.loading import load_target
 TEMPLATE_TOKENS = 5  # a chat message's role header and end-of-turn tokens in SmolLM2's template
 
 
+def selected_turns(args) -> tuple[list, list[list[int]], list[list[int]]]:
+    """ShareGPT's train conversations as the recipe selects them (all topics, first prompts of up to
+    args.max_prompt_tokens, the first args.limit), with their turns' prompt and reply lengths in
+    args.target's tokens (turn_lengths)."""
+    target = load_target(args.target, device="cpu")
+    report = SourceReport()
+    convs = select_conversations(iter_conversations("sharegpt", split="train", on_bad="skip", report=report), report,
+                                 topic="any", limit=args.limit, target=target, max_prompt_tokens=args.max_prompt_tokens)
+    return convs, *turn_lengths(target.tokenizer, convs, args.max_turns, args.max_new_tokens)
+
+
 def turn_lengths(tokenizer, convs, turns: int, max_new: int) -> tuple[list[list[int]], list[list[int]]]:
     """Per conversation: tokens of each reply's new prompt segment, and of each reply (capped)."""
     segs = [reply_segments(c, turns) for c in convs]
@@ -81,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="the first N conversations selected (default 0: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    target = load_target(args.target, device="cpu")
-    report = SourceReport()
-    convs = select_conversations(iter_conversations("sharegpt", split="train", on_bad="skip", report=report), report,
-                                 topic="any", limit=args.limit, target=target, max_prompt_tokens=args.max_prompt_tokens)
-    prompts, replies = turn_lengths(target.tokenizer, convs, args.max_turns, args.max_new_tokens)
+    convs, prompts, replies = selected_turns(args)
     # sampled chains of one conversation share its prompts; their lengths stand in as equal
     prompts, replies = ([x for x in xs for _ in range(args.samples)] for xs in (prompts, replies))
     out = {"conversations": len(convs), "samples": args.samples, "batch_size": args.batch_size,
