@@ -14,21 +14,26 @@ families differ in how a layer wires them and in which positions a layer's atten
 - `sinks`: each attention head adds a learned logit to its softmax's denominator (`attn.sinks`,
   gpt_oss), which no key carries.
 - `routed_mlp`: the MLP returns (output, router scores) (gpt_oss's experts).
+- `experts`: some layers' MLPs route each token to transformers' experts modules (gpt_oss; qwen3_moe
+  and qwen2_moe, whose sparse blocks return the output alone, the router and qwen2_moe's shared
+  expert inside the module's call). Their kernel decides `capturable`, below.
 
 Windows: a layer of type "sliding_attention" sees the last `config.sliding_window` positions,
 its own included (HF's `sliding_window_overlay`: key > query - window). Mistral with a
-`sliding_window` and no `layer_types` slides in every layer, as HF's Mistral does.
+`sliding_window` and no `layer_types` slides in every layer, as HF's Mistral does; so does qwen3_moe
+(no `layer_types` in its config) with `use_sliding_window`.
 
 Not supported (callers fall back to HF's forward): families outside the table; attention-score
 softcapping (Gemma 2); Gemma 3's bidirectional mode; RoPE types whose frequencies depend on the
 sequence length (dynamic, longrope).
 
-CUDA graphs: gpt_oss's experts under transformers' "eager" experts implementation pick the tokens
-each expert runs with a host read (`nonzero`), which a graph cannot capture; under "grouped_mm" (what
-the loaders' `auto` sets for bf16 on CUDA, models/experts.py) and "batched_mm" the routing stays on the
-device. `capturable` says which. (Under torch.compile with
-weights other than bf16, transformers' grouped_mm falls back to a loop that reads the expert
-offsets on the host: compiled gpt_oss steps want bf16.)
+CUDA graphs: experts under transformers' "eager" experts implementation pick the tokens each expert
+runs with a host read (`nonzero`), which a graph cannot capture; under "grouped_mm" (what the
+loaders' `auto` sets for bf16 on CUDA, models/experts.py) and "batched_mm" the routing stays on the
+device. `capturable` says which; any other implementation (a hub kernel) is taken as not capturable,
+since nothing here knows whether it reads the host. (Under torch.compile with weights other than
+bf16, transformers' grouped_mm falls back to a loop that reads the expert offsets on the host:
+compiled MoE steps want bf16.)
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Family:
     rope_by_layer_type: bool = False
     sinks: bool = False
     routed_mlp: bool = False
+    experts: bool = False
 
 
 FAMILIES = {
@@ -55,8 +61,13 @@ FAMILIES = {
     "qwen2": Family(),
     "qwen3": Family(),
     "gemma3_text": Family(sandwich=True, norm="gemma", rope_by_layer_type=True),
-    "gpt_oss": Family(norm="float32", sinks=True, routed_mlp=True),
+    "gpt_oss": Family(norm="float32", sinks=True, routed_mlp=True, experts=True),
+    # dense layers where mlp_only_layers / decoder_sparse_step say: their MLP module is then the plain SwiGLU
+    "qwen3_moe": Family(experts=True),
+    "qwen2_moe": Family(experts=True),
 }
+_SYNC_FREE_EXPERTS = ("grouped_mm", "batched_mm")  # routing on the device: no host read inside a forward
+_EVERY_LAYER_SLIDES = ("mistral", "qwen3_moe")  # a sliding_window without layer_types masks every layer
 _STATIC_ROPE = ("default", "llama3", "linear", "yarn")  # frequencies fixed at load: one graph serves every length
 
 
@@ -74,7 +85,8 @@ def family(model: nn.Module) -> Family | None:
 
 def capturable(model: nn.Module) -> bool:
     """Whether a forward of `model` can be captured as a CUDA graph (no host reads inside it)."""
-    return not family(model).routed_mlp or getattr(model.config, "_experts_implementation", None) != "eager"
+    impl = getattr(model.config, "_experts_implementation", None)
+    return not family(model).experts or impl in _SYNC_FREE_EXPERTS
 
 
 def _rope_parameters(cfg) -> list[dict]:
@@ -90,7 +102,7 @@ def layer_types(cfg) -> list[str]:
     n = cfg.num_hidden_layers
     types = list(getattr(cfg, "layer_types", None) or [])
     if not types:
-        slides = cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None)
+        slides = cfg.model_type in _EVERY_LAYER_SLIDES and getattr(cfg, "sliding_window", None)
         types = [SLIDING if slides else FULL] * n
     if getattr(cfg, "sliding_window", None) is None:  # qwen2/qwen3 without use_sliding_window: no window anywhere
         types = [FULL] * n

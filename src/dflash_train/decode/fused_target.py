@@ -88,11 +88,11 @@ def swiglu_mlp(mlp: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
 
 
 def fusable_mlp(model: nn.Module) -> bool:
-    """Whether the model's MLPs are down(silu(gate(x)) * up(x)), which swiglu_mlp computes."""
-    cfg = model.config
-    mlp = model.base_model.layers[0].mlp
-    return getattr(cfg, "hidden_act", None) == "silu" and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj",
-                                                                                          "down_proj"))
+    """Whether every layer's MLP is down(silu(gate(x)) * up(x)), which swiglu_mlp computes. Every one: a MoE
+    target's dense layers (qwen3_moe's mlp_only_layers) are, its sparse blocks are not."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    return getattr(model.config, "hidden_act", None) == "silu" and all(
+        all(hasattr(layer.mlp, n) for n in names) for layer in model.base_model.layers)
 
 
 if triton is not None:

@@ -15,12 +15,12 @@ prefill, or a rejected draft) are overwritten before any query can see them: "cr
 cache is just decoding from an earlier position.
 
 Supported: the families of `architectures.FAMILIES` (llama, mistral, qwen2, qwen3 - SmolLM2
-and the Qwen3 presets included - Gemma 3's text decoder and gpt_oss), full-attention and
-sliding-window layers mixed as the config's `layer_types` say. Every layer's cache holds every
-position; a sliding layer's mask keeps the last `sliding_window` of them (its own included),
-prefill included. `supports(model)` says; callers fall back to HF. Graphs need a forward without
-host reads (`architectures.capturable`: gpt_oss's experts under transformers' "eager" experts
-implementation have one); such a model runs its steps eagerly on CUDA too.
+and the Qwen3 presets included - Gemma 3's text decoder, gpt_oss, qwen3_moe and qwen2_moe),
+full-attention and sliding-window layers mixed as the config's `layer_types` say. Every layer's
+cache holds every position; a sliding layer's mask keeps the last `sliding_window` of them (its
+own included), prefill included. `supports(model)` says; callers fall back to HF. Graphs need a
+forward without host reads (`architectures.capturable`: experts under transformers' "eager"
+experts implementation have one); such a model runs its steps eagerly on CUDA too.
 
 On CUDA in half precision, Triton kernels take the parts eager PyTorch runs as many small passes:
 one-token attention of wide batches (`attention_kernel`) and the elementwise chains (`fused_target`).
