@@ -6,15 +6,21 @@ import dataclasses
 
 import pytest
 import torch
-from static_lm_checks import check_prefill_and_steps
+from static_lm_checks import (
+    check_batched_generate,
+    check_graph_replays,
+    check_hf_verifier,
+    check_lossless,
+    check_prefill_and_steps,
+    check_target_generate,
+)
+from static_lm_checks import prompts as _prompts
+from static_lm_checks import tiny_drafter as _drafter
 
 from dflash_train.decode import architectures, fused_target, static_lm
-from dflash_train.decode import speculative as spec
 from dflash_train.decode.generate import generate
 from dflash_train.decode.static_lm import StaticLM
-from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.models.experts import use_experts
-from dflash_train.models.factory import drafter_config_for, new_drafter
 from dflash_train.models.loading import byte_tokenizer
 from dflash_train.models.target import Target
 
@@ -75,12 +81,6 @@ def target(request):
     return Target(model=moe_model(arch, experts), tokenizer=byte_tokenizer(), spec=f"{arch}-{experts}-test")
 
 
-def _prompts(n, seed=0, base=3):
-    """Unequal lengths, from under the sliding variant's window to several windows long."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (base + 7 * i,), generator=g).tolist() for i in range(n)]
-
-
 def test_rows_and_graph_capture():
     """Both families run; their layers mix dense MLPs and sparse blocks; graphs only where the experts' kernel
     keeps the routing on the device; the fused SwiGLU only where every layer's MLP is one."""
@@ -129,41 +129,20 @@ def test_a_wrong_row_is_caught(monkeypatch):
 
 
 def test_batched_generate_equals_hf_generate(target):
-    """Regeneration's batched decode: each row's tokens are transformers' greedy generate's."""
-    prompts = _prompts(4, seed=1)
-    rows = generate(StaticLM(target.model), prompts, 16, [], lag=0).rows
-    for p, row in zip(prompts, rows, strict=True):
-        ref = target.model.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                    pad_token_id=0)
-        assert row == ref[0, len(p):].tolist()
+    check_batched_generate(target, _prompts(4, seed=1))
 
 
 def test_target_generate_equals_hf(target):
-    for p in _prompts(2, seed=3, base=9):
-        assert spec.target_generate(target, p, 20).tokens == spec.hf_target_generate(target, p, 20).tokens
-
-
-def _drafter(target):
-    cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32")
-    return new_drafter(cfg, 1).float().eval()
+    check_target_generate(target, _prompts(2, seed=3, base=9))
 
 
 def test_dflash_is_lossless(target):
-    """T=0 DFlash with an untrained drafter: the device loop's tokens are the target's greedy ones."""
-    rep = evaluate(target, _drafter(target), _prompts(3, seed=4, base=8), EvalConfig(max_new_tokens=20),
-                   progress=False)
-    assert rep.lossless == "exact" and rep.mismatched_prompts == [] and rep.divergences == []
+    """T=0 DFlash with an untrained drafter."""
+    check_lossless(target, _drafter(target), _prompts(3, seed=4, base=8))
 
 
 def test_dflash_equals_the_hf_verifier(target, monkeypatch):
-    """Step for step as the loop that verifies through HF's forward and its DynamicCache."""
-    drafter = _drafter(target)
-    prompt = _prompts(1, seed=5, base=15)[0]
-    ours = spec.speculative_generate(target, drafter, prompt, 18)
-    monkeypatch.setattr(static_lm, "for_model", lambda model: None)  # force HF's forward
-    theirs = spec.speculative_generate(target, drafter, prompt, 18)
-    assert ours.tokens == theirs.tokens and len(ours.tokens) == 18
-    assert (ours.committed, ours.accepted, ours.slots) == (theirs.committed, theirs.accepted, theirs.slots)
+    check_hf_verifier(target, _drafter(target), _prompts(1, seed=5, base=15)[0], monkeypatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -171,16 +150,7 @@ def test_dflash_equals_the_hf_verifier(target, monkeypatch):
 def test_cuda_graph_replays_equal_eager_and_hf(arch):
     """float32 on the GPU under batched_mm (routing on the device; grouped_mm's CUDA kernels take bf16): graph
     replays give the eager steps' tokens, and those transformers' greedy ones."""
-    model = moe_model(arch, "batched_mm").cuda()
-    prompts = _prompts(4, seed=6)
-    eager = generate(StaticLM(model, graphs=False), prompts, 16, [], lag=0).rows
-    graphed = StaticLM(model, graphs=True)
-    assert graphed.graphs
-    assert generate(graphed, prompts, 16, []).rows == eager
-    for p, row in zip(prompts, eager, strict=True):
-        ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16,
-                             do_sample=False, pad_token_id=0)
-        assert row == ref[0, len(p):].tolist()
+    check_graph_replays(moe_model(arch, "batched_mm").cuda(), _prompts(4, seed=6))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
