@@ -47,8 +47,8 @@ from dflash_train.models.loading import byte_tokenizer, default_dtype
 from dflash_train.models.target import Target
 from dflash_train.models.tp_plan import check_tp_size, kv_repeats, parallelize_decoder, tensor_plan
 
-# (dim, [(start, stop), ...]): a rank's part, concatenated along dim; no ranges: zeros of the whole shape
-# (a Partial parameter's share on every rank but the first, which holds the value)
+# (dim, [(start, stop), ...]): a rank's part, concatenated along dim; no ranges: nothing to read, zeros of the
+# whole shape (a Partial parameter's share on every rank but the first, which holds the value: fill_parameters)
 Blocks = tuple[int, list[tuple[int, int]]]
 
 
@@ -175,7 +175,10 @@ def fill_parameters(model: nn.Module, source, rank: int, tp: int, device: torch.
         module = model.get_submodule(owner)
         if isinstance(param, DTensor):
             blocks = local_blocks(param.shape, param.placements[0], rank, tp)
-            local = source.read(name, param.shape, blocks).to(device=device, dtype=dtype)
+            if blocks[1]:
+                local = source.read(name, param.shape, blocks).to(device=device, dtype=dtype)
+            else:  # a Partial parameter's share on a rank that does not hold the value: nothing to read
+                local = torch.zeros(param.shape, device=device, dtype=dtype)
             value = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                        shape=param.shape, stride=param.stride())
         else:
@@ -247,8 +250,6 @@ class SafetensorsShards:
         self._handles.clear()
 
     def read(self, name: str, shape: torch.Size, blocks: Blocks | None) -> torch.Tensor:
-        if blocks is not None and not blocks[1]:
-            return torch.zeros(shape)
         if self._has(name):
             return self._read_key(name, blocks)
         stem, _, leaf = name.rpartition(".")
@@ -323,8 +324,6 @@ class RandomWeights:
         pass
 
     def read(self, name: str, shape: torch.Size, blocks: Blocks | None) -> torch.Tensor:
-        if blocks is not None and not blocks[1]:
-            return torch.zeros(shape, device=self.device)
         whole = self._draw(name, shape)
         if blocks is None:
             return whole
