@@ -35,7 +35,16 @@ KEYS = ("loss", "acc", "expected_tau")  # of the objective's record values
 VALIDATION_FILE = "validation.pt"
 
 
-class Validation:
+class Every:
+    """When a validation runs: every `every` steps, and at the last step."""
+
+    every: int
+
+    def due(self, step: int, last: int) -> bool:
+        return step % self.every == 0 or step == last
+
+
+class Validation(Every):
     def __init__(self, every: int, packs: list[tuple[PackedBatch, torch.Tensor, TargetFeatures]]) -> None:
         self.every, self.packs = every, packs  # (batch, target features) on one device; anchors on the host
 
@@ -77,9 +86,6 @@ class Validation:
         return cls(saved["every"], [(PackedBatch(*batch).to(device), anchors, TargetFeatures(*feats).to(device))
                                     for batch, anchors, feats in saved["packs"]])
 
-    def due(self, step: int, last: int) -> bool:
-        return step % self.every == 0 or step == last
-
     def __call__(self, objective) -> dict[str, object]:
         """val_loss, val_acc and val_expected_tau over every held-out pack (one host sync, at the end), in the
         caller's grad mode (Trainer._validation_mode): the sums take the outputs' detached values only."""
@@ -98,7 +104,7 @@ def validation_key(cfg: TrainConfig, held_out_indices, features: FeatureSpec) ->
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
-class Awaited:
+class Awaited(Every):
     """A drafter rank's held-out packs when a target replica builds them: read at the first validation,
     waiting up to `timeout` seconds for the replica's file (it writes it before it serves, so it is
     there by then unless that replica is slower than the others)."""
@@ -106,9 +112,6 @@ class Awaited:
     def __init__(self, path: Path, key: str, every: int, device: torch.device, timeout: float) -> None:
         self.path, self.key, self.every, self.device, self.timeout = path, key, every, device, timeout
         self._packs: Validation | None = None
-
-    def due(self, step: int, last: int) -> bool:
-        return step % self.every == 0 or step == last
 
     def __call__(self, objective) -> dict[str, object]:
         if self._packs is None:
