@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+from dflash_train.models.document_attention import FULL, SLIDING, attention_windows
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,6 @@ FAMILIES = {
     "qwen2_moe": Family(experts=True),
 }
 _SYNC_FREE_EXPERTS = ("grouped_mm", "batched_mm")  # routing on the device: no host read inside a forward
-_EVERY_LAYER_SLIDES = ("mistral", "qwen3_moe")  # a sliding_window without layer_types masks every layer
 _STATIC_ROPE = ("default", "llama3", "linear", "yarn")  # frequencies fixed at load: one graph serves every length
 
 
@@ -98,15 +97,12 @@ def _rope_parameters(cfg) -> list[dict]:
 
 
 def layer_types(cfg) -> list[str]:
-    """Each layer's attention type, FULL or SLIDING, as HF's model of this config applies it."""
-    n = cfg.num_hidden_layers
-    types = list(getattr(cfg, "layer_types", None) or [])
-    if not types:
-        slides = cfg.model_type in _EVERY_LAYER_SLIDES and getattr(cfg, "sliding_window", None)
-        types = [SLIDING if slides else FULL] * n
-    if getattr(cfg, "sliding_window", None) is None:  # qwen2/qwen3 without use_sliding_window: no window anywhere
-        types = [FULL] * n
-    return types[:n]
+    """Each layer's attention type as HF's model of this config applies it: SLIDING where the layer has a
+    window (models/document_attention.layer_window: the one rule, which the packed feature forward follows
+    too), else the config's own type (FULL, or one `family` refuses)."""
+    types = getattr(cfg, "layer_types", None) or [FULL] * cfg.num_hidden_layers
+    windows = attention_windows(cfg)  # one a decoder layer: a longer layer_types list is cut to the layers
+    return [SLIDING if w is not None else (FULL if t == SLIDING else t) for t, w in zip(types, windows, strict=False)]
 
 
 def windows(cfg) -> dict[str, int | None]:
