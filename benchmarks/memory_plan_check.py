@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets.split(","):
         r = measure(preset, args.tokens, args.features)
         rows.append(r)
+        over = 100 * r["activations_over"]
         print(f"{preset}: weights {r['weights_gb']:.2f} GB (plan {r['plan_weights_gb']:.2f}), activations "
-              f"{r['activations_gb']:.2f} GB (plan {r['plan_activations_gb']:.2f}, {100 * r['activations_over']:+.1f}%)",
-              flush=True)
+              f"{r['activations_gb']:.2f} GB (plan {r['plan_activations_gb']:.2f}, {over:+.1f}%)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -15,6 +15,7 @@ import torch
 from dflash_train.devices import available_memory
 from dflash_train.errors import UsageError, say
 from dflash_train.models.memory_plan import plan_memory
+from dflash_train.models.shapes import head_dim
 from dflash_train.models.sharded_loading import target_config
 from dflash_train.models.tp_plan import check_tp_size, tensor_plan
 from dflash_train.settings.tree import TrainConfig
@@ -49,10 +50,10 @@ def drafter_parameters(config, cfg: TrainConfig) -> int:
     """About the drafter's parameters: its layers shaped as the target's (attention and MLP), and the
     projection of the features into one hidden state; the embedding and LM head are the target's."""
     hidden, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    d = head_dim(config)
     kv = getattr(config, "num_key_value_heads", heads)
     inter = cfg.drafter.intermediate_size or getattr(config, "intermediate_size", 4 * hidden)
-    layer = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * inter
+    layer = 2 * hidden * heads * d + 2 * hidden * kv * d + 3 * hidden * inter
     return cfg.drafter.num_layers * layer + (cfg.drafter.num_features or DEFAULT_FEATURES) * hidden * hidden
 
 

@@ -11,6 +11,7 @@ from dflash_train.decode.host_reads import LAG
 from dflash_train.devices import check_fits
 from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.shapes import head_dim
 from dflash_train.models.target import Target
 
 
@@ -39,9 +40,8 @@ def _bytes_per_slot(target: Target, drafter: DFlashDrafter, B: int) -> int:
     """Device bytes one more position of a decode costs: the K and V of every target and draft layer,
     and greedy_loop's step record (1 + B longs, at most one step per token)."""
     def kv(cfg, layers: int) -> int:
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return 2 * layers * (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return 2 * layers * kv_heads * head_dim(cfg)
 
     c, d = target.model.config, drafter.config
     return (kv(c, c.num_hidden_layers) + kv(d, d.num_hidden_layers)) * target.dtype.itemsize + 8 * (1 + B)

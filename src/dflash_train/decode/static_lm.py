@@ -41,6 +41,7 @@ from dflash_train.decode import architectures, attention_kernel, fused_target, g
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.graphs import GraphStore
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
+from dflash_train.models.shapes import head_dim
 
 KV_BUCKET = 128  # key-length granularity: one graph per bucket, at most 127 masked keys read per step
 CACHE_BUCKET = 1024  # capacity granularity: nearby lengths share one cache (and its graphs)
@@ -142,7 +143,7 @@ class StaticLM(CompiledSteps):
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.n_layers = cfg.num_hidden_layers
         self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim(cfg)
         self._graphs = graphs
         self._cache: StaticCache | None = None
         self._attention_kernel = attention_kernel

@@ -14,6 +14,7 @@ from dflash_train.models.config import (
     default_target_layer_ids,
 )
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.shapes import head_dim
 from dflash_train.models.target import Target
 
 DEFAULT_NUM_FEATURES = 5
@@ -51,7 +52,7 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        head_dim=head_dim(c),
         vocab_size=target.vocab_size,
         block_size=block_size,
         mask_token_id=mask_token_id,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.errors import UsageError
+from dflash_train.models.shapes import head_dim
 from dflash_train.models.tp_plan import SPLIT_SIZES, check_tp_size, has_tensor_plan, split_parameters, tensor_plan
 
 ADAMW_BYTES = 16  # fp32 weight + gradient + exp_avg + exp_avg_sq
@@ -131,8 +132,7 @@ def parameter_counts(config) -> ParameterCounts:
 def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, labels: bool) -> int:
     """Peak transient bytes of one feature forward (see the module docstring)."""
     h = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim // tp, config.num_key_value_heads * head_dim // tp
+    q, kv = (n * head_dim(config) // tp for n in (config.num_attention_heads, config.num_key_value_heads))
     attention = q + 2 * kv + (q + kv) + q  # q, k, v; q and k after RoPE; the attention's output
     top_k = getattr(config, "num_experts_per_tok", None)
     if top_k:  # routed tokens: each token's k copies of its input, gate/up and output rows

@@ -44,6 +44,7 @@ from dflash_train.errors import UsageError
 from dflash_train.models import presets
 from dflash_train.models.experts import use_experts
 from dflash_train.models.loading import byte_tokenizer, default_dtype
+from dflash_train.models.shapes import head_dim
 from dflash_train.models.target import Target
 from dflash_train.models.tp_plan import check_tp_size, kv_repeats, parallelize_decoder, tensor_plan
 
@@ -64,7 +65,7 @@ def load_sharded_target(spec: str, tp_group: dist.ProcessGroup | None, device: s
     plan = tensor_plan(config) if tp > 1 else {}
     check_tp_size(config, tp)
     if (rep := kv_repeats(config, tp)) > 1:
-        config, source = _repeated_kv(config, rep), RepeatedKVHeads(source, _head_dim(config), rep)
+        config, source = _repeated_kv(config, rep), RepeatedKVHeads(source, head_dim(config), rep)
     model = build_on_meta(config, dtype, device)
     if plan:
         parallelize_decoder(model.base_model, DeviceMesh.from_group(tp_group, device.type), plan)
@@ -97,15 +98,11 @@ def load_target_head(spec: str, device: str | torch.device, *, last_layers: int 
     return Target(model=model, tokenizer=tokenizer, spec=spec)
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def _repeated_kv(config, rep: int):
     """A copy of `config` with `rep` times the KV heads: the same function (every query head's KV head is a
     copy of its group's), built with one KV head per rank. head_dim is pinned: some configs derive it."""
     out = copy.deepcopy(config)
-    out.head_dim = _head_dim(config)
+    out.head_dim = head_dim(config)
     out.num_key_value_heads = config.num_key_value_heads * rep
     return out
 

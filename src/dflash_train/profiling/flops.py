@@ -70,6 +70,7 @@ class Shape:
 
 
 def shape_of(cfg) -> Shape:
+    # head_dim: models/shapes.head_dim's rule (profiling sits below models, so it cannot import it)
     return Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                  getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, routed_mlp(cfg))
 
