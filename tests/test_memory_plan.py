@@ -135,7 +135,7 @@ def test_the_estimates_match_the_measured_resident_memory(tmp_path, monkeypatch,
     """A 40-66M-parameter model loaded through the sharded loader in a fresh process: resident memory
     grows by the weights the plan gives (within 15%), and a 2048-token feature forward's peak stays
     under the plan's activations, by at most 15% (the estimate errs on the safe side). On this
-    machine's 2 cores (2026-12-05) the estimates were 11.7% and 12.7% over the measured peaks."""
+    machine's 2 cores (2026-12-05) the estimates were 6.7% and 6.9% over the measured peaks."""
     shape = _SHAPES[name]
     layers, tokens = list(range(1, shape["num_hidden_layers"]))[-5:], 2048
     # large blocks straight from mmap: a freed transient leaves the resident set at once

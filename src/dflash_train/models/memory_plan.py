@@ -135,14 +135,14 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
     q, kv = (n * head_dim(config) // tp for n in (config.num_attention_heads, config.num_key_value_heads))
     attention = q + 2 * kv + (q + kv) + q  # q, k, v; q and k after RoPE; the attention's output
     top_k = getattr(config, "num_experts_per_tok", None)
-    if top_k:  # routed tokens: each token's k copies of its input, gate/up and output rows
+    if top_k:  # routed tokens: each token's k copies of its input, gate/up, output and weighted output rows
         width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # gpt_oss: the latter
-        mlp = top_k * (3 * width // tp + 2 * h)
+        mlp = top_k * (3 * width // tp + 3 * h)
     else:  # act(gate), up and their product live together
         mlp = 3 * config.intermediate_size // tp
-    # the features captured so far; the residual, the normed input, a layer's output and sums (5 h, of which
-    # about 3 measured live beside the larger of the attention's and the MLP's transients; 2 h kept spare)
-    per_token = n_features * h + 5 * h + max(attention, mlp)
+    # the features captured so far; the residual, the normed input, a layer's output and sums (4 h: on an H200
+    # about 2 measured live beside the larger of the attention's and the MLP's transients, on a CPU about 3)
+    per_token = n_features * h + 4 * h + max(attention, mlp)
     head = HEAD_ROWS * config.vocab_size * size if labels else 0
     return tokens * per_token * size + head + eager_score_bytes(config, tp, tokens, size)
 
