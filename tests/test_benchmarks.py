@@ -215,6 +215,16 @@ def test_target_features(tmp_path):
 
 
 @pytest.mark.slow
+def test_memory_plan_check(tmp_path):
+    out = tmp_path / "memory.json"
+    _run(_py("memory_plan_check.py", "--device", "cpu", "--presets", "tiny,tiny-qwen3-moe", "--tokens", "256",
+             "--features", "2", "--json", str(out)), tmp_path, MALLOC_MMAP_THRESHOLD_="65536")
+    rows = _json(out, "device", "rows")["rows"]
+    assert [r["preset"] for r in rows] == ["tiny", "tiny-qwen3-moe"]
+    assert all(r["weights_gb"] > 0 and r["plan_weights_gb"] > 0 and r["plan_activations_gb"] > 0 for r in rows)
+
+
+@pytest.mark.slow
 def test_planted_sync_on_the_cpu_slows_its_stage(tmp_path):
     """Without CUDA the sync plant is a 20 ms sleep: the stage it names shows it, and the TRAIN_SECONDS
     stop ends `train` with 0."""
