@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,32 +93,28 @@ def test_eager_attention_targets_count_their_tokens_by_tokens_scores():
     assert eager_attention(meta_model(oss).config)  # the implementation transformers picks for it
 
 
+# benchmarks/memory_plan_check.py's meter (the resident set on a CPU), on a model loaded by the sharded loader
 _MEASURE = """
 import json, sys, torch, torch.distributed as dist
-from dflash_train.data.packing import PackedBatch
+sys.path.insert(0, sys.argv[5])
+from memory_plan_check import Meter, one_sequence
 from dflash_train.models import presets
 from dflash_train.models.sharded_loading import load_sharded_target
 from dflash_train.pipeline.features import packed_features
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-def one_sequence(n):
-    return PackedBatch(torch.randint(0, 256, (n,)), torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
-                       torch.arange(n))
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 presets.PRESETS["measure"] = ("qwen3", json.loads(sys.argv[2]))
 tokens, layers = int(sys.argv[3]), json.loads(sys.argv[4])
+meter = Meter(torch.device("cpu"))
 del load_sharded_target("random:tiny", dist.group.WORLD, "cpu", dtype=torch.float32).model  # imports, lazy modules
-before = status("VmRSS:")
+before = meter.allocated()
 target = load_sharded_target("random:measure", dist.group.WORLD, "cpu", dtype=torch.float32)
-weights = status("VmRSS:") - before
-packed_features(target, one_sequence(64), layers, mode="padded")  # first-call allocations
-before = status("VmRSS:")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets the peak resident set (VmHWM) to the current one
-features = packed_features(target, one_sequence(tokens), layers, mode="padded")
-print(json.dumps({"weights": weights, "activations": status("VmHWM:") - before}))
+weights = meter.allocated() - before
+packed_features(target, one_sequence(64, 256), layers, mode="padded")  # first-call allocations
+before = meter.allocated()
+meter.reset_peak()
+features = packed_features(target, one_sequence(tokens, 256), layers, mode="padded")
+print(json.dumps({"weights": weights, "activations": meter.peak() - before}))
 """
 
 
@@ -140,8 +137,9 @@ def test_the_estimates_match_the_measured_resident_memory(tmp_path, monkeypatch,
     layers, tokens = list(range(1, shape["num_hidden_layers"]))[-5:], 2048
     # large blocks straight from mmap: a freed transient leaves the resident set at once
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "rdv"), json.dumps(shape), str(tokens),
-                          json.dumps(layers)], capture_output=True, text=True, check=False, env=env)
+                          json.dumps(layers), str(bench)], capture_output=True, text=True, check=False, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     monkeypatch.setitem(presets.PRESETS, "measure", ("qwen3", shape))
