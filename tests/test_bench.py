@@ -140,3 +140,31 @@ def test_bench_split_errors_name_the_flag(capsys):
         assert main(["bench", "--target", "random:tiny", "--device", "cpu", "--splits", split]) == 2
         err = capsys.readouterr().err
         assert "--splits" in err and why in err
+
+
+@pytest.mark.slow
+def test_a_recipe_shaped_bench_trains_that_drafter_on_packs_of_several_sequences(tmp_path):
+    """--token-budget packs several --seq-len sequences a step (as real data does), and the drafter flags
+    shape the drafter every variant trains: a wider MLP costs FLOPs, sliding layers reach the train run."""
+    from dflash_train.bench.config import BenchConfig, train_config
+
+    cfg = BenchConfig(target="random:tiny", device="cpu", num_layers=2, block_size=4, num_anchors=8, seq_len=64,
+                      token_budget=256, steps=2, intermediate_size=96, sliding_layers=1, variants="drafter-only")
+    tcfg = train_config(cfg, tmp_path, "drafter-only", 4)
+    assert (tcfg.data.token_budget, tcfg.data.max_length) == (256, 64)
+    assert (tcfg.drafter.intermediate_size, tcfg.drafter.sliding_layers) == (96, 1)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--target", "random:tiny", "--device", "cpu", "--num-layers", "2", "--block-size", "4",
+            "--num-anchors", "8", "--seq-len", "64", "--steps", "2", "--variants", "drafter-only"]
+    argv += ["--token-budget", "256", "--sliding-layers", "1", "--json", str(out)]
+    assert main([*argv, "--intermediate-size", "96"]) == 0
+    wide = json.loads(out.read_text())["variants"]["drafter-only"]
+    assert wide["tokens_per_s"] * wide["step_s"] == pytest.approx(256)  # four sequences a step
+    assert main([*argv, "--intermediate-size", "48"]) == 0
+    narrow = json.loads(out.read_text())["variants"]["drafter-only"]
+    assert wide["model_tflop_per_step"] > narrow["model_tflop_per_step"]
+
+
+def test_a_bench_token_budget_below_one_sequence_is_refused(capsys):
+    assert main(["bench", "--target", "random:tiny", "--device", "cpu", "--seq-len", "64", "--token-budget", "32"]) == 2
+    assert "--token-budget 32" in capsys.readouterr().err

@@ -311,6 +311,19 @@ def test_quality_smollm2_h200_is_the_general_script_with_its_config(tmp_path):
 
 
 @pytest.mark.slow
+def test_recipe_step_times_each_lever_and_summarises(tmp_path):
+    """recipe_step.sh's levers as bench runs of the drafter-only step; pack32k doubles --token-budget."""
+    out = tmp_path / "step"
+    _run(["bash", str(BENCH / "recipe_step.sh"), str(out)], tmp_path, timeout=240, DEVICE="cpu", TARGET=TINY,
+         LEVERS="base pack32k", STEPS="2",
+         SHAPE="--num-layers 2 --block-size 4 --num-anchors 8 --seq-len 64 --token-budget 256 --sliding-layers 1")
+    base, big = (_json(out / f"{lever}.json", "variants", "config") for lever in ("base", "pack32k"))
+    assert (base["config"]["token_budget"], big["config"]["token_budget"]) == (256, 512)
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert lines[1].split()[0] == "base" and lines[1].split()[-1] == "1.000" and lines[2].split()[0] == "pack32k"
+
+
+@pytest.mark.slow
 def test_recipe_sweep_and_its_summary(tmp_path):
     """recipe_sweep.sh with two variants, the second on the first's prepared data (the same data flags),
     then the script's "recipe_summary.py": the table, summary.json and the curve."""

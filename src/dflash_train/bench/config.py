@@ -12,8 +12,9 @@ from dflash_train.config import RELEASED, AttentionBackend, flag, same_as, setti
 from dflash_train.errors import UsageError
 from dflash_train.models.experts import CHOICES as EXPERTS
 from dflash_train.objective.objective import ObjectiveConfig
-from dflash_train.settings.sections import DrafterConfig, PipelineConfig, RunConfig
+from dflash_train.settings.sections import DataConfig, DrafterConfig, PipelineConfig, RunConfig
 from dflash_train.settings.tree import TrainConfig
+from dflash_train.training.config import TrainerConfig
 
 VARIANTS = ("sequential", "overlap", "overlap+wall", "overlap+cuda", "target-only", "drafter-only")
 
@@ -38,7 +39,11 @@ class BenchConfig:
     num_layers: int = same_as(DrafterConfig, "num_layers", default=RELEASED["num_layers"])
     block_size: int = same_as(DrafterConfig, "block_size", default=RELEASED["block_size"])
     num_anchors: int = same_as(ObjectiveConfig, "num_anchors", default=RELEASED["num_anchors"])
-    seq_len: int = setting(3072, "tokens per sequence (= --token-budget and --max-length of train)")
+    seq_len: int = setting(3072, "tokens per sequence (= --max-length of train)")
+    token_budget: int | None = same_as(DataConfig, "token_budget", default=None)  # None: --seq-len (one sequence)
+    intermediate_size: int | None = same_as(DrafterConfig, "intermediate_size")
+    sliding_layers: int = same_as(DrafterConfig, "sliding_layers", default=0)
+    sliding_window: int | None = same_as(DrafterConfig, "sliding_window")
     steps: int = setting(10, "measured optimizer steps per variant")
     variants: str = setting(",".join(VARIANTS), f"comma-separated, from: {', '.join(VARIANTS)}")
     attention: AttentionBackend = same_as(ObjectiveConfig, "attention")
@@ -47,6 +52,8 @@ class BenchConfig:
     splits: str = setting("", "several GPUs: T+D (T target, D drafter GPUs) or xN (N GPUs with both roles), "
                       "comma-separated, e.g. 1+1,x2 (bench/multi.py)")
     compile_target: bool = same_as(PipelineConfig, "compile_target")
+    compile_drafter: bool = same_as(TrainerConfig, "compile_drafter")
+    compile_masks: bool = same_as(TrainerConfig, "compile_masks")
     target_experts: str = setting("auto", "train's --target-experts (the kernel of a mixture-of-experts target's "
                                   "experts); comma-separated runs every variant under each, side by side, e.g. "
                                   "eager,grouped_mm", _experts_list)
@@ -57,12 +64,23 @@ class BenchConfig:
         for name in ("seq_len", "steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.token_budget is not None and self.token_budget < self.seq_len:
+            raise UsageError(f"--token-budget {self.token_budget} must hold one sequence of --seq-len {self.seq_len}")
         parse_splits(self.splits)  # a bad split fails here, before any model is loaded
         bad = [v for v in self.variant_list if v not in VARIANTS]
         if bad:
             raise UsageError(f"--variants: unknown {bad} (choose from {', '.join(VARIANTS)})")
         if self.splits and len(self.experts_list) > 1:
             raise UsageError(f"--target-experts {self.target_experts}: --splits runs one experts kernel (give one)")
+
+    @property
+    def pack_tokens(self) -> int:
+        """Tokens per pack: --token-budget, or one sequence of --seq-len."""
+        return self.token_budget or self.seq_len
+
+    @property
+    def seqs_per_pack(self) -> int:
+        return self.pack_tokens // self.seq_len
 
     @property
     def variant_list(self) -> list[str]:
@@ -83,11 +101,13 @@ def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, expe
                  **extra) -> TrainConfig:
     """The `train` settings of one variant's run: the bench's shapes, no checkpoints, no eval."""
     base = dict(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
-                block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.seq_len,
-                max_length=cfg.seq_len, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
+                block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.pack_tokens,
+                max_length=cfg.seq_len, intermediate_size=cfg.intermediate_size, sliding_layers=cfg.sliding_layers,
+                sliding_window=cfg.sliding_window, compile_drafter=cfg.compile_drafter,
+                compile_masks=cfg.compile_masks, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
                 max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
                 overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,
-                profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, sliding_layers=0, eval_limit=0,
+                profile_cuda_events=variant.endswith("+cuda"), lr=6e-4, eval_limit=0,
                 compile_target=cfg.compile_target, target_experts=experts or cfg.experts_list[0])
     return TrainConfig.of(**(base | extra))
 

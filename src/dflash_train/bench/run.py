@@ -5,10 +5,11 @@
 
 Each variant runs in a fresh process (as a `dflash-train train` run does) and trains the same
 freshly initialised drafter on the same packs (synthetic sequences of --seq-len tokens, the loss
-on all but the first 10%) for 2 x --steps optimizer steps: the first --steps are warm-up
-(compilation, allocator), the second --steps are timed (one host sync at each end); its time to
-the first optimizer step counts from its process start (--cold-start: with empty compile
-caches, as on a fresh machine; otherwise whatever earlier runs left in them). Variants:
+on all but the first 10%; one a pack, or as many as --token-budget holds, as a real data set's
+packs hold several) for 2 x --steps optimizer steps: the first --steps are warm-up (compilation,
+allocator), the second --steps are timed (one host sync at each end); its time to the first
+optimizer step counts from its process start (--cold-start: with empty compile caches, as on a
+fresh machine; otherwise whatever earlier runs left in them). Variants:
 
     sequential    target forward, then drafter step, strictly one after the other (the naive loop)
     overlap       the target on its own thread and CUDA stream, feeding a bounded queue
@@ -83,7 +84,7 @@ def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: in
     """Model FLOPs of steps [first, last) from the very packs the stream yields (deterministic)."""
     counter = PackFlops.build(target.model.config, drafter.config, list(drafter.config.target_layer_ids),
                               target.vocab_size)
-    stream = PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, packs_per_step)
+    stream = PackStream(dataset, cfg.pack_tokens, cfg.num_anchors, cfg.seed, packs_per_step)
     t_total = d_total = 0.0
     for pack in stream.packs(last):
         if pack.step < first:
@@ -96,7 +97,7 @@ def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: in
 def _target_only(cfg: BenchConfig, target, drafter, dataset, total: int, device: torch.device) -> dict[str, Any]:
     """The target forwards of the timed packs alone, after the warm-up packs."""
     layer_ids = list(drafter.config.target_layer_ids)
-    packs = list(PackStream(dataset, cfg.seq_len, cfg.num_anchors, cfg.seed, 1).packs(total))
+    packs = list(PackStream(dataset, cfg.pack_tokens, cfg.num_anchors, cfg.seed, 1).packs(total))
     tokens, t0 = 0, 0.0
     for i, pack in enumerate(packs):
         if i == cfg.steps:
@@ -212,9 +213,11 @@ def _setup(cfg: BenchConfig, device_name: str):
     device = torch.device(device_name)
     cuda = device.type == "cuda"
     target = load_target(cfg.target, device=device, seed=cfg.seed)
-    dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16")
+    dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16",
+                              intermediate_size=cfg.intermediate_size, num_sliding_layers=cfg.sliding_layers,
+                              sliding_window=cfg.sliding_window)
     drafter = new_drafter(dcfg, cfg.seed, device)  # the device's generator: the same weights in every process
-    dataset = SyntheticSequences(cfg.steps, cfg.seq_len, target.vocab_size, cfg.seed)
+    dataset = SyntheticSequences(cfg.steps * cfg.seqs_per_pack, cfg.seq_len, target.vocab_size, cfg.seed)
     total = 2 * cfg.steps
     t_flops, d_flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)
     plan = {
@@ -295,14 +298,14 @@ def _train_variant(cfg: BenchConfig, variant: str, experts: str, target, drafter
 def _run_splits(cfg: BenchConfig, splits, kind: str, plan: dict[str, Any], log) -> dict[str, Any]:
     link = None
     if kind == "cuda" and any(not s.colocated for s in splits):
-        link = link_bandwidth(plan["width"], cfg.seq_len, depth=4)
+        link = link_bandwidth(plan["width"], cfg.pack_tokens, depth=4)
         log(f"link GPU0->GPU1: device copy {link['device_copy_bytes_per_s'] / 1e9:.0f} GB/s, NCCL send/recv "
             f"{link['nccl_send_recv_bytes_per_s'] / 1e9:.0f} GB/s, "
             f"hand-off {link['handoff_bytes_per_s'] / 1e9:.0f} GB/s "
             f"({link['handoff_message_bytes'] / 1e6:.0f} MB per pack, {link['handoff_message_ms']:.2f} ms)")
     with tempfile.TemporaryDirectory(prefix="dflash-bench-data-") as tmp:
-        data_dir = write_dataset(SyntheticSequences(cfg.steps, cfg.seq_len, plan["vocab"], cfg.seed),
-                                 Path(tmp) / "data")
+        data = SyntheticSequences(cfg.steps * cfg.seqs_per_pack, cfg.seq_len, plan["vocab"], cfg.seed)
+        data_dir = write_dataset(data, Path(tmp) / "data")
         results = {s.name: run_split(cfg, s, kind, data_dir, plan["split_flops"][s.name], log) for s in splits}
     return {"splits": results, "link": link}
 

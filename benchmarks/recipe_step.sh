@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The SmolLM2 recipe's drafter step (configs/smollm2-h200.toml) on its own, under each lever, side by side:
+#   bash benchmarks/recipe_step.sh OUT_DIR       # one H200, ~5 minutes, no data or GGUF needed (random weights)
+# The recipe's train phase is most of its wall time (336 of 512 s on 2026-12-05), nearly all of it steps on
+# cached features: this times exactly that step (`bench --variants drafter-only`, features cached during the
+# warm-up) on packs shaped like the recipe's: --token-budget 16384 of sequences of SEQ_LEN tokens (614, the
+# mean of the shipped data's 24,760 prepared sequences), 128 anchors each, the 12-layer B=8 drafter with a
+# 3,072-wide MLP and its one sliding-window layer. Its model FLOPs come from the very packs
+# (profiling/flops.py): 15.6 TFLOP a step, so the recipe's ~200K target tokens/s is MFU ~0.19 and the
+# goal of 290K is ~0.28.
+# Levers, one bench each (each variant in a fresh process; the JSON of each in OUT_DIR/<lever>.json):
+#   base       the recipe's settings: --compile-drafter
+#   masks      base + --compile-masks (the FlexAttention mask tiles compiled: ~80 launches a mask become a few)
+#   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
+#              the work (a quality question too: the recipe's optimizer steps would halve)
+#   eager      base without --compile-drafter (the reference the compiled layers are measured against)
+# Then OUT_DIR/summary.txt: target tokens/s, ms a step and MFU of each lever, and its ratio to base.
+# Knobs (environment): DEVICE TARGET LEVERS (default 'base masks pack32k eager') SHAPE (the drafter and pack
+# flags) STEPS. The plumbing on a CPU (tests/test_benchmarks.py; --compile-* need CUDA, so LEVERS leaves them
+# out there):
+#   DEVICE=cpu TARGET=random:tiny LEVERS="eager pack32k" STEPS=2 \
+#   SHAPE="--num-layers 2 --block-size 4 --num-anchors 8 --seq-len 64 --token-budget 256 --sliding-layers 1" \
+#   bash benchmarks/recipe_step.sh /tmp/recipe-step
+set -uo pipefail
+out=${1:?usage: recipe_step.sh OUT_DIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo" || exit 1
+export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code, whatever is installed
+
+DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-random:smollm2-135m} STEPS=${STEPS:-20}
+LEVERS=${LEVERS:-base masks pack32k eager}
+SHAPE=${SHAPE:---num-layers 12 --block-size 8 --intermediate-size 3072 --sliding-layers 1 --num-anchors 128 \
+--seq-len 614 --token-budget 16384}
+
+dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
+flags() {  # the lever's flags on top of SHAPE (a later flag wins)
+  case $1 in
+    base) echo "--compile-drafter" ;;
+    masks) echo "--compile-drafter --compile-masks" ;;
+    pack32k) echo "--compile-drafter --token-budget $(( 2 * $(budget) ))" ;;
+    eager) echo "" ;;
+    *) echo "recipe_step.sh: unknown lever $1 (base, masks, pack32k, eager)" >&2; return 2 ;;
+  esac
+}
+budget() { grep -oE -- '--token-budget [0-9]+' <<< "$SHAPE" | tail -1 | cut -d' ' -f2; }
+
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+  'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')" > "$out/env.log" 2>&1
+for lever in $LEVERS; do
+  extra=$(flags "$lever") || exit 2
+  if [ "$DEVICE" = cpu ] && grep -q -- '--compile' <<< "$extra"; then
+    extra=$(sed 's/--compile-[a-z]*//g' <<< "$extra")  # CPU plumbing: the compiled paths need CUDA
+  fi
+  echo "[recipe_step $(date +%H:%M:%S)] $lever: $SHAPE $extra"
+  # shellcheck disable=SC2086  # SHAPE and the lever's flags are word lists
+  dft bench --target "$TARGET" --device "$DEVICE" --steps "$STEPS" --variants drafter-only $SHAPE $extra \
+    --json "$out/$lever.json" > "$out/$lever.log" 2>&1
+  echo "[recipe_step $(date +%H:%M:%S)] $lever: rc $?"
+done
+
+python3 - "$out" $LEVERS > "$out/summary.txt" <<'EOF'
+import json, sys
+from pathlib import Path
+out, levers = Path(sys.argv[1]), sys.argv[2:]
+rows = {}
+for lever in levers:
+    path = out / f"{lever}.json"
+    if path.is_file():
+        rows[lever] = json.loads(path.read_text())["variants"]["drafter-only"]
+base = rows.get("base") or next(iter(rows.values()), None)
+print(f"{'lever':<10} {'tokens/s':>10} {'ms/step':>8} {'MFU':>6} {'vs base':>8}")
+for lever in levers:
+    r = rows.get(lever)
+    if r is None:
+        print(f"{lever:<10} failed (see {lever}.log)")
+        continue
+    mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
+    ratio = r["tokens_per_s"] / base["tokens_per_s"]
+    print(f"{lever:<10} {r['tokens_per_s']:>10,.0f} {1000 * r['step_s']:>8.1f} {mfu:>6} {ratio:>8.3f}")
+EOF
+cat "$out/summary.txt"
