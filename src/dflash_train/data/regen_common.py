@@ -131,16 +131,18 @@ class RegenReport:
     cache_s: float = 0.0
     """In-process StaticLM path: seconds getting each batch's KV cache (reused, or freed and allocated anew)."""
     render_s: float = 0.0
-    """In-process path: seconds rendering and tokenizing each turn's prompts (the host, GPU idle)."""
+    """In-process path: seconds rendering and tokenizing each turn's prompts (host work; on CUDA most of it
+    beside the next batch's decode)."""
     text_s: float = 0.0
-    """In-process path: seconds turning generated tokens into reply text (the host, GPU idle)."""
+    """In-process path: seconds turning generated tokens into reply text (host work, as render_s)."""
+    host_s: float = 0.0
+    """In-process path: seconds the decode loop spent on that host work or waiting for it (the GPU idle)."""
     write_s: float = 0.0
     """Seconds writing and fsync'ing finished conversations."""
 
     def other_s(self) -> float:
         """Seconds the split above does not name (set-up, cache allocation, the source's reading)."""
-        return (self.seconds - self.prefill_s - self.decode_s - self.cache_s - self.render_s - self.text_s
-                - self.write_s)
+        return self.seconds - self.prefill_s - self.decode_s - self.cache_s - self.host_s - self.write_s
 
     def summary(self) -> str:
         rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -151,7 +153,8 @@ class RegenReport:
             text += (f"; prefill {self.prefill_s:.1f} s ({self.prompt_tokens} prompt tokens), "
                      f"decode {self.decode_s:.1f} s ({self.compactions} batch compactions), "
                      f"cache {self.cache_s:.1f} s, "
-                     f"render {self.render_s:.1f} s, text {self.text_s:.1f} s, write {self.write_s:.1f} s, "
+                     f"render {self.render_s:.1f} s and text {self.text_s:.1f} s (host work; "
+                     f"{self.host_s:.1f} s of it with the decode waiting), write {self.write_s:.1f} s, "
                      f"other {self.other_s():.1f} s")
         if self.requests:
             text += f"; {self.requests} requests ({self.requests / max(self.seconds, 1e-9):.1f}/s)"

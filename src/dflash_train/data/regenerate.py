@@ -27,7 +27,9 @@ first user turn have nothing to answer and are dropped.
 Batches: conversations are taken POOL_BATCHES batches at a time, and each turn's prompts are
 decoded in batches of `--batch-size` prompts of similar length (shortest first). A batch's KV cache
 and every decode step's attention span its longest prompt, and a later turn's prompt holds the
-whole history so far, whose length the order of the source does not predict.
+whole history so far, whose length the order of the source does not predict. On CUDA a decoded
+batch's host work (its replies' text, its conversations' next prompts) runs on a thread beside the
+next batch's decode, so the GPU waits only for the last batch's of each turn (_HostWork).
 
 Resumable: the output is an append-only JSONL with one line per finished conversation. Each
 pool is written, flushed and fsync'ed before the next starts, so a killed run loses at most
@@ -48,8 +50,10 @@ The file format, resume logic, reply points and report are shared with the serve
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -91,11 +95,13 @@ POOL_BATCHES = 16
 
 @dataclass
 class _Job:
-    """One conversation in flight: the prompt segment before each reply, and the history so far."""
+    """One conversation in flight: the prompt segment before each reply, the history so far, and the next
+    reply's prompt when it has been rendered."""
 
     id: str
     segments: list[list[Message]]
     history: list[Message] = field(default_factory=list)
+    prompt: list[int] | None = None  # the next reply's prompt, once rendered
 
 
 @dataclass
@@ -106,8 +112,10 @@ class _Reply:
 
 
 def regenerate(target: Target, conversations: Iterable[Conversation], out_path: Path, cfg: RegenConfig,
-               progress: bool = True) -> RegenReport:
-    """Append every conversation not yet in `out_path`, its assistant turns written by `target`."""
+               progress: bool = True, overlap: bool | None = None) -> RegenReport:
+    """Append every conversation not yet in `out_path`, its assistant turns written by `target`.
+
+    overlap: the host's work (reply text, next prompts) beside the decode (_HostWork); default on CUDA."""
     out_path = Path(out_path)
     t0 = time.perf_counter()
     header = {"regenerated_by": target.spec, **cfg.settings()}
@@ -118,14 +126,16 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
     total = len(conversations) * cfg.samples if hasattr(conversations, "__len__") else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
+    host = _HostWork(target.device.type == "cuda" if overlap is None else overlap)
+    with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar, \
+            contextlib.closing(host):
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
         # a pool can take minutes, and is written (its conversations counted) at its end: the rate
         # moves after every decoded batch
         rate = lambda: bar.set_postfix(tok_s=f"{report.generated_tokens / (time.perf_counter() - t0):.0f}")  # noqa: E731
         while pool := list(islice(todo, cfg.batch_size * POOL_BATCHES)):
             jobs = [_Job(c.id, reply_segments(c, cfg.turns)) for c in pool]
-            _run_batch(target, jobs, cfg, stops, report, bound, on_batch=rate)
+            _run_batch(target, jobs, cfg, stops, report, bound, host, on_batch=rate)
             t = time.perf_counter()
             records = [_record(job, header) for job in jobs if job.history]  # none: its first prompt had no room
             append(out, records)
@@ -167,18 +177,48 @@ def _record(job: _Job, header: dict) -> dict:
 
 # --- generation --------------------------------------------------------------------------------
 
+class _HostWork:
+    """A decoded batch's host work (its replies' text, its conversations' next prompts), done on one thread
+    beside the next batch's decode (`overlap`: on CUDA the host idles while the GPU decodes; the tokenizer
+    releases the GIL while it encodes and decodes), or at once (on a CPU the decode needs the cores).
+    Either way the same work in the same order: the output does not depend on it."""
+
+    def __init__(self, overlap: bool) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="regen-host") if overlap else None
+        self.queued: list[Future] = []
+
+    def submit(self, fn: Callable[..., None], *args) -> None:
+        if self.pool is None:
+            fn(*args)
+        else:
+            self.queued.append(self.pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        """Until every submitted piece is done; re-raises the first one's exception."""
+        queued, self.queued = self.queued, []
+        for future in queued:
+            future.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 @torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
 def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[int], report: RegenReport,
-               bound: int | None, on_batch: Callable[[], None] = lambda: None) -> None:
+               bound: int | None, host: _HostWork, on_batch: Callable[[], None] = lambda: None) -> None:
     """Fill every job's history, one batched decode per turn index (on_batch() after each batch). A turn whose
-    prompt reaches `bound` tokens, or a later one reaching --max-context, ends its conversation."""
+    prompt reaches `bound` tokens, or a later one reaching --max-context, ends its conversation. Each decoded
+    batch's replies, and the prompts of its conversations' next turn, are `host` work."""
     for k in range(max(len(j.segments) for j in jobs)):
-        active, prompts = [], []
-        turn = [job for job in jobs if k < len(job.segments)]
         t = time.perf_counter()
-        rendered = render_chats(target, [job.history + job.segments[k] for job in turn])  # one batch: every core
-        report.render_s += time.perf_counter() - t
-        for job, prompt in zip(turn, rendered, strict=True):
+        host.wait()  # the last turn's replies are in, and most of this turn's prompts rendered
+        turn = [job for job in jobs if k < len(job.segments)]
+        _render(target, [job for job in turn if job.prompt is None], k, report)
+        report.host_s += time.perf_counter() - t
+        active, prompts = [], []
+        for job in turn:
+            prompt, job.prompt = job.prompt, None
             if (bound is not None and len(prompt) >= bound) or (
                     k and cfg.max_context is not None and len(prompt) >= cfg.max_context):
                 del job.segments[k:]  # the conversation ends at its last reply (its user turn is dropped)
@@ -189,34 +229,65 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
             prompts.append(prompt)
         if not active:
             break
-        replies = _generate(target, prompts, cfg, stops, report, on_batch)
-        for job, reply in zip(active, replies, strict=True):
-            job.history.append({"role": "assistant", "content": reply.text})
-            report.turns += 1
-            report.hit_length_limit += reply.hit_limit
-            report.empty_replies += not reply.text.strip()
+        for rows, tokens in _decoded_batches(target, prompts, cfg, stops, report):
+            t = time.perf_counter()
+            host.submit(_finish, target, [active[i] for i in rows], tokens, k, cfg, stops, report)
+            report.host_s += time.perf_counter() - t
+            on_batch()
+    t = time.perf_counter()
+    host.wait()
+    report.host_s += time.perf_counter() - t
 
 
-def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
-              report: RegenReport | None = None, on_batch: Callable[[], None] = lambda: None) -> list[_Reply]:
-    """One reply per prompt, decoded in batches of cfg.batch_size prompts sorted by length; each batch's
-    tokens (and prefill and decode seconds) are added to `report`, then on_batch() is called."""
+def _render(target: Target, jobs: list[_Job], k: int, report: RegenReport) -> None:
+    """Each job's prompt for its reply k: its history so far and the turn's new messages, tokenized in one
+    batch (every core)."""
+    if not jobs:
+        return
+    t = time.perf_counter()
+    for job, prompt in zip(jobs, render_chats(target, [job.history + job.segments[k] for job in jobs]), strict=True):
+        job.prompt = prompt
+    report.render_s += time.perf_counter() - t
+
+
+def _finish(target: Target, jobs: list[_Job], tokens: list[list[int]], k: int, cfg: RegenConfig, stops: list[int],
+            report: RegenReport) -> None:
+    """A decoded batch's host work: each job's reply k (text from the generated tokens) into its history, then
+    the prompts of the jobs' next turn."""
+    t = time.perf_counter()
+    replies = _replies(target, tokens, set(stops), cfg.max_new_tokens)
+    report.text_s += time.perf_counter() - t
+    for job, reply in zip(jobs, replies, strict=True):
+        job.history.append({"role": "assistant", "content": reply.text})
+        report.turns += 1
+        report.generated_tokens += len(reply.ids)
+        report.hit_length_limit += reply.hit_limit
+        report.empty_replies += not reply.text.strip()
+    _render(target, [job for job in jobs if k + 1 < len(job.segments)], k + 1, report)
+
+
+def _decoded_batches(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
+                     report: RegenReport | None = None) -> Iterator[tuple[list[int], list[list[int]]]]:
+    """(prompt indices, generated token rows) of each batch of cfg.batch_size prompts sorted by length; each
+    batch's prefill and decode seconds are added to `report`."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    replies: dict[int, _Reply] = {}
     for start in range(0, len(order), cfg.batch_size):
         rows = order[start:start + cfg.batch_size]
-        batch = _decode(target, [prompts[i] for i in rows], cfg, stops, report)
-        replies.update(zip(rows, batch, strict=True))
-        if report is not None:
-            report.generated_tokens += sum(len(r.ids) for r in batch)
-        on_batch()
+        yield rows, _decode(target, [prompts[i] for i in rows], cfg, stops, report)
+
+
+def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
+    """One reply per prompt (the decode of _run_batch, without its history)."""
+    replies: dict[int, _Reply] = {}
+    for rows, tokens in _decoded_batches(target, prompts, cfg, stops):
+        replies.update(zip(rows, _replies(target, tokens, set(stops), cfg.max_new_tokens), strict=True))
     return [replies[i] for i in range(len(prompts))]
 
 
 def _decode(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
-            report: RegenReport | None = None) -> list[_Reply]:
-    """One reply per prompt of one batch: on a StaticLM (static KV cache, CUDA graphs) when the
-    target's architecture allows, else through HF's forward."""
+            report: RegenReport | None = None) -> list[list[int]]:
+    """The generated tokens of each prompt of one batch (past a stop token: anything, cut by _replies): on a
+    StaticLM (static KV cache, CUDA graphs) when the target's architecture allows, else through HF's forward."""
     lm = static_lm.for_model(target.model)
     if lm is None:
         return _hf_generate(target, prompts, cfg, stops)
@@ -227,15 +298,11 @@ def _decode(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: l
         report.decode_s += out.decode_s
         report.compactions += out.compactions
         report.cache_s += out.cache_s
-    t = time.perf_counter()
-    replies = _replies(target, out.rows, set(stops), cfg.max_new_tokens)
-    if report is not None:
-        report.text_s += time.perf_counter() - t
-    return replies
+    return out.rows
 
 
-def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[_Reply]:
-    """One reply per prompt from a single left-padded batch decoded with HF's DynamicCache.
+def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int]) -> list[list[int]]:
+    """The generated tokens of each prompt, from a single left-padded batch decoded with HF's DynamicCache.
 
     A plain loop rather than HF `generate`: on 2 CPU cores generate's per-step overhead doubled
     the step time (0.7 s vs 0.33 s for 32 rows of SmolLM2), and the loop applies no logits
@@ -264,9 +331,7 @@ def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, sto
         positions = positions[:, -1:] + 1
         out = target.model(nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
                            use_cache=True)
-    # Host sync: one copy of the new tokens per batched turn, to decode the next prompt's text.
-    rows = torch.stack(tokens, dim=1).tolist()
-    return _replies(target, rows, set(stops), cfg.max_new_tokens)
+    return torch.stack(tokens, dim=1).tolist()  # host sync: one copy of the new tokens per batched turn
 
 
 def _replies(target: Target, rows: list[list[int]], stops: set[int], max_new_tokens: int) -> list[_Reply]:
