@@ -129,3 +129,18 @@ def test_shipped_configs_load_and_validate(path):
     """A shipped recipe with a typo or a bad value would fail only after minutes on a GPU; here it fails at once."""
     cfg = TrainConfig.from_tree(read_toml(path))
     assert cfg.to_toml()
+
+
+def test_the_token_budget_follows_max_length_unless_given(tmp_path, capsys):
+    """A step packs one sequence by default, so --max-length alone is enough; `prepare`, which packs
+    nothing and has no --token-budget, was refused for any --max-length above 512."""
+    from dflash_train.cli import main
+    from dflash_train.settings.sections import DataConfig
+
+    assert DataConfig(max_length=1024).token_budget == 1024
+    assert DataConfig(max_length=1024, token_budget=4096).token_budget == 4096
+    with pytest.raises(UsageError, match="--token-budget 512 must hold one sequence"):
+        DataConfig(max_length=1024, token_budget=512)
+    out = tmp_path / "prep"
+    assert main(["prepare", "--target", "random:tiny", "--num-conversations", "5", "--max-length", "1024",
+                 "--out", str(out)]) == 0, capsys.readouterr().err

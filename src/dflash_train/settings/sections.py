@@ -46,13 +46,16 @@ class DataConfig:
                                                         "training's target forward, or the data's labels.npy from "
                                                         "relabel)")
     max_length: int = setting(512, "tokens per training sequence (longer ones are truncated)", at_least(2))
-    token_budget: int = setting(512, "context tokens packed into one step", at_least(1))
+    token_budget: int | None = setting(None, "context tokens packed into one step (default: --max-length, one "
+                                             "sequence)", at_least(1))
 
     def __post_init__(self) -> None:
         validate(self)
         if self.split not in (None, "train", "held-out", "all"):
             raise UsageError(f"--split must be train, held-out or all, got {self.split!r}")
-        if self.token_budget < self.max_length:
+        if self.token_budget is None:  # resolved here: every reader sees a number
+            self.token_budget = self.max_length
+        elif self.token_budget < self.max_length:
             raise UsageError(f"--token-budget {self.token_budget} must hold one sequence "
                              f"(--max-length {self.max_length})")
 
