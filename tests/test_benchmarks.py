@@ -214,6 +214,19 @@ def test_target_features(tmp_path):
     assert "padded" in out.read_text() and "auto" in out.read_text()
 
 
+def test_target_profile(tmp_path):
+    """Each experts kernel of a MoE target timed and its operators sorted into kinds; the grouped kernel's
+    GEMMs are counted as grouped GEMMs."""
+    out = tmp_path / "profile.json"
+    _run(_py("target_profile.py", "--device", "cpu", "--target", "random:tiny-qwen3-moe", "--experts",
+             "eager,grouped_mm", "--seq-len", "32", "--steps", "1", "--warmup", "1", "--json", str(out)), tmp_path)
+    runs = _json(out, "runs", "tflop_per_forward")["runs"]
+    assert set(runs) == {"eager", "grouped_mm"}
+    assert "grouped GEMM" in runs["grouped_mm"]["kinds"] and "grouped GEMM" not in runs["eager"]["kinds"]
+    assert all(r["tokens_per_s"] > 0 and abs(sum(k["share"] for k in r["kinds"].values()) - 1) < 1e-6
+               for r in runs.values())
+
+
 @pytest.mark.slow
 def test_memory_plan_check(tmp_path):
     out = tmp_path / "memory.json"

@@ -1,0 +1,176 @@
+"""Where a target's feature forward spends its device time: its kernels by kind, under each experts kernel.
+
+    python3 benchmarks/target_profile.py --target random:qwen3-30b-a3b --experts grouped_mm,eager \\
+        --seq-len 3072 --json benchmarks/results/OUT.json            # one H200, ~3 minutes
+    python3 benchmarks/target_profile.py --target random:qwen3-30b-a3b --experts grouped_mm --compile-target
+    python3 benchmarks/target_profile.py --target random:tiny-qwen3-moe --device cpu --seq-len 64 --steps 2
+
+The forward is training's (pipeline/features.py packed_features: one sequence of --seq-len random tokens,
+the layers up to the drafter's deepest feature layer, five features), as `bench --variants target-only`
+runs it. Per experts kernel (models/experts.py; a dense target runs once): --warmup forwards (compilation,
+allocator), then --steps timed forwards (one host sync at each end) for tokens/s and MFU on active
+FLOPs (profiling/flops.py, H200 dense BF16 peak), then one forward under torch.profiler. Its kernels
+are summed by name and sorted into kinds by name (KINDS, first match): GEMMs, grouped GEMMs,
+attention, routing and indexing (sort, gather, scatter, histogram), normalisation, elementwise and
+the rest; printed with their share of the device time and the top --top kernels. The profile says
+what a faster forward must change: at 0.18 MFU (Qwen3-30B-A3B, grouped_mm, 2026-12-05) the question
+is whether the grouped GEMMs themselves are slow or the routing and copies around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from datetime import date
+from pathlib import Path
+
+import torch
+
+# Run from a checkout without installing: the working tree's sources come first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from dflash_train.data.packing import PackedBatch  # noqa: E402
+from dflash_train.devices import resolve_device  # noqa: E402
+from dflash_train.models.config import default_target_layer_ids  # noqa: E402
+from dflash_train.models.experts import CHOICES, is_moe, use_experts  # noqa: E402
+from dflash_train.models.loading import load_target  # noqa: E402
+from dflash_train.pipeline.features import packed_features  # noqa: E402
+from dflash_train.profiling.flops import PEAK_BF16, shape_of, target_flops  # noqa: E402
+
+# A kernel's kind from its name (first match, case-insensitive): what the time is spent on.
+KINDS = (
+    ("grouped GEMM", r"grouped|group_gemm|grouped_mm"),
+    ("GEMM", r"gemm|cutlass|nvjet|sm90_xmma|matmul|\bmm\b|addmm|bmm|linear"),
+    ("attention", r"flash|fmha|attention|flex|sdpa|softmax"),
+    ("routing / indexing", r"sort|radix|histc|histogram|cumsum|scan|index|gather|scatter|topk|nonzero|where"),
+    ("normalisation", r"norm|rsqrt"),
+    ("elementwise / copies", r"elementwise|vectorized|copy|cat|fill|silu|mul|add|cast|triton_poi"),
+)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def one_sequence(seq_len: int, vocab: int, device: torch.device, seed: int) -> PackedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (seq_len,), generator=gen)
+    ones = torch.ones(seq_len, dtype=torch.long)
+    return PackedBatch(ids, ones, torch.zeros(seq_len, dtype=torch.long), torch.arange(seq_len)).to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: the timed window's ends
+
+
+def timed(forward, device: torch.device, warmup: int, steps: int) -> float:
+    """Seconds per forward over `steps` forwards after `warmup`."""
+    for _ in range(warmup):
+        forward()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        forward()
+    sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
+def kernel_table(forward, device: torch.device) -> list[dict]:
+    """Every kernel of one forward (CUDA; on a CPU its operators), summed by name, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        forward()
+        sync(device)
+    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if cuda and not on_device:
+            continue
+        if not cuda and not event.name.startswith("aten::"):
+            continue
+        us = event.device_time if cuda else event.self_cpu_time_total
+        total[event.name][0] += us
+        total[event.name][1] += 1
+    rows = [{"name": n, "kind": kind_of(n), "ms": us / 1e3, "calls": c} for n, (us, c) in total.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def by_kind(rows: list[dict]) -> dict[str, dict]:
+    all_ms = sum(r["ms"] for r in rows) or 1.0
+    kinds: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "kernels": 0})
+    for r in rows:
+        kinds[r["kind"]]["ms"] += r["ms"]
+        kinds[r["kind"]]["kernels"] += r["calls"]
+    return {k: {**v, "share": v["ms"] / all_ms} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["ms"])}
+
+
+def profile_target(args, target, experts: str, layer_ids: list[int], flops: float) -> dict:
+    device = target.device
+    impl = use_experts(target.model, experts)
+    batch = one_sequence(args.seq_len, target.vocab_size, device, args.seed)
+
+    def forward():
+        with torch.no_grad():
+            packed_features(target, batch, layer_ids)
+
+    with target.compiled_layers(args.compile_target):
+        seconds = timed(forward, device, args.warmup, args.steps)
+        rows = kernel_table(forward, device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"experts": impl, "ms": 1e3 * seconds, "tokens_per_s": args.seq_len / seconds,
+            "mfu": flops / seconds / PEAK_BF16 if device.type == "cuda" else None, "peak_memory_gb": peak,
+            "device_ms_profiled": sum(r["ms"] for r in rows), "kinds": by_kind(rows), "top": rows[:args.top]}
+
+
+def report(name: str, res: dict) -> None:
+    mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
+    print(f"\n== {name}: {res['ms']:.1f} ms a forward, {res['tokens_per_s']:,.0f} tokens/s{mfu}; "
+          f"profiled {res['device_ms_profiled']:.1f} ms of kernels")
+    for kind, v in res["kinds"].items():
+        print(f"   {kind:<22} {v['ms']:8.2f} ms  {100 * v['share']:5.1f}%  {v['kernels']:6d} kernels")
+    for r in res["top"]:
+        print(f"   {r['ms']:8.2f} ms {r['calls']:5d}x  [{r['kind']}] {r['name'][:110]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="random:qwen3-30b-a3b")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--experts", default="grouped_mm", help=f"comma-separated, from {', '.join(CHOICES)}")
+    p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--compile-target", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = resolve_device(args.device)
+    target = load_target(args.target, device=device, seed=args.seed)
+    layer_ids = default_target_layer_ids(target.num_layers, min(5, max(1, target.num_layers - 3)))
+    deepest = max(layer_ids) + 1
+    flops = target_flops(shape_of(target.config), deepest, [args.seq_len])
+    kernels = [e.strip() for e in args.experts.split(",") if e.strip()] if is_moe(target.model) else ["auto"]
+    out = {"target": args.target, "seq_len": args.seq_len, "layers_run": deepest, "compile_target": args.compile_target,
+           "tflop_per_forward": flops / 1e12, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+           else "cpu", "torch": torch.__version__, "date": str(date.today()),
+           "command": "python3 benchmarks/target_profile.py " + " ".join(sys.argv[1:]), "runs": {}}
+    for experts in kernels:
+        res = profile_target(args, target, experts, layer_ids, flops)
+        out["runs"][experts] = res
+        report(f"{args.target} experts={res['experts']}", res)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
