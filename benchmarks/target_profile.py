@@ -11,10 +11,11 @@ runs it. Per experts kernel (models/experts.py; a dense target runs once): --war
 allocator), then --steps timed forwards (one host sync at each end) for tokens/s and MFU on active
 FLOPs (profiling/flops.py, H200 dense BF16 peak), then one forward under torch.profiler. Its kernels
 are summed by name and sorted into kinds by name (KINDS, first match): GEMMs, grouped GEMMs,
-attention, routing and indexing (sort, gather, scatter, histogram), normalisation, elementwise and
-the rest; printed with their share of the device time and the top --top kernels. The profile says
-what a faster forward must change: at 0.18 MFU (Qwen3-30B-A3B, grouped_mm, 2026-12-05) the question
-is whether the grouped GEMMs themselves are slow or the routing and copies around them.
+attention, routing and indexing (sort, gather, scatter, histogram), Inductor's fused chains,
+normalisation, elementwise and the rest; printed with their share of the device time and the top
+--top kernels. The profile says what a faster forward must change: at 0.18 MFU (Qwen3-30B-A3B,
+grouped_mm, 2026-12-05) the question is whether the grouped GEMMs themselves are slow or the routing
+and copies around them.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ from dflash_train.profiling.flops import PEAK_BF16, shape_of, target_flops  # no
 KINDS = (
     ("grouped GEMM", r"grouped|group_gemm|grouped_mm"),
     ("GEMM", r"gemm|cutlass|nvjet|sm90_xmma|matmul|\bmm\b|addmm|bmm|linear"),
-    ("attention", r"flash|fmha|attention|flex|sdpa|softmax"),
+    ("attention", r"flash|fmha|attention|flex|sdpa|softmax|triton_tem"),  # Inductor's templates: FlexAttention
     ("routing / indexing", r"sort|radix|histc|histogram|cumsum|scan|index|gather|scatter|topk|nonzero|where"),
+    ("Inductor fused chains", r"triton_(poi|per|red)"),
     ("normalisation", r"norm|rsqrt"),
-    ("elementwise / copies", r"elementwise|vectorized|copy|cat|fill|silu|mul|add|cast|triton_poi"),
+    ("elementwise / copies", r"elementwise|vectorized|copy|cat|fill|silu|mul|add|cast"),
 )
 
 
