@@ -14,9 +14,10 @@
 #   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
 #              the work (a quality question too: the recipe's optimizer steps would halve)
 #   eager      base without --compile-drafter (the reference the compiled layers are measured against)
-# Then OUT_DIR/summary.txt: target tokens/s, ms a step and MFU of each lever, and its ratio to base.
+# Then OUT_DIR/summary.txt: target tokens/s, ms a step and MFU of each lever, and its ratio to base; last,
+# on CUDA, benchmarks/drafter_step.py's phases and kernels of the base step (OUT_DIR/profile.json, .log).
 # Knobs (environment): DEVICE TARGET LEVERS (default 'base masks pack32k eager') SHAPE (the drafter and pack
-# flags) STEPS. The plumbing on a CPU (tests/test_benchmarks.py; --compile-* need CUDA, so LEVERS leaves them
+# flags) STEPS PROFILE (1: the kernel profile on a CPU too; its flags: PROFILE_FLAGS). The plumbing on a CPU (tests/test_benchmarks.py; --compile-* need CUDA, so LEVERS leaves them
 # out there):
 #   DEVICE=cpu TARGET=random:tiny LEVERS="eager pack32k" STEPS=2 \
 #   SHAPE="--num-layers 2 --block-size 4 --num-anchors 8 --seq-len 64 --token-budget 256 --sliding-layers 1" \
@@ -80,3 +81,10 @@ for lever in levers:
     print(f"{lever:<10} {r['tokens_per_s']:>10,.0f} {1000 * r['step_s']:>8.1f} {mfu:>6} {ratio:>8.3f}")
 EOF
 cat "$out/summary.txt"
+if [ "$DEVICE" != cpu ] || [ "${PROFILE:-0}" = 1 ]; then
+  # shellcheck disable=SC2086  # PROFILE_FLAGS is a word list
+  python3 benchmarks/drafter_step.py --target "$TARGET" --device "$DEVICE" ${PROFILE_FLAGS:-} \
+    --json "$out/profile.json" > "$out/profile.log" 2>&1
+  echo "[recipe_step $(date +%H:%M:%S)] profile: rc $? (log $out/profile.log)"
+  head -12 "$out/profile.log"
+fi
