@@ -294,7 +294,8 @@ def test_flex_and_dense_give_the_same_gradients_on_cuda():
         torch.testing.assert_close(gd, gf, rtol=1e-3, atol=1e-4)
 
 
-def test_fused_head_loss_matches_autograd_reference():
+@pytest.mark.parametrize("chunk_rows", [3, 7])  # 15 rows: 5 chunks of 3; 7 + 6 + 2, not 7 + 7 + 1
+def test_fused_head_loss_matches_autograd_reference(chunk_rows):
     """The chunked head+CE with its in-forward gradient equals plain autograd through F.cross_entropy."""
     torch.manual_seed(1)
     H, V, B, n = 16, 37, 4, 5
@@ -303,7 +304,7 @@ def test_fused_head_loss_matches_autograd_reference():
     labels = torch.randint(0, V, (n * B,))
     labels[::B] = IGNORE
     w = slot_weights(B, 2.0).repeat(n) * (labels != IGNORE)
-    out = weighted_block_loss(hidden, labels, w, head, B, chunk_rows=3)
+    out = weighted_block_loss(hidden, labels, w, head, B, chunk_rows=chunk_rows)
     (out.loss * 2.5).backward()
     ref_h = hidden.detach().clone().requires_grad_(True)
     ce = torch.nn.functional.cross_entropy(head(ref_h), labels.clamp_min(0), reduction="none")
@@ -313,6 +314,19 @@ def test_fused_head_loss_matches_autograd_reference():
     torch.testing.assert_close(hidden.grad, ref_h.grad)
     with torch.no_grad():
         torch.testing.assert_close(weighted_block_loss(hidden, labels, w, head, B).loss, ref)
+
+
+def test_no_loss_chunk_has_one_row():
+    """torch.compile specializes a size of 1: a one-row chunk would compile the loss chunk again."""
+    from dflash_train.objective.loss import row_chunks
+
+    for rows in range(0, 40):
+        for chunk in (1, 2, 3, 4, 8):
+            parts = row_chunks(rows, chunk)
+            assert [i for sl in parts for i in range(sl.start, sl.stop)] == list(range(rows))
+            assert all(sl.stop - sl.start <= chunk for sl in parts)
+            if chunk > 2 and rows > 1:
+                assert all(sl.stop - sl.start > 1 for sl in parts), (rows, chunk, parts)
 
 
 @pytest.mark.parametrize("kd_weight", [1.0, 0.3])

@@ -104,6 +104,16 @@ def _eager_chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: tor
     return ce, correct, probs.to(logits.dtype)
 
 
+def row_chunks(rows: int, chunk_rows: int) -> list[slice]:
+    """`rows` in chunks of `chunk_rows`, none of one row when it can be helped: torch.compile specializes a
+    size of 1, so a one-row chunk would compile the loss chunk again (seen on the H200: a pack whose row
+    count was one past a multiple of 4096). The last two chunks then take chunk_rows - 1 and 2 rows."""
+    starts = list(range(0, rows, chunk_rows))
+    if len(starts) > 1 and rows - starts[-1] == 1 and chunk_rows > 2:
+        starts[-1] -= 1
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], rows])]
+
+
 class _FusedHeadCE(torch.autograd.Function):
     """sum_i w_i CE(W h_i + b, y_i) over row chunks, with d/dh computed in forward (W frozen).
 
@@ -118,8 +128,7 @@ class _FusedHeadCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
-        for start in range(0, hidden.shape[0], chunk_rows):
-            sl = slice(start, start + chunk_rows)
+        for sl in row_chunks(hidden.shape[0], chunk_rows):
             logits = hidden[sl].to(weight.dtype) @ weight.T  # [c, V] in the head's dtype
             if teacher is not None:
                 states, rows, kd_weight = teacher
