@@ -109,9 +109,11 @@ def row_chunks(rows: int, chunk_rows: int) -> list[slice]:
     size of 1, so a one-row chunk would compile the loss chunk again (seen on the H200: a pack whose row
     count was one past a multiple of 4096). The last two chunks then take chunk_rows - 1 and 2 rows."""
     starts = list(range(0, rows, chunk_rows))
+    if not starts:
+        return []
     if len(starts) > 1 and rows - starts[-1] == 1 and chunk_rows > 2:
         starts[-1] -= 1
-    return [slice(a, b) for a, b in zip(starts, [*starts[1:], rows])]
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], rows], strict=True)]
 
 
 class _FusedHeadCE(torch.autograd.Function):
