@@ -48,15 +48,20 @@ def _prompts(n, lo, hi, vocab, seed=0):
 
 def regen_rate(target, prompts, new_tokens, hf: bool) -> dict:
     cfg = RegenConfig(max_new_tokens=new_tokens, batch_size=len(prompts))
-    fn = regen._hf_generate if hf else regen._generate
-    fn(target, prompts[:8], RegenConfig(max_new_tokens=4), [])  # warm-up: kernels, cuBLAS handles
+
+    def decode(rows, c, report=None):  # the generated tokens of every row (no stop tokens: all run to the limit)
+        if hf:
+            return regen._hf_generate(target, rows, c, [])
+        return [row for _, batch in regen._decoded_batches(target, rows, c, [], report) for row in batch]
+
+    decode(prompts[:8], RegenConfig(max_new_tokens=4))  # warm-up: kernels, cuBLAS handles
     _sync(target.device)
     split = RegenReport(written=0, already_done=0, generated_tokens=0, seconds=0.0, hit_length_limit=0)
     t0 = time.perf_counter()
-    replies = fn(target, prompts, cfg, []) if hf else fn(target, prompts, cfg, [], split)
+    rows = decode(prompts, cfg, split)
     _sync(target.device)
     secs = time.perf_counter() - t0
-    tokens = sum(len(r.ids) for r in replies)
+    tokens = sum(map(len, rows))
     out = {"rows": len(prompts), "new_tokens": new_tokens, "generated": tokens, "seconds": round(secs, 3),
            "tokens_per_s": round(tokens / secs, 1)}
     if split.prefill_s:  # StaticLM: prompts prefilled, then decode steps (each row's first token is the prefill's)
