@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_train.decode import greedy_loop
+from dflash_train.decode import greedy_loop, static_drafter, static_lm
 from dflash_train.decode.speculative import compile_decode, rejection_sample, speculative_generate, target_generate
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.models.checkpoint import save_drafter
@@ -246,6 +246,22 @@ def test_the_graphed_device_loop_takes_the_host_loops_steps():
         host = speculative_generate(target, drafter, prompt, max_new, device_loop=False)
         assert (ours.tokens, ours.committed, ours.accepted, ours.slots) == (host.tokens, host.committed,
                                                                              host.accepted, host.slots)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_compiled_drafter_beside_the_eager_target_takes_the_eager_steps(device):
+    """compile_decode(target_steps=False): the drafter's steps compiled, the target's as without it (what the
+    baseline runs); the device and host loops commit what the eager decode did."""
+    target, drafter, prompt = _partial_pair(device)
+    want = speculative_generate(target, drafter, prompt, 40)
+    assert compile_decode(target, drafter, target_steps=False)
+    lm = static_lm.for_model(target.model)
+    assert not lm.compiled and static_drafter.for_drafter(drafter, target.model.get_input_embeddings(),
+                                                          target.lm_head).compiled
+    for device_loop in (True, False):
+        ours = speculative_generate(target, drafter, prompt, 40, device_loop=device_loop)
+        assert (ours.tokens, ours.committed, ours.accepted) == (want.tokens, want.committed, want.accepted)
 
 
 @pytest.mark.slow

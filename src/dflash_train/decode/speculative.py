@@ -252,9 +252,11 @@ def speculative_generate(target: Target, drafter: DFlashDrafter, prompt: list[in
     return res
 
 
-def compile_decode(target: Target, drafter: DFlashDrafter) -> bool:
+def compile_decode(target: Target, drafter: DFlashDrafter, *, target_steps: bool = True) -> bool:
     """torch.compile the decode steps of the target (its one-token steps and block verifies) and
     of the drafter, for target-only and DFlash decoding alike; False off StaticLM targets.
+    target_steps=False: the drafter's steps only (the target keeps its graphed eager steps, the path
+    its target-only baseline runs; a step of the device loop then attends over the whole cache).
 
     A batch-1 step of a small model costs about its kernel count times a few microseconds;
     inductor fuses the elementwise kernels and roughly halves each part (docs/evaluation.md).
@@ -263,7 +265,8 @@ def compile_decode(target: Target, drafter: DFlashDrafter) -> bool:
     lm = static_lm.for_model(target.model)
     if lm is None:
         return False
-    lm.compile()
+    if target_steps:
+        lm.compile()
     static_drafter.for_drafter(drafter, target.model.get_input_embeddings(), target.lm_head).compile()
     return True
 
