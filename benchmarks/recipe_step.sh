@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The SmolLM2 recipe's drafter step (configs/smollm2-h200.toml) on its own, under each lever, side by side:
-#   bash benchmarks/recipe_step.sh OUT_DIR       # one H200, ~5 minutes, no data or GGUF needed (random weights)
+#   bash benchmarks/recipe_step.sh OUT_DIR       # one H200, ~6 minutes and autotune's compiles (past one device
+#                                                 # call's 10: start it detached), no data or GGUF (random weights)
 # The recipe's train phase is most of its wall time (336 of 512 s on 2026-12-05), nearly all of it steps on
 # cached features: this times exactly that step (`bench --variants drafter-only`, features cached during the
 # warm-up) on packs shaped like the recipe's: --token-budget 16384 of sequences of SEQ_LEN tokens (614, the
@@ -14,6 +15,9 @@
 #   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
 #              the work (a quality question too: the recipe's optimizer steps would halve)
 #   eager      base without --compile-drafter (the reference the compiled layers are measured against)
+#   autotune   base under TORCHINDUCTOR_MAX_AUTOTUNE=1: Inductor tries its FlexAttention (and GEMM) configs
+#              instead of one default each (H200, head_dim 64: forward 128x64 tiles, backward 64/128); it
+#              compiles for minutes, which the bench's warm-up absorbs. Says whether the kernels' tiles matter
 # Then OUT_DIR/summary.txt: target tokens/s, ms a step and MFU of each lever, and its ratio to base; last,
 # on CUDA, benchmarks/drafter_step.py's phases and kernels of the base step (OUT_DIR/profile.json, .log).
 # Knobs (environment): DEVICE TARGET LEVERS (default 'base masks pack32k eager') SHAPE (the drafter and pack
@@ -30,7 +34,7 @@ cd "$repo" || exit 1
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code, whatever is installed
 
 DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-random:smollm2-135m} STEPS=${STEPS:-20}
-LEVERS=${LEVERS:-base masks pack32k eager}
+LEVERS=${LEVERS:-base masks pack32k eager autotune}
 SHAPE=${SHAPE:---num-layers 12 --block-size 8 --intermediate-size 3072 --sliding-layers 1 --num-anchors 128 \
 --seq-len 614 --token-budget 16384}
 
@@ -41,7 +45,8 @@ flags() {  # the lever's flags on top of SHAPE (a later flag wins)
     masks) echo "--compile-drafter --compile-masks" ;;
     pack32k) echo "--compile-drafter --token-budget $(( 2 * $(budget) ))" ;;
     eager) echo "" ;;
-    *) echo "recipe_step.sh: unknown lever $1 (base, masks, pack32k, eager)" >&2; return 2 ;;
+    autotune) echo "--compile-drafter" ;;  # and the environment below
+    *) echo "recipe_step.sh: unknown lever $1 (base, masks, pack32k, eager, autotune)" >&2; return 2 ;;
   esac
 }
 budget() { grep -oE -- '--token-budget [0-9]+' <<< "$SHAPE" | tail -1 | cut -d' ' -f2; }
@@ -54,7 +59,9 @@ for lever in $LEVERS; do
     extra=$(sed 's/--compile-[a-z]*//g' <<< "$extra")  # CPU plumbing: the compiled paths need CUDA
   fi
   echo "[recipe_step $(date +%H:%M:%S)] $lever: $SHAPE $extra"
+  tune=0; [ "$lever" = autotune ] && tune=1
   # shellcheck disable=SC2086  # SHAPE and the lever's flags are word lists
+  TORCHINDUCTOR_MAX_AUTOTUNE=$tune \
   dft bench --target "$TARGET" --device "$DEVICE" --steps "$STEPS" --variants drafter-only $SHAPE $extra \
     --json "$out/$lever.json" > "$out/$lever.log" 2>&1
   echo "[recipe_step $(date +%H:%M:%S)] $lever: rc $?"
