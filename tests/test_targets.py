@@ -136,6 +136,24 @@ def test_init_from_target_copies_the_last_layers(tiny_target):
         drafter_config_for(tiny_target, num_layers=7, block_size=4, dtype="float32")
 
 
+def test_init_from_a_target_with_attention_biases_names_what_it_leaves_out(tiny_target):
+    """Qwen2's q/k/v projections carry biases, the draft layers none: the weights are copied, the biases named."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
+    from dflash_train.models.target import Target
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    qwen2 = Target(Qwen2ForCausalLM(cfg).float().eval().requires_grad_(False), tiny_target.tokenizer, "qwen2")
+    drafter = new_drafter(drafter_config_for(qwen2, num_layers=2, block_size=4, dtype="float32")).float()
+    assert init_from_target(drafter, qwen2) == ["the attention's q_proj.bias, k_proj.bias, v_proj.bias"]
+    last = qwen2.decoder.layers[-1].self_attn
+    torch.testing.assert_close(drafter.layers[1].self_attn.k_proj.weight, last.k_proj.weight)
+    assert init_from_target(drafter, tiny_target) == []  # qwen3: no biases
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gpt-oss"])
 def test_init_from_an_moe_target_copies_attention_and_norms_and_leaves_the_mlp(preset):
     """A routed MLP (router and experts) has no dense counterpart: the draft MLP keeps its random init."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import flag
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 from dflash_train.models.chat import token_text
 from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
@@ -102,8 +102,9 @@ def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> 
     else:
         drafter = new_drafter(drafter_config(cfg, target), cfg.run.seed, target.device)
         where = f"--target {cfg.run.target}"
-        if cfg.drafter.init_from_target:
-            init_from_target(drafter, target)
+        if cfg.drafter.init_from_target and (left_out := init_from_target(drafter, target)):
+            say(f"--init-from-target: the draft layers have no place for {'; '.join(left_out)} of the target's "
+                "layers; they start near the target's layers, not as them")
     check_compatible(drafter, target, where)
     return drafter.to(device=target.device, dtype=torch.float32)  # fp32 master weights
 

@@ -102,8 +102,9 @@ def to_device(drafter: DFlashDrafter, target: Target) -> DFlashDrafter:
     return drafter.to(device=target.device, dtype=target.dtype)
 
 
-def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
-    """Copy the target's last decoder layers (and final norm) into the draft layers.
+def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
+    """Copy the target's last decoder layers (and final norm) into the draft layers; returns what of them
+    the draft layers have no place for (say it: those layers start near the target's, not as them).
 
     Same architecture, same shapes (drafter_config_for copies the target's layer shape), so a
     draft layer starts as a trained attention + MLP block instead of noise: attention that
@@ -113,7 +114,9 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
     units first: its extra gate/up rows keep their random init and their down_proj columns start
     at zero, so the layer starts as the target's and the extra units grow from there. A layer whose
     MLP routes tokens to experts (MoE targets) has no dense MLP to copy: the draft layer's MLP keeps
-    its random init (small: the layer starts near the target's attention block alone).
+    its random init (small: the layer starts near the target's attention block alone). The draft
+    layers' projections have no biases (the reference drafter's config: attention_bias false), so a
+    target's attention biases (Qwen2's q/k/v) are left out and named in the list returned.
     """
     gemma = is_gemma(target)
     layers = target.decoder.layers
@@ -126,17 +129,22 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
     norms = (("input_layernorm", "input_layernorm"),
              ("post_attention_layernorm", "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"))
     offset = 1.0 if gemma else 0.0
+    left_out: list[str] = []
     with torch.no_grad():
         for dst, src in zip(drafter.layers, list(layers)[-n:], strict=True):
             for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
                 if hasattr(src.self_attn, name):
                     _copy_module(getattr(dst.self_attn, name), getattr(src.self_attn, name), name, offset)
+                    bias = f"{name}.bias"
+                    if getattr(getattr(src.self_attn, name), "bias", None) is not None and bias not in left_out:
+                        left_out.append(bias)
             if all(hasattr(src.mlp, name) for name in _MLP):  # a dense MLP (not a router and experts)
                 for name in _MLP:
                     _copy_module(getattr(dst.mlp, name), getattr(src.mlp, name), name)
             for dst_name, src_name in norms:
                 _copy_module(getattr(dst, dst_name), getattr(src, src_name), dst_name, offset)
         _copy_module(drafter.norm, target.decoder.norm, "norm", offset)
+    return [f"the attention's {', '.join(left_out)}"] if left_out else []
 
 
 def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str, norm_offset: float = 0.0) -> None:
