@@ -83,6 +83,23 @@ def test_generate_reads_the_stop_check_lag_steps_late(target):
     assert spec._cut(late, {stop}) == at_once == free[:first]
 
 
+def test_prefill_chunks_pad_to_their_own_width(target, monkeypatch):
+    """Prefill chunks of a batch sorted by length, each padded to its own longest row rather than the batch's:
+    a long last prompt no longer pads every row, and every row decodes what it decodes alone."""
+    from dflash_train.decode import generate as gen
+
+    assert gen.prefill_chunks([]) == []
+    monkeypatch.setattr(gen, "PREFILL_TOKENS", 64)
+    lengths = [5, 6, 8, 9, 30, 60]
+    assert gen.prefill_chunks(lengths) == [(0, 4), (4, 5), (5, 6)]  # 4 x 9 fits 64 tokens; 30 and 60 alone
+    assert gen.prefill_chunks([100, 3]) == [(0, 1), (1, 2)]  # a row longer than the budget is a chunk alone
+    lm = static_lm.for_model(target.model)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    together = generate(lm, prompts, 6, []).rows
+    assert together == [generate(lm, [p], 6, []).rows[0] for p in prompts]
+
+
 @pytest.mark.parametrize("lag", [0, 1, 2])
 def test_dropping_finished_rows_keeps_every_rows_tokens(target, monkeypatch, lag):
     """A batch that compacts whenever a row has stopped gives each row the tokens of a batch that never
