@@ -100,6 +100,26 @@ def test_prefill_chunks_pad_to_their_own_width(target, monkeypatch):
     assert together == [generate(lm, [p], 6, []).rows[0] for p in prompts]
 
 
+def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_its_first(target, monkeypatch):
+    """Samples of one conversation share their first prompt: it is computed once, its K/V copied to the
+    repeats' rows, and every row decodes what it decodes alone."""
+    lm = static_lm.for_model(target.model)
+    g = torch.Generator().manual_seed(6)
+    a, b, c = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 11, 9))
+    prompts = [a, a, b, c, b, c, c]
+    alone = {tuple(p): generate(lm, [p], 6, []).rows[0] for p in (a, b, c)}
+    rows_prefilled, forward = [], lm.forward
+
+    def counted(ids, *args, **kwargs):
+        rows_prefilled.append(len(ids))
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward", counted)
+    out = generate(lm, prompts, 6, [])
+    assert sum(rows_prefilled[:1]) == 3  # the prefill: three distinct prompts (the steps come after)
+    assert out.rows == [alone[tuple(p)] for p in prompts]
+
+
 @pytest.mark.parametrize("lag", [0, 1, 2])
 def test_dropping_finished_rows_keeps_every_rows_tokens(target, monkeypatch, lag):
     """A batch that compacts whenever a row has stopped gives each row the tokens of a batch that never

@@ -131,11 +131,23 @@ def _compact(cache: StaticCache, keep: torch.Tensor, index: torch.Tensor, nxt: t
 
 
 def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
-    """Write every prompt's K/V into `cache` (right-padded row chunks); logits [b, V] at each last token."""
+    """Write every prompt's K/V into `cache` (right-padded row chunks); logits [b, V] at each last token.
+
+    A prompt equal to an earlier row's (regeneration's samples of one conversation share their first
+    prompt) is computed once: the distinct prompts are prefilled into the first rows, then every row gets
+    its prompt's K/V (one copy of the written slots, far cheaper than the forward it replaces)."""
     dev = lm.device
+    first: dict[tuple[int, ...], int] = {}  # a distinct prompt -> its index in `distinct`
+    distinct: list[list[int]] = []
+    source = []  # each row's index in `distinct`
+    for p in prompts:
+        if tuple(p) not in first:
+            first[tuple(p)] = len(distinct)
+            distinct.append(p)
+        source.append(first[tuple(p)])
     logits = []
-    for r, e in prefill_chunks([len(p) for p in prompts]):
-        part = prompts[r:e]
+    for r, e in prefill_chunks([len(p) for p in distinct]):
+        part = distinct[r:e]
         width = max(map(len, part))
         ids = torch.zeros(len(part), width, dtype=torch.long)
         for i, p in enumerate(part):
@@ -145,7 +157,14 @@ def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
         rows = type(cache)(keys=[k[r:e] for k in cache.keys], values=[v[r:e] for v in cache.values])
         out = lm.forward(ids.to(dev), pos, rows, bucket(width), logits="last", last=last, prefill=True)
         logits.append(out.logits[:, 0])
-    return torch.cat(logits)
+    logits = torch.cat(logits)
+    if len(distinct) == len(prompts):
+        return logits  # row i holds prompt i already
+    index = torch.tensor(source, device=dev)
+    width = max(map(len, prompts))
+    for buf in (*cache.keys, *cache.values):
+        buf[:, :, :width] = buf[index, :, :width]  # the gather is read whole before the rows are written
+    return logits[index]
 
 
 def prefill_chunks(lengths: list[int]) -> list[tuple[int, int]]:
