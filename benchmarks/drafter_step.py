@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling target_p
 
 from target_profile import by_kind, kernel_table, sync  # noqa: E402
 
-from dflash_train.bench.run import SyntheticSequences  # noqa: E402
+from dflash_train.data.synthetic import SyntheticSequences  # noqa: E402
 from dflash_train.devices import resolve_device  # noqa: E402
 from dflash_train.models.factory import drafter_config_for, new_drafter  # noqa: E402
 from dflash_train.models.loading import load_target  # noqa: E402

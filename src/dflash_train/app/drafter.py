@@ -91,6 +91,15 @@ def shape(saved: DFlashConfig) -> dict:
             "intermediate_size": saved.intermediate_size}
 
 
+def planned_config(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashConfig:
+    """The config of the drafter make_drafter will return, read before it is built."""
+    if resume_ckpt is not None:
+        return load_config(resume_ckpt / "drafter", "--resume")
+    if cfg.drafter.init_drafter:
+        return load_config(cfg.drafter.init_drafter, "--init-drafter")
+    return drafter_config(cfg, target)
+
+
 def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashDrafter:
     # Each source names its own flag when it does not fit the target (--target against it).
     if resume_ckpt is not None:

@@ -19,8 +19,15 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.app import precompile
 from dflash_train.app.dataset import build_dataset
-from dflash_train.app.drafter import check_mask_token_absent, check_num_features, drafter_side_target, make_drafter
+from dflash_train.app.drafter import (
+    check_mask_token_absent,
+    check_num_features,
+    drafter_side_target,
+    make_drafter,
+    planned_config,
+)
 from dflash_train.app.local import train_local
 from dflash_train.app.phases import Phases
 from dflash_train.app.placement import check_placement
@@ -110,7 +117,14 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
                if cfg.eval.limit else [])
     if prompts:  # a too-long eval fails now, not after the data work and the training
         check_context(target, max(map(len, prompts)), cfg.eval.max_new_tokens, "--eval-max-new-tokens")
-    dataset = build_dataset(cfg, target, run_dir, progress, phases)
+    # the drafter's training graphs compiled in a process of its own meanwhile (--precompile)
+    ahead = precompile.start(cfg, lambda: planned_config(cfg, target, ckpt), target)
+    try:
+        dataset = build_dataset(cfg, target, run_dir, progress, phases)
+    except BaseException:
+        precompile.stop(ahead)
+        raise
+    precompile.finish(ahead)
     drafter = make_drafter(cfg, target, ckpt)
     plan = RunPlan.make(cfg, dataset, drafter.config, drafter_count(roles) * cfg.optimizer.grad_accum, state)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)

@@ -42,12 +42,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dflash_train.app.local import train_local
 from dflash_train.bench.config import BenchConfig, check_gpus, parse_splits, train_config
 from dflash_train.bench.multi import link_bandwidth, recommend, run_split, scaling, write_dataset
+from dflash_train.data.synthetic import SyntheticSequences
 from dflash_train.devices import resolve_device
 from dflash_train.models.experts import use_experts
 from dflash_train.models.factory import drafter_config_for, new_drafter
@@ -59,24 +59,6 @@ from dflash_train.profiling.flops import PEAK_BF16, PackFlops
 from dflash_train.profiling.report import load_records
 from dflash_train.profiling.reporter import ProfileReporter
 from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
-
-
-class SyntheticSequences:
-    """Random token sequences of one length; loss on all but the first 10% (the 'prompt')."""
-    def __init__(self, n: int, length: int, vocab: int, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.ids = rng.integers(0, vocab, size=(n, length), dtype=np.int64)
-        self.mask = np.ones(length, dtype=np.int64)
-        self.mask[: length // 10] = 0
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def lengths(self) -> np.ndarray:
-        return np.full(len(self.ids), self.ids.shape[1])
-
-    def __getitem__(self, i: int):
-        return self.ids[i], self.mask
 
 
 def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int,
