@@ -40,7 +40,7 @@ class BenchConfig:
     block_size: int = same_as(DrafterConfig, "block_size", default=RELEASED["block_size"])
     num_anchors: int = same_as(ObjectiveConfig, "num_anchors", default=RELEASED["num_anchors"])
     seq_len: int = setting(3072, "tokens per sequence (= --max-length of train)")
-    token_budget: int | None = same_as(DataConfig, "token_budget", default=None)  # None: --seq-len (one sequence)
+    token_budget: int | None = same_as(DataConfig, "token_budget")  # None: one sequence of --seq-len a pack
     intermediate_size: int | None = same_as(DrafterConfig, "intermediate_size")
     sliding_layers: int = same_as(DrafterConfig, "sliding_layers", default=0)
     sliding_window: int | None = same_as(DrafterConfig, "sliding_window")

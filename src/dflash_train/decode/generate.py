@@ -141,10 +141,11 @@ def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
     distinct: list[list[int]] = []
     source = []  # each row's index in `distinct`
     for p in prompts:
-        if tuple(p) not in first:
-            first[tuple(p)] = len(distinct)
+        key = tuple(p)
+        if key not in first:
+            first[key] = len(distinct)
             distinct.append(p)
-        source.append(first[tuple(p)])
+        source.append(first[key])
     logits = []
     for r, e in prefill_chunks([len(p) for p in distinct]):
         part = distinct[r:e]

@@ -116,7 +116,7 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
     MLP routes tokens to experts (MoE targets) has no dense MLP to copy: the draft layer's MLP keeps
     its random init (small: the layer starts near the target's attention block alone). The draft
     layers' projections have no biases (the reference drafter's config: attention_bias false), so a
-    target's attention biases (Qwen2's q/k/v) are left out and named in the list returned.
+    target's biases (Qwen2's q/k/v) are left out and named in the list returned, one entry a part.
     """
     gemma = is_gemma(target)
     layers = target.decoder.layers
@@ -129,28 +129,33 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
     norms = (("input_layernorm", "input_layernorm"),
              ("post_attention_layernorm", "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"))
     offset = 1.0 if gemma else 0.0
-    left_out: list[str] = []
+    left_out: dict[str, list[str]] = {"attention": [], "MLP": [], "norms": []}  # in the order first met
+
+    def copy(group: str, dst_module, src_module, name: str, norm_offset: float = 0.0) -> None:
+        for missing in _copy_module(dst_module, src_module, name, norm_offset):
+            if missing not in left_out[group]:
+                left_out[group].append(missing)
+
     with torch.no_grad():
         for dst, src in zip(drafter.layers, list(layers)[-n:], strict=True):
             for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
                 if hasattr(src.self_attn, name):
-                    _copy_module(getattr(dst.self_attn, name), getattr(src.self_attn, name), name, offset)
-                    bias = f"{name}.bias"
-                    if getattr(getattr(src.self_attn, name), "bias", None) is not None and bias not in left_out:
-                        left_out.append(bias)
+                    copy("attention", getattr(dst.self_attn, name), getattr(src.self_attn, name), name, offset)
             if all(hasattr(src.mlp, name) for name in _MLP):  # a dense MLP (not a router and experts)
                 for name in _MLP:
-                    _copy_module(getattr(dst.mlp, name), getattr(src.mlp, name), name)
+                    copy("MLP", getattr(dst.mlp, name), getattr(src.mlp, name), name)
             for dst_name, src_name in norms:
-                _copy_module(getattr(dst, dst_name), getattr(src, src_name), dst_name, offset)
-        _copy_module(drafter.norm, target.decoder.norm, "norm", offset)
-    return [f"the attention's {', '.join(left_out)}"] if left_out else []
+                copy("norms", getattr(dst, dst_name), getattr(src, src_name), dst_name, offset)
+        copy("norms", drafter.norm, target.decoder.norm, "norm", offset)
+    return [f"the {group}'s {', '.join(names)}" for group, names in left_out.items() if names]
 
 
-def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str, norm_offset: float = 0.0) -> None:
+def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str, norm_offset: float = 0.0) -> list[str]:
     """Copy src's parameters into dst's; an MLP projection may be wider in dst (the target's units first).
-    norm_offset: added to a norm's weight (Gemma's norms scale by 1 + weight, the drafter's by weight)."""
-    for pname, p in dst.named_parameters():
+    norm_offset: added to a norm's weight (Gemma's norms scale by 1 + weight, the drafter's by weight).
+    Returns src's parameters that dst has no place for (a bias the drafter's projections lack), as name.param."""
+    own = dict(dst.named_parameters())
+    for pname, p in own.items():
         q = getattr(src, pname, None)
         if q is None or not (q.shape == p.shape or (name in _MLP and _fits_inside(q, p))):
             hint = " (--intermediate-size may widen the MLP, not narrow it)" if name in _MLP else ""
@@ -159,6 +164,7 @@ def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str, norm_off
         if q.shape != p.shape and name == "down_proj":
             p.zero_()  # the extra units' outputs start at zero: the layer computes the target's
         p[tuple(slice(0, k) for k in q.shape)].copy_(q.to(p.dtype) + (norm_offset if "norm" in name else 0.0))
+    return [f"{name}.{pname}" for pname, _ in src.named_parameters() if pname not in own]
 
 
 def _fits_inside(q: torch.Tensor, p: torch.Tensor) -> bool:
