@@ -123,6 +123,28 @@ def test_feature_mode_keeps_the_plain_causal_path_when_nothing_is_padded():
         assert (feature_mode(lens, cpu), feature_mode(lens, cuda)) == (on_cpu, on_cuda), lengths
 
 
+def test_feature_mode_runs_one_sequence_as_a_packed_row_on_cuda_where_the_targets_own_attention_reads_every_key():
+    """Eager attention (gpt_oss) or sliding layers: FlexAttention skips tiles even with nothing padded; the CPU
+    keeps the padded batch (the dense mask would skip nothing)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for lengths in ([3072], [512, 512]):
+        lens = sequence_lengths(make_batch(lengths))
+        assert (feature_mode(lens, cpu, True), feature_mode(lens, cuda, True)) == ("padded", "flex"), lengths
+        assert feature_mode(lens, cuda, False) == "padded"
+    assert feature_mode(torch.zeros(0, dtype=torch.long), cuda, True) == "padded"  # an empty pack
+
+
+def test_which_targets_read_every_key_in_a_padded_batch(sink_target):
+    from sliding_targets import sliding_window_model
+
+    from dflash_train.models.loading import load_target
+    from dflash_train.models.target import Target
+
+    assert sink_target.padded_attention_reads_all_keys  # eager: gpt_oss's sinks
+    assert Target(sliding_window_model("gemma3"), None, "gemma3-sliding-test").padded_attention_reads_all_keys
+    assert not load_target("random:tiny", device="cpu").padded_attention_reads_all_keys  # sdpa, causal
+
+
 def test_auto_runs_the_packed_row_for_sliding_targets_and_padded_where_the_masks_cannot_serve(monkeypatch):
     """Sliding-window layers take the packed row like full ones (feature_mode's rule); soft-capped logits
     (Gemma 2's), which the document attention does not apply, keep the padded batch."""

@@ -118,6 +118,15 @@ class Target:
         return self.document_mask_refusal is None
 
     @property
+    def padded_attention_reads_all_keys(self) -> bool:
+        """Whether this target's own attention, in a padded batch, computes every (query, key) score: eager
+        attention (gpt_oss: its sinks keep it off sdpa; the [H, L, L] scores materialized, sliding layers
+        masked after the fact) or a sliding window under sdpa (an explicit mask: no tile is skipped). A
+        packed row's BlockMask skips the tiles above the diagonal and outside the window instead."""
+        eager = getattr(self.model.config, "_attn_implementation", None) == "eager"
+        return eager or any(w is not None for w in self.attention_windows)
+
+    @property
     def document_mask_refusal(self) -> str | None:
         """What of this target's attention the document masks cannot express, or None."""
         cfg = self.model.config

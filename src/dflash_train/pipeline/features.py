@@ -50,15 +50,20 @@ def sequence_lengths(batch: PackedBatch) -> torch.Tensor:
     return torch.bincount(seq, minlength=int(seq[-1]) + 1) if seq.numel() else seq.new_zeros(0)
 
 
-def feature_mode(lengths: torch.Tensor, device: torch.device) -> str:
+def feature_mode(lengths: torch.Tensor, device: torch.device, reads_all_keys: bool = False) -> str:
     """'padded' when padding costs nothing (one sequence or equal lengths) or a CPU row is long, else the packed row.
 
     The same for full-attention and sliding-window targets: a sliding layer's window only narrows
-    what each row reads, so the packed row saves the padded batch's pads either way.
+    what each row reads, so the packed row saves the padded batch's pads either way. reads_all_keys
+    (Target.padded_attention_reads_all_keys): the target's own attention computes every score of a
+    padded batch, so on CUDA the packed row's FlexAttention, which skips the tiles no query sees, wins
+    even without pads: gpt-oss-20b's 3,072-token forward spent 96 of its 157 ms in eager attention
+    (H100, --compile-target, 2026-12-05).
     """
+    flex = document_backend(device) == "flex"
     if lengths.numel() <= 1 or bool((lengths == lengths[0]).all()):
-        return "padded"
-    if document_backend(device) == "flex":
+        return "flex" if flex and reads_all_keys and lengths.numel() else "padded"
+    if flex:
         return "flex"
     return "dense" if int(lengths.sum()) <= DENSE_MASK_MAX_TOKENS else "padded"
 
@@ -88,7 +93,8 @@ def packed_features(target: Target, batch: PackedBatch, layer_ids: list[int], pr
     if mode not in FORWARD_MODES:
         raise ValueError(f"packed_features: mode {mode!r} not in {FORWARD_MODES}")
     if mode == "auto":
-        mode = feature_mode(sequence_lengths(batch), target.device) if target.takes_document_mask else "padded"
+        mode = (feature_mode(sequence_lengths(batch), target.device, target.padded_attention_reads_all_keys)
+                if target.takes_document_mask else "padded")
     elif mode == "packed":
         mode = document_backend(target.device)
     if mode == "padded":
