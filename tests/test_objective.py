@@ -219,11 +219,13 @@ def test_compiled_flex_compiles_once():
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_structured_and_evaluated_block_masks_give_the_same_attention():
+@pytest.mark.parametrize("window", [None, 5])
+def test_structured_and_evaluated_block_masks_give_the_same_attention(window):
+    """The structured mask's interval mask_mod and its tiles against MaskSpec.allowed on every pair."""
     from torch.nn.attention.flex_attention import flex_attention
 
     b = _four_sequences()
-    spec = MaskSpec(b.seq_ids, b.positions, sample_packed_anchors(b, 9, torch.Generator().manual_seed(3)), 4)
+    spec = MaskSpec(b.seq_ids, b.positions, sample_packed_anchors(b, 9, torch.Generator().manual_seed(3)), 4, window)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, 2, spec.num_queries, 16, generator=gen)
     kv = torch.randn(2, 1, 2, spec.context_len + spec.num_queries, 16, generator=gen)

@@ -153,16 +153,14 @@ def document_block_mask(doc: torch.Tensor, device: torch.device, tile: int = 128
         return (counts.to(device, non_blocking=True),
                 order.to(torch.int32)[None, None].to(device, non_blocking=True))
 
-    doc_dev = doc.to(device, non_blocking=True)
+    # the predicate as each row's one interval of keys, [first key, itself]: two int32 compares a pair in the
+    # partial tiles, where the kernel evaluates it on the CUDA cores
+    first_dev = first.flatten().to(torch.int32).to(device, non_blocking=True)
 
     def mask_mod(b, h, q_idx, kv_idx):  # evaluated in partial tiles only
-        return (doc_dev[q_idx] == doc_dev[kv_idx]) & (q_idx >= kv_idx)
+        return (kv_idx >= first_dev[q_idx]) & (kv_idx <= q_idx)
 
-    def window_mask_mod(b, h, q_idx, kv_idx):  # the window on top, as transformers': kv > q - window
-        return mask_mod(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
-
-    return BlockMask.from_kv_blocks(*blocks(partial), *blocks(full), BLOCK_SIZE=tile,
-                                    mask_mod=mask_mod if window is None else window_mask_mod,
+    return BlockMask.from_kv_blocks(*blocks(partial), *blocks(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
                                     seq_lengths=(L, L), compute_q_blocks=False)
 
 

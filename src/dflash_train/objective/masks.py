@@ -95,6 +95,39 @@ def _mask_mod(spec: MaskSpec):
     return mask_mod
 
 
+def _interval_mask_mod(rows: torch.Tensor):
+    """The predicate as each query row's two key intervals (row_intervals: rows [4, Q] int32): four int32
+    compares a pair. FlexAttention evaluates its mask_mod on every pair of every partial tile (three in four
+    of the recipe's) on the CUDA cores, beside tensor-core tiles of only 64-wide heads; MaskSpec.allowed's
+    int64 gathers, divisions and, in sliding layers, positions cost more there than the tile's matmuls."""
+    lo, hi, b_lo, b_hi = (x.contiguous() for x in rows.unbind(0))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx])) | ((kv_idx >= b_lo[q_idx]) & (kv_idx < b_hi[q_idx]))
+    return mask_mod
+
+
+def row_intervals(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                  window: int | None) -> torch.Tensor:
+    """[4, Q] int32: each query row's context keys [lo, hi) and own-block keys [b_lo, b_hi), exactly the keys
+    MaskSpec.allowed lets it see (an empty interval has lo >= hi). Row r (block j, slot k, anchor a): the
+    context of a's sequence before a, [a - position(a), a) (sequences are contiguous and positions restart
+    at 0 in each), and block j's keys [S + jB, S + jB + B). A window of W keys, its own included, and
+    causality: context keys from a + k - W + 1 (positions rise by one a key within a sequence), own keys
+    from slot k - W + 1 up to slot k."""
+    B, S, Q = block_size, seq_ids.numel(), anchors.numel() * block_size
+    r = torch.arange(Q, device=seq_ids.device)
+    blk, k = r // B, r % B
+    a = anchors[blk]
+    lo, hi = a - positions[a], a
+    b_lo, b_hi = S + blk * B, S + blk * B + B
+    if window is not None:
+        lo = torch.maximum(lo, a + k - window + 1)
+        b_lo = b_lo + torch.clamp(k - window + 1, min=0)
+        b_hi = S + blk * B + k + 1
+    return torch.stack([lo, hi, b_lo, b_hi]).to(torch.int32)
+
+
 def structured_block_mask(spec: MaskSpec, tile: int = 128, compiled: bool = False):
     """The same BlockMask, built from the mask's structure instead of evaluating it everywhere.
 
@@ -111,28 +144,23 @@ def structured_block_mask(spec: MaskSpec, tile: int = 128, compiled: bool = Fals
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    tiles = (compiled_mask_tiles() if compiled else mask_tiles)(spec.seq_ids, spec.positions, spec.anchors,
-                                                            spec.block_size, spec.window, tile)
-    return BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=tile, mask_mod=_mask_mod(spec),
+    *tiles, rows = (compiled_mask_tiles() if compiled else mask_tiles)(
+        spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window, tile)
+    return BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=tile, mask_mod=_interval_mask_mod(rows),
                                     seq_lengths=(spec.num_queries, spec.context_len + spec.num_queries))
 
 
 def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor, block_size: int,
-               window: int | None, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               window: int | None, tile: int) -> tuple[torch.Tensor, ...]:
     """structured_block_mask's tiles: (partial counts [1, 1, nq], partial indices [1, 1, nq, nkv], the
-    same for full tiles), as BlockMask.from_kv_blocks takes them. Tensors in, tensors out (compilable)."""
-    B, S, Q = block_size, seq_ids.numel(), anchors.numel() * block_size
+    same for full tiles), as BlockMask.from_kv_blocks takes them, and the rows' key intervals
+    (row_intervals, [4, Q] int32) for its mask_mod. Tensors in, tensors out (compilable)."""
+    S, Q = seq_ids.numel(), anchors.numel() * block_size
     dev, kv_len = seq_ids.device, S + Q
     nq, nkv = -(-Q // tile), -(-kv_len // tile)
     r = torch.arange(Q, device=dev)
-    blk, k = r // B, r % B
-    a = anchors[blk]
-    lo, hi = a - positions[a], a  # positions restart at 0 in each packed sequence
-    b_lo, b_hi = S + blk * B, S + blk * B + B
-    if window is not None:  # keys within the window of the query's position, causal
-        lo = torch.maximum(lo, a + k - window + 1)
-        b_lo = b_lo + torch.clamp(k - window + 1, min=0)
-        b_hi = S + blk * B + k + 1
+    rows = row_intervals(seq_ids, positions, anchors, block_size, window)
+    lo, hi, b_lo, b_hi = rows.long().unbind(0)
     big = kv_len + 1
     nonempty = lo < hi
 
@@ -156,7 +184,7 @@ def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Te
         order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)  # tiles in use first, in order
         return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
-    return (*indices(partial), *indices(full))
+    return (*indices(partial), *indices(full), rows)
 
 
 @functools.cache  # one per process: its graphs are reused by every pack
