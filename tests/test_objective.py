@@ -550,6 +550,29 @@ def test_validation_of_compiled_layers_runs_on_the_training_graphs(tiny_target, 
         assert counters["stats"]["unique_graphs"] > graphs
 
 
+def test_flex_keys_padded_to_the_tile_give_the_dense_loss():
+    """FlexAttention's keys: the context padded to a multiple of the tile (key_context; pads no query sees, zero
+    features) then the blocks; the loss equals the dense backend's exact per-sequence predicate, with full and
+    sliding-window layers (forward: FlexAttention has no CPU backward)."""
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.models.loading import load_target
+    from dflash_train.objective.masks import MASK_TILE
+
+    target = load_target("random:tiny", device="cpu", dtype=torch.float32)
+    cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32", num_sliding_layers=1,
+                             sliding_window=5)
+    drafter = new_drafter(cfg, seed=1).float()
+    objectives = {a: DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=a))
+                  for a in ("dense", "flex")}
+    for b, anchors, feats in _batches():
+        keys = objectives["flex"].key_context(b)
+        assert keys.num_tokens % MASK_TILE == 0 and keys.num_tokens > b.num_tokens
+        assert objectives["dense"].key_context(b) is b
+        with torch.no_grad():
+            flex, dense = (objectives[a](b, anchors, feats).loss for a in ("flex", "dense"))
+        torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention runs on CUDA")
 def test_compiled_draft_layers_equal_the_eager_ones_on_cuda():
     """Inductor with FlexAttention traced into each layer: the loss and gradients of the eager layers."""

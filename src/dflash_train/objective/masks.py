@@ -128,7 +128,11 @@ def row_intervals(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch
     return torch.stack([lo, hi, b_lo, b_hi]).to(torch.int32)
 
 
-def structured_block_mask(spec: MaskSpec, tile: int = 128, compiled: bool = False):
+# FlexAttention's tile for the drafter's masks (its kernels' default block on CUDA).
+MASK_TILE = 128
+
+
+def structured_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = False):
     """The same BlockMask, built from the mask's structure instead of evaluating it everywhere.
 
     Every query row r (block j, slot k, anchor a) may see one interval of context keys
