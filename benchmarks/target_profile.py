@@ -44,11 +44,14 @@ from dflash_train.profiling.flops import PEAK_BF16, shape_of, target_flops  # no
 
 # A kernel's kind from its name (first match, case-insensitive): what the time is spent on.
 KINDS = (
-    ("grouped GEMM", r"grouped|group_gemm|grouped_mm"),
+    # Inductor names a fused kernel after every operator it holds ("..._grouped_mm_..._sum_..."): by its prefix
+    # first, so a chain around a grouped GEMM or an attention does not count as one
+    ("Inductor fused chains", r"^triton_(poi|per|red)_"),
+    # torch's grouped_mm on sm90 is CUTLASS's pointer-array GEMM over a GroupProblemShape
+    ("grouped GEMM", r"GroupProblemShape|PtrArray|grouped|group_gemm"),
     ("GEMM", r"gemm|cutlass|nvjet|sm90_xmma|matmul|\bmm\b|addmm|bmm|linear"),
     ("attention", r"flash|fmha|attention|flex|sdpa|softmax|triton_tem"),  # Inductor's templates: FlexAttention
     ("routing / indexing", r"sort|radix|histc|histogram|cumsum|scan|index|gather|scatter|topk|nonzero|where"),
-    ("Inductor fused chains", r"triton_(poi|per|red)"),
     ("normalisation", r"norm|rsqrt"),
     ("elementwise / copies", r"elementwise|vectorized|copy|cat|fill|silu|mul|add|cast"),
 )

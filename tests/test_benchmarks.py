@@ -227,6 +227,19 @@ def test_target_profile(tmp_path):
                for r in runs.values())
 
 
+def test_target_profile_sorts_h100_kernels_by_what_they_do():
+    """Kernel names of the 2026-12-05 H100 profiles: CUTLASS's grouped GEMM, and Inductor's fused chains by their
+    prefix, whatever operators their names list."""
+    kind_of = _load("target_profile.py").kind_of
+    assert kind_of("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Gemm"
+                   "UniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEE") == "grouped GEMM"
+    assert kind_of("triton_per_fused__to_copy__unsafe_view_add_div_ge_index_masked_fill_mul_sum_unsqueeze_view_11") \
+        == kind_of("triton_poi_fused__grouped_mm_ge_masked_fill_mul_silu_split_transpose_unsqueeze_8") \
+        == "Inductor fused chains"
+    assert kind_of("triton_tem_fused_flex_attention_backward_transpose_view_5") == "attention"
+    assert kind_of("nvjet_sm90_tst_128x192_64x5_2x1_v_bz_coopB_TNN") == "GEMM"
+
+
 def test_drafter_step(tmp_path):
     out = tmp_path / "step.json"
     _run(_py("drafter_step.py", "--device", "cpu", "--target", TINY, "--num-layers", "2", "--block-size", "4",
