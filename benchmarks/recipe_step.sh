@@ -15,12 +15,14 @@
 #   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
 #              the work (a quality question too: the recipe's optimizer steps would halve)
 #   eager      base without --compile-drafter (the reference the compiled layers are measured against)
+#   tiles64    base with FlexAttention's 64 x 64 tiles forward and backward (DFLASH_FLEX_KERNEL_OPTIONS)
+#   tiles128   base with 128 x 128 forward tiles
 #   autotune   base under TORCHINDUCTOR_MAX_AUTOTUNE=1: Inductor tries its FlexAttention (and GEMM) configs
 #              instead of one default each (H200, head_dim 64: forward 128x64 tiles, backward 64/128); it
 #              compiles for minutes, which the bench's warm-up absorbs. Says whether the kernels' tiles matter
 # Then OUT_DIR/summary.txt: target tokens/s, ms a step and MFU of each lever, and its ratio to base; last,
 # on CUDA, benchmarks/drafter_step.py's phases and kernels of the base step (OUT_DIR/profile.json, .log).
-# Knobs (environment): DEVICE TARGET LEVERS (default 'base masks pack32k eager') SHAPE (the drafter and pack
+# Knobs (environment): DEVICE TARGET LEVERS (default 'base tiles64 tiles128 pack32k eager autotune') SHAPE (the drafter and pack
 # flags) STEPS PROFILE (1: the kernel profile on a CPU too; its flags: PROFILE_FLAGS). The plumbing on a CPU (tests/test_benchmarks.py; --compile-* need CUDA, so LEVERS leaves them
 # out there):
 #   DEVICE=cpu TARGET=random:tiny LEVERS="eager pack32k" STEPS=2 \
@@ -34,7 +36,7 @@ cd "$repo" || exit 1
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code, whatever is installed
 
 DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-random:smollm2-135m} STEPS=${STEPS:-20}
-LEVERS=${LEVERS:-base masks pack32k eager autotune}
+LEVERS=${LEVERS:-base tiles64 tiles128 pack32k eager autotune}
 SHAPE=${SHAPE:---num-layers 12 --block-size 8 --intermediate-size 3072 --sliding-layers 1 --num-anchors 128 \
 --seq-len 614 --token-budget 16384}
 
@@ -45,10 +47,16 @@ flags() {  # the lever's flags on top of SHAPE (a later flag wins)
     masks) echo "--compile-drafter --compile-masks" ;;
     pack32k) echo "--compile-drafter --token-budget $(( 2 * $(budget) ))" ;;
     eager) echo "" ;;
-    autotune) echo "--compile-drafter" ;;  # and the environment below
-    *) echo "recipe_step.sh: unknown lever $1 (base, masks, pack32k, eager, autotune)" >&2; return 2 ;;
+    autotune|tiles64|tiles128) echo "--compile-drafter" ;;  # and the environment below
+    *) echo "recipe_step.sh: unknown lever $1 (base, masks, pack32k, eager, autotune, tiles64, tiles128)" >&2
+       return 2 ;;
   esac
 }
+# FlexAttention's tiles without autotuning (DFLASH_FLEX_KERNEL_OPTIONS): autotune's picks for the recipe's drafter on
+# an H100 (2026-12-05; its two masks chose differently, and torch's default forward tile, 128 x 64, came last)
+TILES64='{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4, "bwd_BLOCK_M1": 64,
+ "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_stages": 4, "bwd_num_warps": 4}'
+TILES128='{"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 4}'
 budget() { grep -oE -- '--token-budget [0-9]+' <<< "$SHAPE" | tail -1 | cut -d' ' -f2; }
 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
@@ -60,8 +68,9 @@ for lever in $LEVERS; do
   fi
   echo "[recipe_step $(date +%H:%M:%S)] $lever: $SHAPE $extra"
   tune=0; [ "$lever" = autotune ] && tune=1
+  tiles=""; [ "$lever" = tiles64 ] && tiles=$TILES64; [ "$lever" = tiles128 ] && tiles=$TILES128
   # shellcheck disable=SC2086  # SHAPE and the lever's flags are word lists
-  TORCHINDUCTOR_MAX_AUTOTUNE=$tune \
+  TORCHINDUCTOR_MAX_AUTOTUNE=$tune DFLASH_FLEX_KERNEL_OPTIONS=$tiles \
   dft bench --target "$TARGET" --device "$DEVICE" --steps "$STEPS" --variants drafter-only $SHAPE $extra \
     --json "$out/$lever.json" > "$out/$lever.log" 2>&1
   echo "[recipe_step $(date +%H:%M:%S)] $lever: rc $?"

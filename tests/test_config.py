@@ -106,6 +106,30 @@ def test_environment_default(monkeypatch):
         TrainConfig.of()
 
 
+def test_flex_kernel_options_from_the_environment(monkeypatch, capsys):
+    """DFLASH_FLEX_KERNEL_OPTIONS: a JSON object reaches the drafter's FlexAttention; anything else is one line
+    naming the variable, exit 2, before the command runs."""
+    from dflash_train.cli import main
+    from dflash_train.models.attention import flex_kernel_options
+
+    knob = config.FLEX_OPTIONS_ENV
+    monkeypatch.delenv(knob.name, raising=False)
+    assert knob.json_object() == {}
+    monkeypatch.setenv(knob.name, '{"fwd_BLOCK_M": 64, "bwd_num_warps": 4}')
+    assert knob.json_object() == {"fwd_BLOCK_M": 64, "bwd_num_warps": 4}
+    flex_kernel_options.cache_clear()
+    try:
+        assert flex_kernel_options() == {"fwd_BLOCK_M": 64, "bwd_num_warps": 4}
+    finally:
+        flex_kernel_options.cache_clear()
+    for bad in ("64", "[64]", "{fwd_BLOCK_M: 64}"):
+        monkeypatch.setenv(knob.name, bad)
+        with pytest.raises(UsageError, match="DFLASH_FLEX_KERNEL_OPTIONS must be a JSON object"):
+            knob.json_object()
+    assert main(["profile-report", "no-such-run"]) == 2
+    assert "DFLASH_FLEX_KERNEL_OPTIONS must be a JSON object" in capsys.readouterr().err
+
+
 def test_each_component_gets_its_own_section():
     """The Trainer, the objective and the profiling session receive their own section, not the tree:
     their modules do not import TrainConfig."""

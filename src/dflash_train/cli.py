@@ -22,7 +22,7 @@ from dflash_train.app.drafter import check_init_drafter_shape, check_num_feature
 from dflash_train.app.train import run as run_train
 from dflash_train.bench.config import BenchConfig
 from dflash_train.bench.run import run_bench
-from dflash_train.config import TRACEBACK_ENV
+from dflash_train.config import FLEX_OPTIONS_ENV, TRACEBACK_ENV
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.parallel import default_workers
 from dflash_train.data.regen_client import load_tokenizer, regenerate_via_server, server_config
@@ -315,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _quiet_libraries()
         args = build_parser().parse_args(argv)
+        FLEX_OPTIONS_ENV.json_object()  # read deep inside a training step: a bad value is refused here, before any work
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except UsageError as e:

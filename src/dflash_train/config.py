@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import types
@@ -188,6 +189,19 @@ class EnvKnob:
             raise UsageError(f"{self.name} must be a whole number >= 1, got {raw!r}")
         return int(raw)
 
+    def json_object(self) -> dict:
+        """A JSON object; unset or empty = {}; errors name the variable."""
+        raw = self.raw()
+        if not raw:
+            return {}
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise UsageError(f"{self.name} must be a JSON object, got {raw!r}")
+        return value
+
     def flag(self, default: bool) -> bool:
         """Off for 0/false/no/off, on for anything else; unset = `default`."""
         raw = self.raw().lower()
@@ -201,4 +215,8 @@ FAULT_ENV = EnvKnob("DFLASH_TRAIN_FAULT", "ROLE:PACK: raise in that worker loop 
 CACHE_ENV = EnvKnob("DFLASH_TRAIN_CACHE", "download cache (default $XDG_CACHE_HOME/dflash-train)")
 TOKENIZE_WORKERS_ENV = EnvKnob("DFLASH_TRAIN_TOKENIZE_WORKERS",
                                "processes preparing data tokenize in (default: cores - 1, at most 16; 1 = this one)")
-ENVIRONMENT = (PROFILE_INTERVAL_ENV, TRACEBACK_ENV, DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV, TOKENIZE_WORKERS_ENV)
+FLEX_OPTIONS_ENV = EnvKnob("DFLASH_FLEX_KERNEL_OPTIONS",
+                          "the drafter's FlexAttention kernel options in training, a JSON object (e.g. "
+                          '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}; default: torch\'s own choice)')
+ENVIRONMENT = (PROFILE_INTERVAL_ENV, TRACEBACK_ENV, DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV, TOKENIZE_WORKERS_ENV,
+               FLEX_OPTIONS_ENV)

@@ -58,6 +58,16 @@ def compiled_flex(backend: str = "inductor"):
     return compile_serialized(flex_attention, dynamic=True, backend=backend)
 
 
+@functools.cache  # read once a process: the options are constants of every compiled graph
+def flex_kernel_options() -> dict | None:
+    """DFLASH_FLEX_KERNEL_OPTIONS (config.py): FlexAttention's tiles, stages and warps for the training
+    attention, or None for torch's defaults. On an H100, autotuning placed torch's default forward tile
+    for 64-wide heads (128 x 64) last of six for the recipe's drafter (2026-12-05)."""
+    from dflash_train.config import FLEX_OPTIONS_ENV
+
+    return FLEX_OPTIONS_ENV.json_object() or None
+
+
 def _flex_attention(q: torch.Tensor):
     """FlexAttention is only fast when compiled (CUDA); eager mode is an exact reference elsewhere."""
     if not q.is_cuda or torch.compiler.is_compiling():
@@ -90,7 +100,8 @@ def no_cudnn_sdpa():
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float) -> torch.Tensor:
     """q: [b, Hq, n, d], k/v: [b, Hkv, m, d] (GQA) -> [b, Hq, n, d]."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return _flex_attention(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return _flex_attention(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                  kernel_options=flex_kernel_options())
     if isinstance(mask, SegmentedMask):
         S, parts = mask.context_len, []
         for seg in mask.segments:
