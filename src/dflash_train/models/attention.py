@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_train.config import FLEX_OPTIONS_ENV
+from dflash_train.errors import UsageError
 from dflash_train.models.compiled import compile_serialized
 
 try:  # FlexAttention exists from torch 2.5; nothing else here needs it.
@@ -58,14 +60,19 @@ def compiled_flex(backend: str = "inductor"):
     return compile_serialized(flex_attention, dynamic=True, backend=backend)
 
 
-@functools.cache  # read once a process: the options are constants of every compiled graph
 def flex_kernel_options() -> dict | None:
     """DFLASH_FLEX_KERNEL_OPTIONS (config.py): FlexAttention's tiles, stages and warps for the training
     attention, or None for torch's defaults. On an H100, autotuning placed torch's default forward tile
     for 64-wide heads (128 x 64) last of six for the recipe's drafter (2026-12-05)."""
-    from dflash_train.config import FLEX_OPTIONS_ENV
+    try:
+        return FLEX_OPTIONS_ENV.json_object() or None
+    except UsageError:
+        return None  # cli.main refuses the value in one line before any command runs
 
-    return FLEX_OPTIONS_ENV.json_object() or None
+
+# Read once, at import: a constant of every compiled graph (dynamo reads a global; a function call here
+# would be traced into the draft layers' graph).
+FLEX_KERNEL_OPTIONS = flex_kernel_options()
 
 
 def _flex_attention(q: torch.Tensor):
@@ -101,7 +108,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, sc
     """q: [b, Hq, n, d], k/v: [b, Hkv, m, d] (GQA) -> [b, Hq, n, d]."""
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex_attention(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                  kernel_options=flex_kernel_options())
+                                  kernel_options=FLEX_KERNEL_OPTIONS)
     if isinstance(mask, SegmentedMask):
         S, parts = mask.context_len, []
         for seg in mask.segments:
