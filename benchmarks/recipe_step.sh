@@ -15,6 +15,7 @@
 #   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
 #              the work (a quality question too: the recipe's optimizer steps would halve)
 #   eager      base without --compile-drafter (the reference the compiled layers are measured against)
+#   split      base with --attention flex-split (each block's own keys apart from FlexAttention)
 #   tiles64    base with FlexAttention's 64 x 64 tiles forward and backward (DFLASH_FLEX_KERNEL_OPTIONS)
 #   tiles128   base with 128 x 128 forward tiles
 #   autotune   base under TORCHINDUCTOR_MAX_AUTOTUNE=1: Inductor tries its FlexAttention (and GEMM) configs
@@ -22,7 +23,7 @@
 #              compiles for minutes, which the bench's warm-up absorbs. Says whether the kernels' tiles matter
 # Then OUT_DIR/summary.txt: target tokens/s, ms a step and MFU of each lever, and its ratio to base; last,
 # on CUDA, benchmarks/drafter_step.py's phases and kernels of the base step (OUT_DIR/profile.json, .log).
-# Knobs (environment): DEVICE TARGET LEVERS (default 'base tiles64 tiles128 pack32k eager autotune') SHAPE (the drafter and pack
+# Knobs (environment): DEVICE TARGET LEVERS (default 'base split tiles64 tiles128 pack32k eager autotune') SHAPE (the drafter and pack
 # flags) STEPS PROFILE (1: the kernel profile on a CPU too; its flags: PROFILE_FLAGS). The plumbing on a CPU (tests/test_benchmarks.py; --compile-* need CUDA, so LEVERS leaves them
 # out there):
 #   DEVICE=cpu TARGET=random:tiny LEVERS="eager pack32k" STEPS=2 \
@@ -36,7 +37,7 @@ cd "$repo" || exit 1
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code, whatever is installed
 
 DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-random:smollm2-135m} STEPS=${STEPS:-20}
-LEVERS=${LEVERS:-base tiles64 tiles128 pack32k eager autotune}
+LEVERS=${LEVERS:-base split tiles64 tiles128 pack32k eager autotune}
 SHAPE=${SHAPE:---num-layers 12 --block-size 8 --intermediate-size 3072 --sliding-layers 1 --num-anchors 128 \
 --seq-len 614 --token-budget 16384}
 
@@ -47,8 +48,9 @@ flags() {  # the lever's flags on top of SHAPE (a later flag wins)
     masks) echo "--compile-drafter --compile-masks" ;;
     pack32k) echo "--compile-drafter --token-budget $(( 2 * $(budget) ))" ;;
     eager) echo "" ;;
+    split) echo "--compile-drafter --attention flex-split" ;;
     autotune|tiles64|tiles128) echo "--compile-drafter" ;;  # and the environment below
-    *) echo "recipe_step.sh: unknown lever $1 (base, masks, pack32k, eager, autotune, tiles64, tiles128)" >&2
+    *) echo "recipe_step.sh: unknown lever $1 (base, masks, split, pack32k, eager, autotune, tiles64, tiles128)" >&2
        return 2 ;;
   esac
 }

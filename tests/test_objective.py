@@ -262,6 +262,29 @@ def _objective(tiny_target, make_drafter, backend, **kw):
                            ObjectiveConfig(attention=backend, loss_chunk_rows=7))
 
 
+@pytest.mark.parametrize("window", [None, 5, 2])
+def test_split_attention_equals_the_joint_mask(window):
+    """flex-split: FlexAttention over the context and each block's own keys apart, merged by log-sum-exp, gives
+    the one-mask attention; window 2 at B=4 leaves slots 2 and 3 of some blocks no context key."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.models.attention import SplitBlockMask, attend
+    from dflash_train.objective.masks import row_intervals, split_block_mask
+
+    b = _four_sequences()
+    spec = MaskSpec(b.seq_ids, b.positions, sample_packed_anchors(b, 9, torch.Generator().manual_seed(3)), 4, window)
+    if window == 2:
+        lo, hi = row_intervals(b.seq_ids, b.positions, spec.anchors, 4, window)[:2]
+        assert (lo >= hi).any()  # rows whose context is empty
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, spec.num_queries, 16, generator=gen)
+    k, v = (torch.randn(1, 2, spec.context_len + spec.num_queries, 16, generator=gen) for _ in range(2))
+    split = split_block_mask(spec, 16)
+    assert isinstance(split, SplitBlockMask) and split.context.seq_lengths == (spec.num_queries, spec.context_len)
+    want = flex_attention(q, k, v, block_mask=structured_block_mask(spec, 16), enable_gqa=True, scale=0.25)
+    torch.testing.assert_close(attend(q, k, v, split, 0.25), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("sliding", [False, True])
 def test_flex_and_dense_give_the_same_loss(tiny_target, make_drafter, sliding):
     """FlexAttention's keys are the context padded to a multiple of the tile (key_context: pads of no sequence,
@@ -273,15 +296,19 @@ def test_flex_and_dense_give_the_same_loss(tiny_target, make_drafter, sliding):
     anchors = sample_packed_anchors(b, 4, torch.Generator().manual_seed(1))
     feats = torch.randn(b.num_tokens, 3 * 64)
     dense = _objective(tiny_target, make_drafter, "dense", **kw)
-    flex = _objective(tiny_target, make_drafter, "flex", **kw)
-    assert flex.key_context(b).num_tokens == MASK_TILE > b.num_tokens and dense.key_context(b) is b
-    with torch.no_grad():  # FlexAttention has no CPU backward; gradients are compared on CUDA below
-        torch.testing.assert_close(dense(b, anchors, feats).loss, flex(b, anchors, feats).loss, rtol=1e-5, atol=1e-5)
+    assert dense.key_context(b) is b
+    for backend in ("flex", "flex-split"):
+        flex = _objective(tiny_target, make_drafter, backend, **kw)
+        assert flex.key_context(b).num_tokens == MASK_TILE > b.num_tokens
+        with torch.no_grad():  # FlexAttention has no CPU backward; gradients are compared on CUDA below
+            torch.testing.assert_close(dense(b, anchors, feats).loss, flex(b, anchors, feats).loss, rtol=1e-5,
+                                       atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
 @pytest.mark.parametrize("sliding", [False, True])
-def test_flex_and_dense_give_the_same_gradients_on_cuda(sliding):
+@pytest.mark.parametrize("flex", ["flex", "flex-split"])
+def test_flex_and_dense_give_the_same_gradients_on_cuda(sliding, flex):
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.models.loading import load_target
 
@@ -292,14 +319,14 @@ def test_flex_and_dense_give_the_same_gradients_on_cuda(sliding):
     anchors = sample_packed_anchors(_packed(), 4, torch.Generator().manual_seed(1)).cuda()
     feats = torch.randn(b.num_tokens, 3 * 64, device="cuda")
     grads = {}
-    for backend in ("dense", "flex"):
+    for backend in ("dense", flex):
         drafter = new_drafter(cfg, seed=1).float().cuda()
         obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=backend))
         loss = obj(b, anchors, feats).loss
         loss.backward()
         grads[backend] = (loss.detach(), [p.grad for p in drafter.parameters()])
-    torch.testing.assert_close(grads["dense"][0], grads["flex"][0], rtol=1e-4, atol=1e-4)
-    for gd, gf in zip(grads["dense"][1], grads["flex"][1], strict=True):
+    torch.testing.assert_close(grads["dense"][0], grads[flex][0], rtol=1e-4, atol=1e-4)
+    for gd, gf in zip(grads["dense"][1], grads[flex][1], strict=True):
         torch.testing.assert_close(gd, gf, rtol=1e-3, atol=1e-4)
 
 
@@ -499,13 +526,14 @@ def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, mak
     assert all("forward" not in vars(layer) for layer in obj.drafter.layers)
 
 
-def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_drafter):
+@pytest.mark.parametrize("backend", ["flex", "flex-split"])
+def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_drafter, backend):
     """--compile-drafter on packs of new shapes (token counts, tile counts, anchors): one graph per layer kind
     (full, sliding), not a static one first. Forward only: FlexAttention has no CPU backward."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    obj = _objective(tiny_target, make_drafter, "flex", num_sliding_layers=1, sliding_window=64)
+    obj = _objective(tiny_target, make_drafter, backend, num_sliding_layers=1, sliding_window=64)
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad(), obj.drafter.compiled_layers(backend="eager"):

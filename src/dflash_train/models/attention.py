@@ -50,7 +50,19 @@ class SegmentedMask:
         return out
 
 
-AttnMask = torch.Tensor | SegmentedMask | BlockMask | None
+@dataclass
+class SplitBlockMask:
+    """The training mask in two parts (objective/masks.py split_block_mask): `context`, a BlockMask of the
+    queries over the context keys alone (the first S keys), and each block's own B keys, which follow the
+    context (key S + jB + i is slot i of block j) and which block j's queries see in full, or in a sliding
+    layer (window) slots k - window + 1 .. k only."""
+
+    context: BlockMask
+    block_size: int
+    window: int | None = None
+
+
+AttnMask = torch.Tensor | SegmentedMask | BlockMask | SplitBlockMask | None
 
 @functools.cache  # one per process: its graphs are reused by every eager draft layer
 def compiled_flex(backend: str = "inductor"):
@@ -109,6 +121,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, sc
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex_attention(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                   kernel_options=FLEX_KERNEL_OPTIONS)
+    if isinstance(mask, SplitBlockMask):
+        return _split_attention(q, k, v, mask, scale)
     if isinstance(mask, SegmentedMask):
         S, parts = mask.context_len, []
         for seg in mask.segments:
@@ -118,3 +132,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, sc
             parts.append(_sdpa(q[:, :, seg.queries], k_seg, v_seg, seg.mask, scale))
         return torch.cat(parts, dim=2)  # segments cover the queries in order
     return _sdpa(q, k, v, mask, scale)
+
+
+def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SplitBlockMask,
+                     scale: float) -> torch.Tensor:
+    """Attention over [context | own block] as two softmaxes merged by their log-sum-exps: FlexAttention over
+    the context keys (its lse returned, and differentiated through), each block's own keys in a batched
+    [B, B] matmul in float32. Exact: softmax over the union = each part's softmax weighted by
+    exp(lse_part - lse_union). A row with no context key (a sliding layer's late slots) has lse -inf
+    there and takes its own block alone."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    b, H, Q, d = q.shape
+    B = mask.block_size
+    S = k.shape[2] - Q
+    out_c, aux = _flex_attention(q)(q, k[:, :, :S], v[:, :, :S], block_mask=mask.context, scale=scale,
+                                    enable_gqa=H != k.shape[1], kernel_options=FLEX_KERNEL_OPTIONS,
+                                    return_aux=AuxRequest(lse=True))
+    kb, vb = repeat_kv(q, k[:, :, S:], v[:, :, S:])
+    qb, kb, vb = (t.float().unflatten(2, (Q // B, B)) for t in (q, kb, vb))  # [b, H, n, B, d]
+    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [b, H, n, B, B]
+    if mask.window is not None:  # slot k sees slots k - window + 1 .. k
+        i = torch.arange(B, device=q.device)
+        scores = scores.masked_fill(~((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < mask.window)),
+                                    float("-inf"))
+    lse_b = torch.logsumexp(scores, dim=-1)  # [b, H, n, B]; never -inf: a slot sees itself
+    out_b = torch.matmul(torch.softmax(scores, dim=-1), vb).flatten(2, 3)  # [b, H, Q, d]
+    lse_b, lse_c = lse_b.flatten(2, 3), aux.lse.float()
+    lse = torch.logaddexp(lse_c, lse_b)
+    out = out_c.float() * torch.exp(lse_c - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+    return out.to(q.dtype)

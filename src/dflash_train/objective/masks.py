@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.data.packing import PackedBatch
-from dflash_train.models.attention import Segment, SegmentedMask
+from dflash_train.models.attention import Segment, SegmentedMask, SplitBlockMask
 from dflash_train.objective.blocks import Blocks
 
 
@@ -100,7 +100,9 @@ def _interval_mask_mod(rows: torch.Tensor):
     compares a pair. FlexAttention evaluates its mask_mod on every pair of every partial tile (three in four
     of the recipe's) on the CUDA cores, beside tensor-core tiles of only 64-wide heads; MaskSpec.allowed's
     int64 gathers, divisions and, in sliding layers, positions cost more there than the tile's matmuls."""
-    lo, hi, b_lo, b_hi = (x.contiguous() for x in rows.unbind(0))
+    # copies, not views of `rows`: a captured view carries its base's size (4) into the compiled graph's guards,
+    # where duck sizing tied it to any other size that happened to be 4 (a recompile once they differed)
+    lo, hi, b_lo, b_hi = (x.clone() for x in rows.unbind(0))
 
     def mask_mod(b, h, q_idx, kv_idx):
         return ((kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx])) | ((kv_idx >= b_lo[q_idx]) & (kv_idx < b_hi[q_idx]))
@@ -155,15 +157,18 @@ def structured_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool 
 
 
 def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor, block_size: int,
-               window: int | None, tile: int) -> tuple[torch.Tensor, ...]:
+               window: int | None, tile: int, own_blocks: bool = True) -> tuple[torch.Tensor, ...]:
     """structured_block_mask's tiles: (partial counts [1, 1, nq], partial indices [1, 1, nq, nkv], the
     same for full tiles), as BlockMask.from_kv_blocks takes them, and the rows' key intervals
-    (row_intervals, [4, Q] int32) for its mask_mod. Tensors in, tensors out (compilable)."""
+    (row_intervals, [4, Q] int32) for its mask_mod. own_blocks=False: the context keys alone (S of them;
+    split_block_mask), every row's own-block interval empty. Tensors in, tensors out (compilable)."""
     S, Q = seq_ids.numel(), anchors.numel() * block_size
-    dev, kv_len = seq_ids.device, S + Q
+    dev, kv_len = seq_ids.device, S + Q * own_blocks
     nq, nkv = -(-Q // tile), -(-kv_len // tile)
     r = torch.arange(Q, device=dev)
     rows = row_intervals(seq_ids, positions, anchors, block_size, window)
+    if not own_blocks:
+        rows = torch.cat([rows[:2], rows.new_zeros(2, Q)])
     lo, hi, b_lo, b_hi = rows.long().unbind(0)
     big = kv_len + 1
     nonempty = lo < hi
@@ -189,6 +194,21 @@ def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Te
         return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
     return (*indices(partial), *indices(full), rows)
+
+
+def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = False) -> SplitBlockMask:
+    """The predicate in two parts (attention backend flex-split): a BlockMask of the block queries over the
+    context keys alone (S keys, FlexAttention), and each block's own B keys, which models/attention.py
+    attends to in one batched matmul and merges by log-sum-exp. The own block is one partial tile in every
+    query tile of the joint mask, 1/16 of it allowed at B=8: 704 -> 496 partial tiles for the recipe's
+    16K packs (counted on the CPU)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    *tiles, rows = (compiled_mask_tiles() if compiled else mask_tiles)(
+        spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window, tile, False)
+    context = BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=tile, mask_mod=_interval_mask_mod(rows),
+                                       seq_lengths=(spec.num_queries, spec.context_len))
+    return SplitBlockMask(context, spec.block_size, spec.window)
 
 
 @functools.cache  # one per process: its graphs are reused by every pack

@@ -62,7 +62,7 @@ class DrafterTrainLoop(Trainer):
         check_backend_device(objective_cfg.attention, device)
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, compile_masks,
                                     embed_scale)
-        if compile_drafter and objective.backend(device) != "flex":  # the backend the step will run
+        if compile_drafter and not objective.backend(device).startswith("flex"):  # the backend the step will run
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
                              f"{objective.backend(device)} attention on {device.type}")
         super().__init__(DrafterStep(objective), optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
