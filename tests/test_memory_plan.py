@@ -77,19 +77,25 @@ def test_gpt_oss_splits_by_the_projects_plan_and_an_architecture_without_a_plan_
 
 
 def test_eager_attention_targets_count_their_tokens_by_tokens_scores():
-    """gpt_oss has no sdpa in transformers, so its feature forward runs eager attention: [heads/tp, L, L] scores,
-    L up to the token budget. Its activations grow with the budget squared (by exactly the scores term),
-    shrink with TP as its heads split; an sdpa architecture's stay linear in the budget."""
+    """On CUDA gpt_oss's feature forwards run through FlexAttention (its eager attention replaced by the document
+    masks), so its activations stay linear in the budget, as an sdpa architecture's. An eager target the masks
+    cannot express (here gpt_oss with soft-capped logits) runs padded: [heads/tp, L, L] scores, L up to the
+    budget, so its activations grow with the budget squared (by exactly the scores term) and shrink with TP."""
+    import copy
+
     oss, qwen = presets.hf_config("gpt-oss-20b"), presets.hf_config("qwen3-8b")
     assert eager_attention(oss) and not eager_attention(qwen)
+    capped = copy.deepcopy(oss)
+    capped.attn_logit_softcapping = 30.0
 
     def acts(cfg, tokens, tp=1):
         return plan_memory(cfg, tp=tp, device_bytes=1e12, token_budget=tokens, n_features=5).activations
 
-    assert acts(qwen, 8192) == 2 * acts(qwen, 4096)
+    assert acts(qwen, 8192) == 2 * acts(qwen, 4096) and acts(oss, 8192) == 2 * acts(oss, 4096)
     scores = 3 * 64 * 8192 * 8192 * 2  # three bf16 copies of 64 heads' 8192 x 8192 scores: 25.8 GB
-    assert acts(oss, 8192) - 2 * acts(oss, 4096) == scores // 2  # 2 x 4096^2 of them at half the budget
-    assert acts(oss, 8192) > scores > acts(oss, 8192, tp=2) - acts(oss, 8192, tp=4) >= scores // 4
+    assert acts(capped, 8192) - acts(oss, 8192) == scores
+    assert acts(capped, 8192) - 2 * acts(capped, 4096) == scores // 2  # 2 x 4096^2 of them at half the budget
+    assert acts(capped, 8192) > scores > acts(capped, 8192, tp=2) - acts(capped, 8192, tp=4) >= scores // 4
     assert eager_attention(meta_model(oss).config)  # the implementation transformers picks for it
 
 

@@ -32,6 +32,20 @@ DOCUMENT_ATTENTION = "dflash_document"  # the name registered with transformers'
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
+def document_mask_refusal(config) -> str | None:
+    """What of a target config's attention the document masks cannot express (other layer types, soft-capped
+    logits, bidirectional attention), or None: then every feature forward on CUDA runs through this module's
+    FlexAttention (pipeline/features.py feature_mode), whatever the model's own implementation."""
+    other = set(getattr(config, "layer_types", None) or []) - {FULL, SLIDING}
+    if other:
+        return f"layers of types {sorted(other)}"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "soft-capped attention logits"
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        return "bidirectional attention"
+    return None
+
+
 def layer_window(config, layer: int) -> int | None:
     """How many keys back decoder layer `layer` sees, its own included, as transformers runs it; None: all.
 

@@ -16,9 +16,10 @@ Counted per GPU of a TP group (every rank holds the same amounts):
     drafter          a drafter trained on the same GPU: fp32 weights, gradients and AdamW's two
                      moments (16 bytes a parameter); 0 when the drafter has GPUs of its own
 Attention is assumed memory-efficient (FlexAttention or an sdpa kernel: no tokens x tokens
-scores) except where transformers runs it eagerly (an architecture without sdpa support, gpt_oss):
-there each padded row of the pack's longest sequence L materialises [heads/tp, L, L] scores, a few
-copies at once (eager_score_bytes). A dense CPU document mask adds token_budget^2 bytes, not counted.
+scores): on CUDA every feature forward of a target the document masks can express runs through
+FlexAttention, gpt_oss's eager attention included. A target they cannot express and transformers runs
+eagerly materialises [heads/tp, L, L] scores in each padded row of the pack's longest sequence L, a
+few copies at once (eager_score_bytes). A dense CPU document mask adds token_budget^2 bytes, not counted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.errors import UsageError
+from dflash_train.models.document_attention import document_mask_refusal
 from dflash_train.models.shapes import head_dim
 from dflash_train.models.tp_plan import SPLIT_SIZES, check_tp_size, has_tensor_plan, split_parameters, tensor_plan
 
@@ -150,11 +152,15 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
 def eager_score_bytes(config, tp: int, tokens: int, size: int) -> int:
     """The attention scores eager attention materialises in one layer of a padded feature forward; 0 elsewhere.
 
-    Each padded row holds [heads/tp, L, L] scores, L the pack's longest sequence; a pack of `tokens`
-    is about tokens / L such rows, so rows x L^2 ~ tokens x L <= tokens^2 (one sequence filling the
-    budget). Rows of padding beyond tokens / L (one long sequence among many short ones) are not counted.
+    On CUDA a target the document masks can express runs every feature forward through FlexAttention
+    (pipeline/features.py feature_mode: packed rows, and a pack of one sequence too where the model's own
+    attention is eager), so only a target they cannot express (models/document_attention.py
+    document_mask_refusal) runs padded through eager attention. Each padded row holds [heads/tp, L, L]
+    scores, L the pack's longest sequence; a pack of `tokens` is about tokens / L such rows, so rows x L^2
+    ~ tokens x L <= tokens^2 (one sequence filling the budget). Rows of padding beyond tokens / L (one long
+    sequence among many short ones) are not counted.
     """
-    if not eager_attention(config):
+    if not eager_attention(config) or document_mask_refusal(config) is None:
         return 0
     return EAGER_SCORE_COPIES * (config.num_attention_heads // tp) * tokens * tokens * size
 

@@ -17,11 +17,10 @@ from torch import nn
 
 from dflash_train.errors import UsageError
 from dflash_train.models.document_attention import (
-    FULL,
-    SLIDING,
     as_document_masks,
     attention_windows,
     document_attention_for,
+    document_mask_refusal,
     is_document_mask,
 )
 
@@ -129,15 +128,7 @@ class Target:
     @property
     def document_mask_refusal(self) -> str | None:
         """What of this target's attention the document masks cannot express, or None."""
-        cfg = self.model.config
-        other = set(getattr(cfg, "layer_types", None) or []) - {FULL, SLIDING}
-        if other:
-            return f"layers of types {sorted(other)}"
-        if getattr(cfg, "attn_logit_softcapping", None):
-            return "soft-capped attention logits"
-        if getattr(cfg, "use_bidirectional_attention", False) or not getattr(cfg, "is_causal", True):
-            return "bidirectional attention"
-        return None
+        return document_mask_refusal(self.model.config)
 
     def check_document_mask(self, mode: str, where: str) -> None:
         """Refuse a forced document-mask mode ('packed', 'flex', 'dense') for a target whose attention it changes."""
