@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -91,23 +92,34 @@ def shape(saved: DFlashConfig) -> dict:
             "intermediate_size": saved.intermediate_size}
 
 
+class _Saved(NamedTuple):
+    """A saved drafter the run starts from."""
+
+    path: Path  # its directory
+    flag: str  # the flag that named it
+    named: str  # the flag with its value, for messages
+
+
+def _saved_drafter(cfg: TrainConfig, resume_ckpt: Path | None) -> _Saved | None:
+    """Where the run's drafter is read from, or None for a new one."""
+    if resume_ckpt is not None:
+        return _Saved(resume_ckpt / "drafter", "--resume", f"--resume {resume_ckpt}")
+    if cfg.drafter.init_drafter:
+        return _Saved(Path(cfg.drafter.init_drafter), "--init-drafter", f"--init-drafter {cfg.drafter.init_drafter}")
+    return None
+
+
 def planned_config(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashConfig:
     """The config of the drafter make_drafter will return, read before it is built."""
-    if resume_ckpt is not None:
-        return load_config(resume_ckpt / "drafter", "--resume")
-    if cfg.drafter.init_drafter:
-        return load_config(cfg.drafter.init_drafter, "--init-drafter")
-    return drafter_config(cfg, target)
+    saved = _saved_drafter(cfg, resume_ckpt)
+    return drafter_config(cfg, target) if saved is None else load_config(saved.path, saved.flag)
 
 
 def make_drafter(cfg: TrainConfig, target: Target, resume_ckpt: Path | None) -> DFlashDrafter:
     # Each source names its own flag when it does not fit the target (--target against it).
-    if resume_ckpt is not None:
-        drafter = load_drafter(resume_ckpt / "drafter", dtype=torch.float32, flag="--resume")
-        where = f"--resume {resume_ckpt} with --target {cfg.run.target}"
-    elif cfg.drafter.init_drafter:
-        drafter = load_drafter(cfg.drafter.init_drafter, dtype=torch.float32, flag="--init-drafter")
-        where = f"--init-drafter {cfg.drafter.init_drafter} with --target {cfg.run.target}"
+    if saved := _saved_drafter(cfg, resume_ckpt):
+        drafter = load_drafter(saved.path, dtype=torch.float32, flag=saved.flag)
+        where = f"{saved.named} with --target {cfg.run.target}"
     else:
         drafter = new_drafter(drafter_config(cfg, target), cfg.run.seed, target.device)
         where = f"--target {cfg.run.target}"
