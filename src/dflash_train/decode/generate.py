@@ -137,15 +137,9 @@ def prefill(lm: StaticLM, prompts: list[list[int]], cache) -> torch.Tensor:
     prompt) is computed once: the distinct prompts are prefilled into the first rows, then every row gets
     its prompt's K/V (one copy of the written slots, far cheaper than the forward it replaces)."""
     dev = lm.device
-    first: dict[tuple[int, ...], int] = {}  # a distinct prompt -> its index in `distinct`
-    distinct: list[list[int]] = []
-    source = []  # each row's index in `distinct`
-    for p in prompts:
-        key = tuple(p)
-        if key not in first:
-            first[key] = len(distinct)
-            distinct.append(p)
-        source.append(first[key])
+    first: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row among the distinct ones
+    source = [first.setdefault(tuple(p), len(first)) for p in prompts]  # each row's distinct prompt
+    distinct = [list(p) for p in first]
     logits = []
     for r, e in prefill_chunks([len(p) for p in distinct]):
         part = distinct[r:e]
