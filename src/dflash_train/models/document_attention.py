@@ -46,6 +46,18 @@ def document_mask_refusal(config) -> str | None:
     return None
 
 
+def eager_attention(config) -> bool:
+    """Whether the target's attention runs eagerly: the implementation its config names, else transformers'
+    default, which the loaders keep (sdpa where the architecture supports it, else eager: gpt_oss)."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is not None:
+        return impl == "eager"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return cls is not None and not cls._supports_sdpa
+
+
 def layer_window(config, layer: int) -> int | None:
     """How many keys back decoder layer `layer` sees, its own included, as transformers runs it; None: all.
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.errors import UsageError
-from dflash_train.models.document_attention import document_mask_refusal
+from dflash_train.models.document_attention import document_mask_refusal, eager_attention
 from dflash_train.models.shapes import head_dim
 from dflash_train.models.tp_plan import SPLIT_SIZES, check_tp_size, has_tensor_plan, split_parameters, tensor_plan
 
@@ -163,18 +163,6 @@ def eager_score_bytes(config, tp: int, tokens: int, size: int) -> int:
     if not eager_attention(config) or document_mask_refusal(config) is None:
         return 0
     return EAGER_SCORE_COPIES * (config.num_attention_heads // tp) * tokens * tokens * size
-
-
-def eager_attention(config) -> bool:
-    """Whether the target's attention runs eagerly: the implementation its config names, else transformers'
-    default, which the loaders keep (sdpa where the architecture supports it, else eager: gpt_oss)."""
-    impl = getattr(config, "_attn_implementation", None)
-    if impl is not None:
-        return impl == "eager"
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    return cls is not None and not cls._supports_sdpa
 
 
 def tp_sizes(config) -> list[int]:

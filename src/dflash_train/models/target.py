@@ -21,6 +21,7 @@ from dflash_train.models.document_attention import (
     attention_windows,
     document_attention_for,
     document_mask_refusal,
+    eager_attention,
     is_document_mask,
 )
 
@@ -122,8 +123,7 @@ class Target:
         attention (gpt_oss: its sinks keep it off sdpa; the [H, L, L] scores materialized, sliding layers
         masked after the fact) or a sliding window under sdpa (an explicit mask: no tile is skipped). A
         packed row's BlockMask skips the tiles above the diagonal and outside the window instead."""
-        eager = getattr(self.model.config, "_attn_implementation", None) == "eager"
-        return eager or any(w is not None for w in self.attention_windows)
+        return eager_attention(self.model.config) or any(w is not None for w in self.attention_windows)
 
     @property
     def document_mask_refusal(self) -> str | None:
