@@ -61,6 +61,11 @@ from dflash_train.profiling.reporter import ProfileReporter
 from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
 
 
+def _synthetic(cfg: BenchConfig, vocab: int) -> SyntheticSequences:
+    """The bench's data: --steps packs of --seq-len sequences, as many a pack as --token-budget holds."""
+    return SyntheticSequences(cfg.steps * cfg.seqs_per_pack, cfg.seq_len, vocab, cfg.seed)
+
+
 def _step_flops(cfg: BenchConfig, target, drafter, dataset, first: int, last: int,
                 packs_per_step: int = 1) -> tuple[float, float]:
     """Model FLOPs of steps [first, last) from the very packs the stream yields (deterministic)."""
@@ -199,7 +204,7 @@ def _setup(cfg: BenchConfig, device_name: str):
                               intermediate_size=cfg.intermediate_size, num_sliding_layers=cfg.sliding_layers,
                               sliding_window=cfg.sliding_window)
     drafter = new_drafter(dcfg, cfg.seed, device)  # the device's generator: the same weights in every process
-    dataset = SyntheticSequences(cfg.steps * cfg.seqs_per_pack, cfg.seq_len, target.vocab_size, cfg.seed)
+    dataset = _synthetic(cfg, target.vocab_size)
     total = 2 * cfg.steps
     t_flops, d_flops = _step_flops(cfg, target, drafter, dataset, cfg.steps, total)
     plan = {
@@ -286,8 +291,7 @@ def _run_splits(cfg: BenchConfig, splits, kind: str, plan: dict[str, Any], log) 
             f"hand-off {link['handoff_bytes_per_s'] / 1e9:.0f} GB/s "
             f"({link['handoff_message_bytes'] / 1e6:.0f} MB per pack, {link['handoff_message_ms']:.2f} ms)")
     with tempfile.TemporaryDirectory(prefix="dflash-bench-data-") as tmp:
-        data = SyntheticSequences(cfg.steps * cfg.seqs_per_pack, cfg.seq_len, plan["vocab"], cfg.seed)
-        data_dir = write_dataset(data, Path(tmp) / "data")
+        data_dir = write_dataset(_synthetic(cfg, plan["vocab"]), Path(tmp) / "data")
         results = {s.name: run_split(cfg, s, kind, data_dir, plan["split_flops"][s.name], log) for s in splits}
     return {"splits": results, "link": link}
 
