@@ -126,7 +126,7 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
     total = len(conversations) * cfg.samples if hasattr(conversations, "__len__") else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    host = _HostWork(target.device.type == "cuda" if overlap is None else overlap)
+    host = _HostWork(target.device.type == "cuda" if overlap is None else overlap, report)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar, \
             contextlib.closing(host):
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
@@ -181,23 +181,40 @@ class _HostWork:
     """A decoded batch's host work (its replies' text, its conversations' next prompts), done on one thread
     beside the next batch's decode (`overlap`: on CUDA the host idles while the GPU decodes; the tokenizer
     releases the GIL while it encodes and decodes), or at once (on a CPU the decode needs the cores).
-    Either way the same work in the same order: the output does not depend on it."""
+    Either way the same work in the same order: the output does not depend on it. The decode loop's seconds
+    in each call (the work itself, or handing it over and waiting for it) go to report.host_s."""
 
-    def __init__(self, overlap: bool) -> None:
+    def __init__(self, overlap: bool, report: RegenReport) -> None:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="regen-host") if overlap else None
         self.queued: list[Future] = []
+        self.report = report
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.host_s += time.perf_counter() - t
+
+    def now(self, fn: Callable[..., None], *args) -> None:
+        """Host work the decode needs before it goes on (this thread)."""
+        with self._timed():
+            fn(*args)
 
     def submit(self, fn: Callable[..., None], *args) -> None:
-        if self.pool is None:
-            fn(*args)
-        else:
-            self.queued.append(self.pool.submit(fn, *args))
+        with self._timed():
+            if self.pool is None:
+                fn(*args)
+            else:
+                self.queued.append(self.pool.submit(fn, *args))
 
     def wait(self) -> None:
         """Until every submitted piece is done; re-raises the first one's exception."""
         queued, self.queued = self.queued, []
-        for future in queued:
-            future.result()
+        with self._timed():
+            for future in queued:
+                future.result()
 
     def close(self) -> None:
         if self.pool is not None:
@@ -211,11 +228,9 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
     prompt reaches `bound` tokens, or a later one reaching --max-context, ends its conversation. Each decoded
     batch's replies, and the prompts of its conversations' next turn, are `host` work."""
     for k in range(max(len(j.segments) for j in jobs)):
-        t = time.perf_counter()
         host.wait()  # the last turn's replies are in, and most of this turn's prompts rendered
         turn = [job for job in jobs if k < len(job.segments)]
-        _render(target, [job for job in turn if job.prompt is None], k, report)
-        report.host_s += time.perf_counter() - t
+        host.now(_render, target, [job for job in turn if job.prompt is None], k, report)
         active, prompts = [], []
         for job in turn:
             prompt, job.prompt = job.prompt, None
@@ -230,13 +245,9 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
         if not active:
             break
         for rows, tokens in _decoded_batches(target, prompts, cfg, stops, report):
-            t = time.perf_counter()
             host.submit(_finish, target, [active[i] for i in rows], tokens, k, cfg, stops, report)
-            report.host_s += time.perf_counter() - t
             on_batch()
-    t = time.perf_counter()
     host.wait()
-    report.host_s += time.perf_counter() - t
 
 
 def _render(target: Target, jobs: list[_Job], k: int, report: RegenReport) -> None:
