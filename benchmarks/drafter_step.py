@@ -18,8 +18,9 @@ drafter shaped by the flags (defaults: configs/smollm2-h200.toml's 12-layer B=8 
   - one step under torch.profiler, its kernels summed by name and sorted into kinds
     (target_profile.py's KINDS; Inductor's templates here are FlexAttention's kernels).
 What the profile may point at, counted on the CPU for the recipe's pack (objective/masks.py mask_tiles):
-FlexAttention executes 20M (query, key) pairs a head and layer in its 128-wide tiles for the 9.2M the
-mask allows, 74% of those tiles partial (the mask evaluated inside); 64-wide tiles would execute 14M.
+FlexAttention executed 20M (query, key) pairs a head and layer in its 128-wide tiles for the ~9M the
+mask allows, 74% of those tiles partial (the mask evaluated inside); with the context keys padded to
+the tile (objective.py key_context) 16.6M, and --attention flex-split's context-only mask 13.2M.
 """
 
 from __future__ import annotations
