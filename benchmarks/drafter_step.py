@@ -86,7 +86,8 @@ def build(args, device: torch.device):
     drafter = new_drafter(dcfg, args.seed, device).float()
     cuda = device.type == "cuda"
     prof = PhaseTimer(device)
-    cfg = ObjectiveConfig(num_anchors=args.num_anchors, attention="flex" if cuda else "dense")
+    attention = args.attention if cuda else "dense"  # FlexAttention needs CUDA; the CPU runs the same math dense
+    cfg = ObjectiveConfig(num_anchors=args.num_anchors, attention=attention)
     objective = DFlashObjective(drafter, target.embedding_weight, target.lm_head, cfg, prof,
                                 compiled_masks=args.compile_masks, embed_scale=target.embed_scale)
     optimizer = make_optimizer(drafter, 1e-4, 0.0)
@@ -113,6 +114,7 @@ def main() -> int:
     p.add_argument("--num-anchors", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=614)
     p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--attention", choices=("flex", "flex-split"), default="flex")
     p.add_argument("--compile-masks", action="store_true")
     p.add_argument("--no-compile-drafter", dest="compile_drafter", action="store_false")
     p.add_argument("--warmup", type=int, default=5)
