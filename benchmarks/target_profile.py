@@ -51,7 +51,7 @@ KINDS = (
     ("grouped GEMM", r"GroupProblemShape|PtrArray|grouped|group_gemm"),
     ("GEMM", r"gemm|cutlass|nvjet|sm90_xmma|matmul|\bmm\b|addmm|bmm|linear"),
     ("attention", r"flash|fmha|attention|flex|sdpa|softmax|triton_tem"),  # Inductor's templates: FlexAttention
-    ("routing / indexing", r"sort|radix|histc|histogram|cumsum|scan|index|gather|scatter|topk|nonzero|where"),
+    ("routing / indexing", r"sort|radix|histc|histogram|cumsum|scan|index|gather|scatter|topk|nonzero|where|combine"),
     ("normalisation", r"norm|rsqrt"),
     ("elementwise / copies", r"elementwise|vectorized|copy|cat|fill|silu|mul|add|cast"),
 )

@@ -30,7 +30,8 @@ sequence length (dynamic, longrope).
 CUDA graphs: experts under transformers' "eager" experts implementation pick the tokens each expert
 runs with a host read (`nonzero`), which a graph cannot capture; under "grouped_mm" (what the
 loaders' `auto` sets for bf16 on CUDA, models/experts.py) and "batched_mm" the routing stays on the
-device. `capturable` says which; any other implementation (a hub kernel) is taken as not capturable,
+device; under "dflash_grouped" too for bf16 weights on CUDA (elsewhere it loops over the experts on the
+host). `capturable` says which; any other implementation (a hub kernel) is taken as not capturable,
 since nothing here knows whether it reads the host. (Under torch.compile with weights other than
 bf16, transformers' grouped_mm falls back to a loop that reads the expert offsets on the host:
 compiled MoE steps want bf16.)
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from dflash_train.models import grouped_experts
 from dflash_train.models.document_attention import FULL, SLIDING, attention_windows
 
 
@@ -85,6 +87,8 @@ def family(model: nn.Module) -> Family | None:
 def capturable(model: nn.Module) -> bool:
     """Whether a forward of `model` can be captured as a CUDA graph (no host reads inside it)."""
     impl = getattr(model.config, "_experts_implementation", None)
+    if impl == grouped_experts.NAME:
+        return grouped_experts.grouped_gemm_applies(model.get_input_embeddings().weight)
     return not family(model).experts or impl in _SYNC_FREE_EXPERTS
 
 

@@ -13,6 +13,8 @@ transformers (5.17 and 5.18) routes every expert module it decorates with `use_e
                 the routing stays on the device; its CUDA kernels take bf16 (SM80 and later)
     batched_mm  each routed token gathers its expert's weight matrices and runs a bmm: no host reads,
                 but it copies k weight matrices per token, so it suits only tiny shapes
+    dflash_grouped  dflash-train's own (models/grouped_experts.py): grouped_mm's GEMMs, the expert
+                ids sorted as one-byte keys and the top-k combine as one Triton kernel
 
 `auto` picks grouped_mm for bf16 weights on CUDA and eager elsewhere. The choice is made here, once,
 so the config never holds `auto`: decode/architectures.py reads the implementation set to decide
@@ -28,8 +30,9 @@ import torch
 from torch import nn
 
 from dflash_train.errors import UsageError
+from dflash_train.models import grouped_experts
 
-ExpertsChoice = Literal["auto", "eager", "grouped_mm", "batched_mm"]
+ExpertsChoice = Literal["auto", "eager", "grouped_mm", "batched_mm", "dflash_grouped"]
 CHOICES: tuple[str, ...] = typing.get_args(ExpertsChoice)
 
 
@@ -44,6 +47,8 @@ def use_experts(model: nn.Module, choice: str = "auto", *, flag: str = "--target
         return None
     weight = model.get_input_embeddings().weight  # whole on every rank under tensor parallelism
     impl = resolve(choice, weight.device, weight.dtype)
+    if impl == grouped_experts.NAME:
+        grouped_experts.register()
     model.set_experts_implementation(impl)
     return impl
 

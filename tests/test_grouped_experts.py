@@ -1,0 +1,66 @@
+"""dflash-train's experts implementation (models/grouped_experts.py): its sort keys, its combine kernel (run by
+triton's interpreter on the CPU, in a child process: the interpreter is chosen when triton is imported) and
+its math against transformers' eager experts (tests/test_moe_targets.py compares whole targets' features)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_train.models import grouped_experts
+from dflash_train.models.grouped_experts import combine_reference, sort_keys
+
+
+def test_one_byte_keys_sort_as_the_ids_do():
+    ids = torch.randint(0, 128, (4096,), generator=torch.Generator().manual_seed(0))
+    keys = sort_keys(ids, 128)
+    assert keys.dtype == torch.uint8
+    want_ids, want_perm = torch.sort(ids, stable=True)
+    got_ids, got_perm = torch.sort(keys, stable=True)
+    assert torch.equal(got_ids.long(), want_ids) and torch.equal(got_perm, want_perm)
+    assert sort_keys(ids, 257).dtype == torch.int16 and sort_keys(ids, 40000).dtype == torch.int32
+
+
+def _routed(t: int, k: int, width: int, experts: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+    _, perm = torch.sort(ids.reshape(-1), stable=True)
+    rows = torch.randn(t * k, width, generator=g).to(dtype)
+    slots = torch.empty_like(perm)
+    slots[perm] = torch.arange(perm.numel())
+    weights = torch.softmax(torch.randn(t, k, generator=g), -1).to(dtype)
+    return rows, perm, slots, weights
+
+
+def test_the_reference_combine_sums_each_tokens_weighted_rows_back_in_token_order():
+    rows, perm, slots, weights = _routed(t=5, k=3, width=7, experts=6)
+    unsorted = torch.empty_like(rows)
+    unsorted[perm] = rows  # row of pair p (token p // k) where the sort took it from
+    want = (unsorted.view(5, 3, 7) * weights.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(combine_reference(rows, slots, weights), want)
+
+
+_KERNEL_CHECK = r"""
+import torch
+from dflash_train.models import grouped_experts as g
+from test_grouped_experts import _routed
+assert g._kernel_applies(torch.empty(1))
+for t, k, width, dtype in ((9, 8, 1500, torch.float32), (4, 2, 64, torch.float16)):
+    rows, _, slots, weights = _routed(t, k, width, experts=16, dtype=dtype)
+    got = g.combine(rows, slots, weights)
+    want = g.combine_reference(rows, slots, weights)
+    assert got.dtype == rows.dtype and got.shape == (t, width)
+    torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)  # sum order
+print("ok")
+"""
+
+
+@pytest.mark.skipif(grouped_experts.triton is None, reason="triton is not installed")
+def test_the_combine_kernel_equals_the_reference():
+    """A width over one column block (1,500 > 1,024: the masked tail) and a half-precision one."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
