@@ -102,7 +102,8 @@ def test_the_train_job_applies_the_pipeline_setting():
 
 
 def test_an_unknown_kernel_is_one_line_naming_the_flag(moe_target, capsys, tmp_path):
-    with pytest.raises(UsageError, match=r"^--target-experts must be auto, eager, grouped_mm, batched_mm or dflash_grouped, got 'x'$"):
+    want = r"^--target-experts must be auto, eager, grouped_mm, batched_mm or dflash_grouped, got 'x'$"
+    with pytest.raises(UsageError, match=want):
         use_experts(moe_target.model, "x")
     assert "--target-experts must be" in cli_error(["train", "--run-dir", str(tmp_path), "--target-experts",
                                                     "fused"], capsys)
