@@ -81,6 +81,16 @@ def test_every_benchmark_script_has_a_test_here():
 # --- Python scripts: one process each -------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_moe_combine(tmp_path):
+    proc = _run(_py("moe_combine.py", "--device", "cpu", "--tokens", "16", "--width", "64", "--experts", "8",
+                    "--top-k", "2", "--blocks", "32,64"), tmp_path, TRITON_INTERPRET="1")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("T=16")]
+    assert [ln.split()[1] for ln in lines] == ["hf", "index_add", "triton", "triton"], proc.stdout
+    assert all(float(ln.rsplit(" ", 1)[1]) < 0.05 for ln in lines), proc.stdout  # bf16 rounding of the products
+
+
+@pytest.mark.slow
 def test_data_stages(tmp_path):
     out = tmp_path / "stages.json"
     _run(_py("data_stages.py", "--target", TINY, "--conversations", "300", "--regen-prompts", "10",
