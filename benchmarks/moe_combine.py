@@ -13,8 +13,7 @@ the same random routing (T tokens, k of E experts, H columns):
 - `triton B`: dflash_grouped's kernel with B columns a program (the library's default is marked).
 Each prints microseconds a call (CUDA events, mean of 50 after 5 warm-ups), the rate of its compulsory
 bytes (the T*k rows read once, the [T, H] result written once) and its largest difference from
-`hf eager`, which rounds each weighted row to the activations' dtype before the sum (the others keep
-float32 until the end). On a CPU (the plumbing; triton's interpreter runs the kernel) the times mean
+`hf eager` (the kernel rounds each weighted row as it does; index_add keeps float32 until the end). On a CPU (the plumbing; triton's interpreter runs the kernel) the times mean
 nothing and `hf compiled` is left out.
 """
 
@@ -53,7 +52,9 @@ def kernel_combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tenso
     width = rows.shape[1]
     out = rows.new_empty(t, width)
     grid = (t, grouped_experts.triton.cdiv(width, block))
-    grouped_experts._combine_kernel[grid](rows, slots, weights, out, width, K=k, BLOCK=block, num_warps=4)
+    round_products = torch.promote_types(rows.dtype, weights.dtype) != torch.float32
+    grouped_experts._combine_kernel[grid](rows, slots, weights, out, width, K=k, ROUND=round_products, BLOCK=block,
+                                          num_warps=4)
     return out
 
 

@@ -42,13 +42,27 @@ def test_the_reference_combine_sums_each_tokens_weighted_rows_back_in_token_orde
     torch.testing.assert_close(combine_reference(rows, slots, weights), want)
 
 
+def test_the_reference_combine_rounds_each_product_as_transformers_expression_does():
+    """bf16 weights (gpt_oss's): each weighted row rounded to bf16, then the k rows summed; float32 weights
+    (qwen3_moe's): the products stay float32 until the sum's one rounding."""
+    for weight_dtype in (torch.bfloat16, torch.float32):
+        rows, perm, slots, weights = _routed(t=64, k=4, width=96, experts=8, dtype=torch.bfloat16)
+        weights = weights.to(weight_dtype)
+        weighted = rows * weights.reshape(-1)[perm].unsqueeze(-1)  # transformers' grouped_mm, in sorted order
+        want = weighted[slots].view(64, 4, 96).sum(dim=1).to(torch.bfloat16)
+        torch.testing.assert_close(combine_reference(rows, slots, weights), want, rtol=0, atol=0)
+
+
 _KERNEL_CHECK = r"""
 import torch
 from dflash_train.models import grouped_experts as g
 from test_grouped_experts import _routed
 assert g._kernel_applies(torch.empty(1))
-for t, k, width, dtype in ((9, 8, 1500, torch.float32), (4, 2, 64, torch.float16)):
+cases = ((9, 8, 1500, torch.float32, torch.float32), (4, 2, 64, torch.float16, torch.float16),
+         (4, 2, 64, torch.float16, torch.float32))  # rounded products; float32 products of half rows
+for t, k, width, dtype, weight_dtype in cases:
     rows, _, slots, weights = _routed(t, k, width, experts=16, dtype=dtype)
+    weights = weights.to(weight_dtype)
     got = g.combine(rows, slots, weights)
     want = g.combine_reference(rows, slots, weights)
     assert got.dtype == rows.dtype and got.shape == (t, width)
@@ -59,7 +73,8 @@ print("ok")
 
 @pytest.mark.skipif(grouped_experts.triton is None, reason="triton is not installed")
 def test_the_combine_kernel_equals_the_reference():
-    """A width over one column block (1,500 > 1,024: the masked tail) and a half-precision one."""
+    """A width over one column block (1,500 > 1,024: the masked tail) and half-precision rows, with half
+    weights (each product rounded) and float32 ones."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)

@@ -15,8 +15,9 @@ Here the ids are sorted as one-byte keys (at most 256 experts: one pass), and th
 Triton kernel per (token, column block) that reads the token's k rows where the GEMMs left them and
 their k weights, and writes the token's row once, in float32 until the final rounding.
 
-Its results equal transformers' up to rounding: the weight times the row is kept in float32 here
-(transformers rounds the product to the activations' dtype before the sum). On CPU, and for weights
+Its results equal transformers' up to the order of a token's k-term sum: each weight times row is
+rounded as transformers rounds it (to the activations' dtype when the weights have it, as gpt_oss's
+do; kept in float32 when they are float32), the sum runs in float32 and is rounded once. On CPU, and for weights
 other than bf16 on CUDA (torch's grouped GEMM kernels take bf16), the GEMMs run as a loop over the
 experts reading the offsets on the host, and the combine in torch: the same math, for tests and
 small models. Expert-parallel modules (whose ids carry sentinels) run transformers' grouped_mm.
@@ -114,8 +115,9 @@ def _looped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 def combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * rows[slots[t * k + j]], in float32, rounded to rows' dtype.
-    rows [S, H] (the experts' outputs in sorted order), slots [T * k], weights [T, k]."""
+    """out[t] = sum_j weights[t, j] * rows[slots[t * k + j]], each product in the two dtypes' promoted
+    dtype, the sum in float32, rounded to rows' dtype. rows [S, H] (the experts' outputs in sorted
+    order), slots [T * k], weights [T, k]."""
     if _kernel_applies(rows):
         return _combine_op(rows, slots, weights)
     return combine_reference(rows, slots, weights)
@@ -123,8 +125,8 @@ def combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> t
 
 def combine_reference(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     t, k = weights.shape
-    gathered = rows[slots].view(t, k, -1).float()
-    return (gathered * weights.float().unsqueeze(-1)).sum(dim=1).to(rows.dtype)
+    products = rows[slots].view(t, k, -1) * weights.unsqueeze(-1)
+    return products.float().sum(dim=1).to(rows.dtype)
 
 
 def _kernel_applies(rows: torch.Tensor) -> bool:
@@ -139,8 +141,10 @@ def _combine_op(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) 
     width = rows.shape[-1]
     rows, slots, weights = rows.contiguous(), slots.contiguous(), weights.contiguous()
     out = rows.new_empty(t, width)
+    round_products = torch.promote_types(rows.dtype, weights.dtype) != torch.float32
     _combine_kernel[(t, triton.cdiv(width, _COMBINE_BLOCK))](rows, slots, weights, out, width, K=k,
-                                                             BLOCK=_COMBINE_BLOCK, num_warps=4)
+                                                             ROUND=round_products, BLOCK=_COMBINE_BLOCK,
+                                                             num_warps=4)
     return out
 
 
@@ -151,7 +155,8 @@ def _(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.T
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(Rows, Slots, Weights, Out, width, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _combine_kernel(Rows, Slots, Weights, Out, width, K: tl.constexpr, ROUND: tl.constexpr,
+                        BLOCK: tl.constexpr):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < width
@@ -159,5 +164,8 @@ if triton is not None:
         for j in tl.static_range(K):
             slot = tl.load(Slots + t * K + j).to(tl.int64)
             w = tl.load(Weights + t * K + j).to(tl.float32)
-            acc += w * tl.load(Rows + slot * width + cols, mask=inside, other=0.0).to(tl.float32)
+            product = w * tl.load(Rows + slot * width + cols, mask=inside, other=0.0).to(tl.float32)
+            if ROUND:  # the product in the activations' dtype, as eager PyTorch computes it
+                product = product.to(Rows.dtype.element_ty).to(tl.float32)
+            acc += product
         tl.store(Out + t.to(tl.int64) * width + cols, acc.to(Out.dtype.element_ty), mask=inside)
