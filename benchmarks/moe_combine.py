@@ -1,4 +1,4 @@
-"""A mixture-of-experts layer's top-k combine alone: transformers' grouped_mm expression against dflash_grouped's kernel.
+"""A mixture-of-experts layer's top-k combine alone: transformers' expression against dflash_grouped's kernel.
 
     python3 benchmarks/moe_combine.py                   # one GPU, ~1 minute; Qwen3-30B-A3B's routing shapes
     python3 benchmarks/moe_combine.py --blocks 256,512,1024,2048
@@ -87,6 +87,27 @@ def routing(t: int, k: int, width: int, experts: int, seed: int, device: torch.d
     return rows, weights, perm, slots
 
 
+def time_combines(t: int, args: argparse.Namespace, device: torch.device) -> None:
+    """Every variant at t tokens, one line each."""
+    k = args.top_k
+    rows, weights, perm, slots = routing(t, k, args.width, args.experts, args.seed, device)
+    weights_sorted = weights.reshape(-1)[perm]
+    variants = {"hf eager": lambda: hf_combine(rows, weights_sorted, perm, t, k)}
+    if device.type == "cuda":
+        compiled = torch.compile(hf_combine, dynamic=False)
+        variants["hf compiled"] = lambda: compiled(rows, weights_sorted, perm, t, k)
+    variants["index_add fp32"] = lambda: index_add_combine(rows, weights_sorted, perm, t, k)
+    for block in (int(b) for b in args.blocks.split(",")):
+        mark = "*" if block == grouped_experts._COMBINE_BLOCK else ""
+        variants[f"triton {block}{mark}"] = lambda b=block: kernel_combine(rows, slots, weights, b)
+    want = variants["hf eager"]().float()
+    nbytes = (rows.numel() + t * args.width) * rows.element_size()
+    for name, fn in variants.items():
+        diff = (fn().float() - want).abs().max().item()
+        us = mean_us(fn, device, n=50 if device.type == "cuda" else 2)
+        print(f"T={t} {name:16s} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s  max|diff| {diff:.3g}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="3072,12288", help="comma-separated token counts")
@@ -103,23 +124,7 @@ def main() -> int:
         print("moe_combine.py: the kernel needs triton, and on a CPU TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     for t in (int(x) for x in args.tokens.split(",")):
-        k = args.top_k
-        rows, weights, perm, slots = routing(t, k, args.width, args.experts, args.seed, device)
-        weights_sorted = weights.reshape(-1)[perm]
-        variants = {"hf eager": lambda: hf_combine(rows, weights_sorted, perm, t, k)}
-        if device.type == "cuda":
-            compiled = torch.compile(hf_combine, dynamic=False)
-            variants["hf compiled"] = lambda: compiled(rows, weights_sorted, perm, t, k)
-        variants["index_add fp32"] = lambda: index_add_combine(rows, weights_sorted, perm, t, k)
-        for block in (int(b) for b in args.blocks.split(",")):
-            mark = "*" if block == grouped_experts._COMBINE_BLOCK else ""
-            variants[f"triton {block}{mark}"] = lambda b=block: kernel_combine(rows, slots, weights, b)
-        want = variants["hf eager"]().float()
-        nbytes = (rows.numel() + t * args.width) * rows.element_size()
-        for name, fn in variants.items():
-            diff = (fn().float() - want).abs().max().item()
-            us = mean_us(fn, device, n=50 if device.type == "cuda" else 2)
-            print(f"T={t} {name:16s} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s  max|diff| {diff:.3g}", flush=True)
+        time_combines(t, args, device)
     return 0
 
 
