@@ -13,8 +13,9 @@ the same random routing (T tokens, k of E experts, H columns):
 - `triton B`: dflash_grouped's kernel with B columns a program (the library's default is marked).
 Each prints microseconds a call (CUDA events, mean of 50 after 5 warm-ups), the rate of its compulsory
 bytes (the T*k rows read once, the [T, H] result written once) and its largest difference from
-`hf eager` (the kernel rounds each weighted row as it does; index_add keeps float32 until the end). On a CPU (the plumbing; triton's interpreter runs the kernel) the times mean
-nothing and `hf compiled` is left out.
+`hf eager` (the kernel rounds each weighted row as it does; index_add keeps float32 until the end).
+On a CPU (the plumbing; triton's interpreter runs the kernel) the times mean nothing and `hf compiled`
+is left out.
 """
 
 from __future__ import annotations
