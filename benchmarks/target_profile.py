@@ -5,11 +5,15 @@
     python3 benchmarks/target_profile.py --target random:qwen3-30b-a3b --experts grouped_mm --compile-target
     python3 benchmarks/target_profile.py --target random:tiny-qwen3-moe --device cpu --seq-len 64 --steps 2
 
-The forward is training's (pipeline/features.py packed_features: one sequence of --seq-len random tokens,
-the layers up to the drafter's deepest feature layer, five features), as `bench --variants target-only`
-runs it. Per experts kernel (models/experts.py; a dense target runs once): --warmup forwards (compilation,
-allocator), then --steps timed forwards (one host sync at each end) for tokens/s and MFU on active
-FLOPs (profiling/flops.py, H200 dense BF16 peak), then one forward under torch.profiler. Its kernels
+The forward is training's (pipeline/features.py packed_features: --sequences packed sequences of --seq-len
+random tokens, the layers up to the drafter's deepest feature layer, five features), as `bench --variants
+target-only` runs it (its `--token-budget` 12,288 at 3,072-token sequences is `--sequences 4`). Per experts
+kernel (models/experts.py; a dense target runs once): --warmup forwards (compilation, allocator), then
+--steps timed forwards (one host sync at each end) for tokens/s and MFU on active FLOPs
+(profiling/flops.py, H200 dense BF16 peak); then --steps forwards each from an idle device, timing how
+long the call takes to return (`host_ms`: the host's work, launches included, plus any wait inside
+for the device) against its wall time; a forward whose host_ms is close to its wall time is
+host-bound, and a faster kernel does not shorten it. Then one forward under torch.profiler. Its kernels
 are summed by name and sorted into kinds by name (KINDS, first match): GEMMs, grouped GEMMs,
 attention, routing and indexing (sort, gather, scatter, histogram), Inductor's fused chains,
 normalisation, elementwise and the rest; printed with their share of the device time and the top
@@ -61,11 +65,13 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def one_sequence(seq_len: int, vocab: int, device: torch.device, seed: int) -> PackedBatch:
+def sequences(count: int, seq_len: int, vocab: int, device: torch.device, seed: int) -> PackedBatch:
+    """`count` packed sequences of seq_len random tokens each."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (seq_len,), generator=gen)
-    ones = torch.ones(seq_len, dtype=torch.long)
-    return PackedBatch(ids, ones, torch.zeros(seq_len, dtype=torch.long), torch.arange(seq_len)).to(device)
+    n = count * seq_len
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    seq_ids = torch.arange(count).repeat_interleave(seq_len)
+    return PackedBatch(ids, torch.ones(n, dtype=torch.long), seq_ids, torch.arange(seq_len).repeat(count)).to(device)
 
 
 def sync(device: torch.device) -> None:
@@ -83,6 +89,21 @@ def timed(forward, device: torch.device, warmup: int, steps: int) -> float:
         forward()
     sync(device)
     return (time.perf_counter() - t0) / steps
+
+
+def host_and_wall(forward, device: torch.device, steps: int) -> tuple[float, float]:
+    """(seconds until a forward returns, seconds until the device finishes it), each the fastest of
+    `steps` forwards started from an idle device."""
+    host, wall = [], []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        forward()
+        t1 = time.perf_counter()
+        sync(device)
+        host.append(t1 - t0)
+        wall.append(time.perf_counter() - t0)
+    return min(host), min(wall)
 
 
 def kernel_table(forward, device: torch.device) -> list[dict]:
@@ -119,7 +140,7 @@ def by_kind(rows: list[dict]) -> dict[str, dict]:
 def profile_target(args, target, experts: str, layer_ids: list[int], flops: float) -> dict:
     device = target.device
     impl = use_experts(target.model, experts)
-    batch = one_sequence(args.seq_len, target.vocab_size, device, args.seed)
+    batch = sequences(args.sequences, args.seq_len, target.vocab_size, device, args.seed)
 
     def forward():
         with torch.no_grad():
@@ -127,9 +148,11 @@ def profile_target(args, target, experts: str, layer_ids: list[int], flops: floa
 
     with target.compiled_layers(args.compile_target):
         seconds = timed(forward, device, args.warmup, args.steps)
+        host_s, wall_s = host_and_wall(forward, device, args.steps)
         rows = kernel_table(forward, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"experts": impl, "ms": 1e3 * seconds, "tokens_per_s": args.seq_len / seconds,
+    return {"experts": impl, "ms": 1e3 * seconds, "tokens_per_s": batch.num_tokens / seconds,
+            "host_ms": 1e3 * host_s, "wall_ms_from_idle": 1e3 * wall_s,
             "mfu": flops / seconds / PEAK_BF16 if device.type == "cuda" else None, "peak_memory_gb": peak,
             "device_ms_profiled": sum(r["ms"] for r in rows), "kinds": by_kind(rows), "top": rows[:args.top]}
 
@@ -137,7 +160,8 @@ def profile_target(args, target, experts: str, layer_ids: list[int], flops: floa
 def report(name: str, res: dict) -> None:
     mfu = f", MFU {res['mfu']:.3f}" if res["mfu"] is not None else ""
     print(f"\n== {name}: {res['ms']:.1f} ms a forward, {res['tokens_per_s']:,.0f} tokens/s{mfu}; "
-          f"profiled {res['device_ms_profiled']:.1f} ms of kernels")
+          f"profiled {res['device_ms_profiled']:.1f} ms of kernels; from an idle device the call returns "
+          f"after {res['host_ms']:.1f} of {res['wall_ms_from_idle']:.1f} ms")
     for kind, v in res["kinds"].items():
         print(f"   {kind:<22} {v['ms']:8.2f} ms  {100 * v['share']:5.1f}%  {v['kernels']:6d} kernels")
     for r in res["top"]:
@@ -150,6 +174,7 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--experts", default="grouped_mm", help=f"comma-separated, from {', '.join(CHOICES)}")
     p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--sequences", type=int, default=1, help="sequences of --seq-len packed in one forward")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=15)
@@ -161,9 +186,9 @@ def main() -> int:
     target = load_target(args.target, device=device, seed=args.seed)
     layer_ids = default_target_layer_ids(target.num_layers, min(5, max(1, target.num_layers - 3)))
     deepest = max(layer_ids) + 1
-    flops = target_flops(shape_of(target.config), deepest, [args.seq_len])
+    flops = target_flops(shape_of(target.config), deepest, [args.seq_len] * args.sequences)
     kernels = [e.strip() for e in args.experts.split(",") if e.strip()] if is_moe(target.model) else ["auto"]
-    out = {"target": args.target, "seq_len": args.seq_len, "layers_run": deepest, "compile_target": args.compile_target,
+    out = {"target": args.target, "seq_len": args.seq_len, "sequences": args.sequences, "layers_run": deepest, "compile_target": args.compile_target,
            "tflop_per_forward": flops / 1e12, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else "cpu", "torch": torch.__version__, "date": str(date.today()),
            "command": "python3 benchmarks/target_profile.py " + " ".join(sys.argv[1:]), "runs": {}}

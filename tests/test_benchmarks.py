@@ -229,9 +229,11 @@ def test_target_profile(tmp_path):
     GEMMs are counted as grouped GEMMs."""
     out = tmp_path / "profile.json"
     _run(_py("target_profile.py", "--device", "cpu", "--target", "random:tiny-qwen3-moe", "--experts",
-             "eager,grouped_mm", "--seq-len", "32", "--steps", "1", "--warmup", "1", "--json", str(out)), tmp_path)
-    runs = _json(out, "runs", "tflop_per_forward")["runs"]
+             "eager,grouped_mm", "--seq-len", "32", "--sequences", "2", "--steps", "1", "--warmup", "1",
+             "--json", str(out)), tmp_path)
+    runs = _json(out, "runs", "tflop_per_forward", "sequences")["runs"]
     assert set(runs) == {"eager", "grouped_mm"}
+    assert all(0 < r["host_ms"] <= r["wall_ms_from_idle"] for r in runs.values())
     assert "grouped GEMM" in runs["grouped_mm"]["kinds"] and "grouped GEMM" not in runs["eager"]["kinds"]
     assert all(r["tokens_per_s"] > 0 and abs(sum(k["share"] for k in r["kinds"].values()) - 1) < 1e-6
                for r in runs.values())
