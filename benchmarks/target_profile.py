@@ -188,7 +188,8 @@ def main() -> int:
     deepest = max(layer_ids) + 1
     flops = target_flops(shape_of(target.config), deepest, [args.seq_len] * args.sequences)
     kernels = [e.strip() for e in args.experts.split(",") if e.strip()] if is_moe(target.model) else ["auto"]
-    out = {"target": args.target, "seq_len": args.seq_len, "sequences": args.sequences, "layers_run": deepest, "compile_target": args.compile_target,
+    out = {"target": args.target, "seq_len": args.seq_len, "sequences": args.sequences, "layers_run": deepest,
+           "compile_target": args.compile_target,
            "tflop_per_forward": flops / 1e12, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else "cpu", "torch": torch.__version__, "date": str(date.today()),
            "command": "python3 benchmarks/target_profile.py " + " ".join(sys.argv[1:]), "runs": {}}
