@@ -20,7 +20,7 @@ from dflash_train.pipeline.features import packed_features
 
 SPEC = "random:tiny-qwen3-moe"  # 16 experts of width 32: 16 columns of each a rank
 LAYERS = [1, 3, 5]
-KERNELS = ("eager", "grouped_mm")
+KERNELS = ("eager", "grouped_mm", "dflash_grouped")
 
 
 def _batch():
@@ -73,6 +73,7 @@ def test_tp2_features_under_each_kernel_equal_the_whole_targets(tmp_path):
     for r in ranks:
         assert r["experts"] == (16, 32, 64)  # [E, 2I/2, H]: half of every expert's gate and up rows
         assert r["grouped"]["eager"] == 0 and r["grouped"]["grouped_mm"] > 0  # the kernel asked for ran
+        assert r["grouped"]["dflash_grouped"] == 0  # float32 weights: its per-expert loop
         for kernel in KERNELS:
             torch.testing.assert_close(r["feats"][kernel], ref, atol=1e-5, rtol=1e-5,
                                        msg=lambda m, k=kernel: f"{k}: {m}")
