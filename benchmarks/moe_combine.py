@@ -51,11 +51,10 @@ def index_add_combine(rows: torch.Tensor, weights_sorted: torch.Tensor, perm: to
 def kernel_combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, block: int) -> torch.Tensor:
     t, k = weights.shape
     width = rows.shape[1]
-    out = rows.new_empty(t, width)
+    out = rows.new_empty(t, width, dtype=torch.promote_types(rows.dtype, weights.dtype))
     grid = (t, grouped_experts.triton.cdiv(width, block))
-    round_products = torch.promote_types(rows.dtype, weights.dtype) != torch.float32
-    grouped_experts._combine_kernel[grid](rows, slots, weights, out, width, K=k, ROUND=round_products, BLOCK=block,
-                                          num_warps=4)
+    grouped_experts._combine_kernel[grid](rows, slots, weights, out, width, K=k, ROUND=out.dtype != torch.float32,
+                                          BLOCK=block, num_warps=4)
     return out
 
 

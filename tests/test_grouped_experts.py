@@ -14,8 +14,8 @@ from dflash_train.models.grouped_experts import combine_reference, sort_keys
 
 
 def test_one_byte_keys_sort_as_the_ids_do():
-    ids = torch.randint(0, 128, (4096,), generator=torch.Generator().manual_seed(0))
-    keys = sort_keys(ids, 128)
+    ids = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0))  # past int8's range
+    keys = sort_keys(ids, 256)
     assert keys.dtype == torch.uint8
     want_ids, want_perm = torch.sort(ids, stable=True)
     got_ids, got_perm = torch.sort(keys, stable=True)
@@ -43,14 +43,57 @@ def test_the_reference_combine_sums_each_tokens_weighted_rows_back_in_token_orde
 
 
 def test_the_reference_combine_rounds_each_product_as_transformers_expression_does():
-    """bf16 weights (gpt_oss's): each weighted row rounded to bf16, then the k rows summed; float32 weights
-    (qwen3_moe's): the products stay float32 until the sum's one rounding."""
+    """bf16 routing weights (a bf16 model's): each weighted row rounded to bf16, then the k rows summed in
+    float32 and rounded once; float32 weights: the products and the result stay float32."""
     for weight_dtype in (torch.bfloat16, torch.float32):
         rows, perm, slots, weights = _routed(t=64, k=4, width=96, experts=8, dtype=torch.bfloat16)
         weights = weights.to(weight_dtype)
         weighted = rows * weights.reshape(-1)[perm].unsqueeze(-1)  # transformers' grouped_mm, in sorted order
-        want = weighted[slots].view(64, 4, 96).sum(dim=1).to(torch.bfloat16)
-        torch.testing.assert_close(combine_reference(rows, slots, weights), want, rtol=0, atol=0)
+        want = weighted[slots].view(64, 4, 96).sum(dim=1)
+        got = combine_reference(rows, slots, weights)
+        assert got.dtype == want.dtype == torch.promote_types(torch.bfloat16, weight_dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _qwen3_experts(num_experts: int):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=num_experts, num_experts_per_tok=2)
+    return Qwen3MoeExperts(cfg)
+
+
+def _gpt_oss_experts():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    return GptOssExperts(GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=8,
+                                      num_experts_per_tok=2))
+
+
+@pytest.mark.parametrize("module", ["qwen3_moe-8", "qwen3_moe-256", "qwen3_moe-300", "gpt_oss-8"])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_an_experts_module_equals_transformers_grouped_mm_bit_for_bit(module, weight_dtype, monkeypatch):
+    """The CUDA path's math on the CPU (torch's grouped GEMM, bf16): one-byte keys (8, 256 experts), two-byte
+    keys (300), experts that get no token (300 experts, 64 tokens), gpt_oss's biases, transposed weights and
+    interleaved gate; bf16 routing weights (rounded products) and float32 ones (a float32 result)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    monkeypatch.setattr(grouped_experts, "grouped_gemm_applies", lambda w: w.dtype == torch.bfloat16)
+    family, experts = module.split("-")
+    torch.manual_seed(0)
+    ex = _gpt_oss_experts() if family == "gpt_oss" else _qwen3_experts(int(experts))
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ex = ex.to(torch.bfloat16)
+    t, k = 64, 2
+    x = torch.randn(t, 64).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(ex.num_experts)[:k] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, k), -1).to(weight_dtype)
+    want = ALL_EXPERTS_FUNCTIONS["grouped_mm"](ex, x, idx, w)
+    got = grouped_experts.grouped_experts_forward(ex, x, idx, w)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 _KERNEL_CHECK = r"""
@@ -65,7 +108,7 @@ for t, k, width, dtype, weight_dtype in cases:
     weights = weights.to(weight_dtype)
     got = g.combine(rows, slots, weights)
     want = g.combine_reference(rows, slots, weights)
-    assert got.dtype == rows.dtype and got.shape == (t, width)
+    assert got.dtype == want.dtype == torch.promote_types(dtype, weight_dtype) and got.shape == (t, width)
     torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-3, atol=1e-6)  # sum order
 print("ok")
 """

@@ -13,19 +13,27 @@ benchmarks/results/h100-moe-2026-12-05/moe-kernels-compiled.log) found:
 - the sort of the 24,576 expert ids as 8 radix passes, one per byte of their int64 keys.
 Here the ids are sorted as one-byte keys (at most 256 experts: one pass), and the combine is one
 Triton kernel per (token, column block) that reads the token's k rows where the GEMMs left them and
-their k weights, and writes the token's row once, in float32 until the final rounding.
+their k weights, and writes the token's row once, summing in float32.
 
-Its results equal transformers' up to the order of a token's k-term sum: each weight times row is
-rounded as transformers rounds it (to the activations' dtype when the weights have it, as gpt_oss's
-do; kept in float32 when they are float32), the sum runs in float32 and is rounded once. On CPU, and for weights
-other than bf16 on CUDA (torch's grouped GEMM kernels take bf16), the GEMMs run as a loop over the
-experts reading the offsets on the host, and the combine in torch: the same math, for tests and
-small models. Expert-parallel modules (whose ids carry sentinels) run transformers' grouped_mm.
-The target's feature forward needs no gradient: the combine has no backward.
+Its results equal transformers' eager grouped_mm up to the order of a token's k-term sum: each weight
+times row is computed in the two dtypes' promoted dtype and rounded to it (bf16 for a bf16 model, whose
+routers return bf16 weights), the sum runs in float32 and is rounded once to that dtype, as eager
+PyTorch computes transformers' expression. (Compiled, Inductor fuses that expression without rounding
+the products, so transformers' compiled grouped_mm and its eager one differ by that rounding too.) On
+CPU, and for weights other than bf16 on CUDA (torch's grouped GEMM kernels take bf16), the GEMMs run
+as a loop over the experts reading the offsets on the host, and the combine in torch: the same math,
+for tests and small models.
+
+Not supported: transformers' own expert parallelism. Under 5.18 its modules say so and run
+transformers' grouped_mm here; 5.17's carry no flag, and their sentinel ids (>= num_experts) would
+index past the experts. dflash-train's tensor parallelism (models/tp_plan.py) splits each expert's
+columns and keeps every expert on every rank, which this runs as it is. The target's feature forward
+needs no gradient: the combine has no backward (compiling it with gradients enabled fails).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -94,7 +102,7 @@ def _grouped_linear(self: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias
     else:
         out = _looped_mm(x, w, offsets)
     if self.has_bias:
-        out = out + getattr(self, bias_name)[expert_ids]
+        out.add_(getattr(self, bias_name)[expert_ids])  # in out's dtype, as transformers adds it
     return out
 
 
@@ -115,9 +123,9 @@ def _looped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 def combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * rows[slots[t * k + j]], each product in the two dtypes' promoted
-    dtype, the sum in float32, rounded to rows' dtype. rows [S, H] (the experts' outputs in sorted
-    order), slots [T * k], weights [T, k]."""
+    """out[t] = sum_j weights[t, j] * rows[slots[t * k + j]]: each product rounded to the two dtypes'
+    promoted dtype, the sum in float32 rounded once to it (the dtype of the result). rows [S, H] (the
+    experts' outputs in sorted order), slots [T * k], weights [T, k]."""
     if _kernel_applies(rows):
         return _combine_op(rows, slots, weights)
     return combine_reference(rows, slots, weights)
@@ -126,7 +134,7 @@ def combine(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> t
 def combine_reference(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     t, k = weights.shape
     products = rows[slots].view(t, k, -1) * weights.unsqueeze(-1)
-    return products.float().sum(dim=1).to(rows.dtype)
+    return products.float().sum(dim=1).to(products.dtype)
 
 
 def _kernel_applies(rows: torch.Tensor) -> bool:
@@ -140,17 +148,17 @@ def _combine_op(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) 
     t, k = weights.shape
     width = rows.shape[-1]
     rows, slots, weights = rows.contiguous(), slots.contiguous(), weights.contiguous()
-    out = rows.new_empty(t, width)
-    round_products = torch.promote_types(rows.dtype, weights.dtype) != torch.float32
-    _combine_kernel[(t, triton.cdiv(width, _COMBINE_BLOCK))](rows, slots, weights, out, width, K=k,
-                                                             ROUND=round_products, BLOCK=_COMBINE_BLOCK,
-                                                             num_warps=4)
+    out = rows.new_empty(t, width, dtype=torch.promote_types(rows.dtype, weights.dtype))
+    with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():  # triton's current device
+        _combine_kernel[(t, triton.cdiv(width, _COMBINE_BLOCK))](rows, slots, weights, out, width, K=k,
+                                                                 ROUND=out.dtype != torch.float32,
+                                                                 BLOCK=_COMBINE_BLOCK, num_warps=4)
     return out
 
 
 @_combine_op.register_fake
 def _(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return rows.new_empty(weights.shape[0], rows.shape[-1])
+    return rows.new_empty(weights.shape[0], rows.shape[-1], dtype=torch.promote_types(rows.dtype, weights.dtype))
 
 
 if triton is not None:
@@ -165,7 +173,7 @@ if triton is not None:
             slot = tl.load(Slots + t * K + j).to(tl.int64)
             w = tl.load(Weights + t * K + j).to(tl.float32)
             product = w * tl.load(Rows + slot * width + cols, mask=inside, other=0.0).to(tl.float32)
-            if ROUND:  # the product in the activations' dtype, as eager PyTorch computes it
-                product = product.to(Rows.dtype.element_ty).to(tl.float32)
+            if ROUND:  # the product in the result's dtype, as eager PyTorch computes it
+                product = product.to(Out.dtype.element_ty).to(tl.float32)
             acc += product
         tl.store(Out + t.to(tl.int64) * width + cols, acc.to(Out.dtype.element_ty), mask=inside)
