@@ -114,11 +114,47 @@ print("ok")
 """
 
 
+def _interpreted(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 @pytest.mark.skipif(grouped_experts.triton is None, reason="triton is not installed")
 def test_the_combine_kernel_equals_the_reference():
     """A width over one column block (1,500 > 1,024: the masked tail) and half-precision rows, with half
-    weights (each product rounded) and float32 ones."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    weights (each product rounded) and float32 ones. (Not bf16: the interpreter truncates float32 to bf16,
+    where the GPU's conversion, like torch's, rounds to nearest even.)"""
+    _interpreted(_KERNEL_CHECK)
+
+
+_COMPILED_CHECK = r"""
+import torch
+from dflash_train.models import grouped_experts as g
+from test_grouped_experts import _qwen3_experts
+g.grouped_gemm_applies = lambda w: w.dtype == torch.bfloat16  # the CUDA path's math, on the CPU
+torch.manual_seed(0)
+ex = _qwen3_experts(8)
+for p in ex.parameters():
+    torch.nn.init.normal_(p, std=0.1)
+ex = ex.to(torch.bfloat16).requires_grad_(False)  # a target's experts: frozen
+x = torch.randn(64, 64).to(torch.bfloat16)
+idx = torch.stack([torch.randperm(8)[:2] for _ in range(64)])
+compiled = torch.compile(lambda a, b, c: g.grouped_experts_forward(ex, a, b, c), fullgraph=True)
+for weight_dtype in (torch.bfloat16, torch.float32):
+    w = torch.softmax(torch.randn(64, 2), -1).to(weight_dtype)
+    with torch.no_grad():
+        want, got = g.grouped_experts_forward(ex, x, idx, w), compiled(x, idx, w)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # Inductor's fused gate rounds less
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(grouped_experts.triton is None, reason="triton is not installed")
+def test_a_compiled_forward_is_one_graph_through_the_combine_kernel():
+    """fullgraph: no graph break at the custom op, and its fake (the shapes and dtype a compiled graph
+    plans with) agrees with what the kernel returns."""
+    _interpreted(_COMPILED_CHECK)
