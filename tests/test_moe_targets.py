@@ -93,12 +93,13 @@ def test_train_regenerates_trains_and_evaluates_on_an_moe_target(preset, tmp_pat
     assert (run / "drafter" / "model.safetensors").is_file() and len(list(run.glob("regenerated-*.jsonl"))) == 1
 
 
-def test_the_train_job_applies_the_pipeline_setting():
+@pytest.mark.parametrize("kernel", ["grouped_mm", "dflash_grouped"])
+def test_the_train_job_applies_the_pipeline_setting(kernel):
     from dflash_train.app.train import job_target
     from dflash_train.settings.tree import TrainConfig
 
-    cfg = TrainConfig.of(target="random:tiny-gpt-oss", target_experts="grouped_mm")
-    assert job_target(cfg, torch.device("cpu")).config._experts_implementation == "grouped_mm"
+    cfg = TrainConfig.of(target="random:tiny-gpt-oss", target_experts=kernel)
+    assert job_target(cfg, torch.device("cpu")).config._experts_implementation == kernel
 
 
 def test_an_unknown_kernel_is_one_line_naming_the_flag(moe_target, capsys, tmp_path):
@@ -159,14 +160,16 @@ def test_target_flops_count_active_parameters(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MOE)
 def test_bench_runs_each_kernel_side_by_side(name, tmp_path):
-    """--target-experts eager,grouped_mm: every variant under both, named variant@kernel, with the kernel run."""
+    """--target-experts eager,grouped_mm,dflash_grouped: every variant under each, named variant@kernel, with the
+    kernel run."""
     out = tmp_path / "bench.json"
     assert main(["bench", "--target", f"random:{name}", "--device", "cpu", "--num-layers", "1", "--block-size", "4",
                  "--num-anchors", "8", "--seq-len", "64", "--steps", "1", "--variants", "target-only,overlap",
-                 "--target-experts", "eager,grouped_mm", "--json", str(out)]) == 0
+                 "--target-experts", "eager,grouped_mm,dflash_grouped", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    runs = {f"{v}@{k}": k for v in ("target-only", "overlap") for k in ("eager", "grouped_mm")}
+    kernels = ("eager", "grouped_mm", "dflash_grouped")
+    runs = {f"{v}@{k}": k for v in ("target-only", "overlap") for k in kernels}
     assert set(res["variants"]) == set(runs)
     assert all(res["variants"][run]["experts"] == kernel for run, kernel in runs.items())
-    assert res["best_variant"] in ("overlap@eager", "overlap@grouped_mm")
+    assert res["best_variant"] in {f"overlap@{k}" for k in kernels}
     assert res["target_tflop_per_step"] > 0 and res["time_to_first_step_s"] > 0
