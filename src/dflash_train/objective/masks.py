@@ -148,12 +148,19 @@ def structured_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool 
     operators a mask, each a launch from the host; the drafter builds two masks a step (full and
     sliding-window layers), 11 ms of a 3-layer drafter's 36 ms cached step on the H200 (2026-12-02).
     """
+    return _tiled_block_mask(spec, tile, compiled, own_blocks=True)
+
+
+def _tiled_block_mask(spec: MaskSpec, tile: int, compiled: bool, own_blocks: bool):
+    """The BlockMask of mask_tiles' tiles and the rows' interval mask_mod: over [context | own blocks], or
+    (own_blocks=False) over the context keys alone."""
     from torch.nn.attention.flex_attention import BlockMask
 
     *tiles, rows = (compiled_mask_tiles() if compiled else mask_tiles)(
-        spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window, tile)
+        spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window, tile, own_blocks)
+    keys = spec.context_len + spec.num_queries * own_blocks
     return BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=tile, mask_mod=_interval_mask_mod(rows),
-                                    seq_lengths=(spec.num_queries, spec.context_len + spec.num_queries))
+                                    seq_lengths=(spec.num_queries, keys))
 
 
 def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor, block_size: int,
@@ -202,13 +209,7 @@ def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = Fal
     attends to in one batched matmul and merges by log-sum-exp. The own block is one partial tile in every
     query tile of the joint mask, 1/16 of it allowed at B=8: 704 -> 496 partial tiles for the recipe's
     16K packs (counted on the CPU)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    *tiles, rows = (compiled_mask_tiles() if compiled else mask_tiles)(
-        spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window, tile, False)
-    context = BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=tile, mask_mod=_interval_mask_mod(rows),
-                                       seq_lengths=(spec.num_queries, spec.context_len))
-    return SplitBlockMask(context, spec.block_size, spec.window)
+    return SplitBlockMask(_tiled_block_mask(spec, tile, compiled, own_blocks=False), spec.block_size, spec.window)
 
 
 @functools.cache  # one per process: its graphs are reused by every pack
