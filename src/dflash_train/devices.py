@@ -22,6 +22,13 @@ def resolve_device(name: str, flag: str = "--device") -> torch.device:
     return device
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether this project's Triton kernels can run for tensors on `device`: CUDA, or the CPU under triton's
+    interpreter (TRITON_INTERPRET=1: how the tests check them without a GPU; slow). Whether triton is
+    installed, and which dtypes a kernel takes, are each kernel's own to say."""
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def available_memory(device: torch.device) -> int | None:
     """Bytes a new allocation on `device` can have now: CUDA's free memory, or the host's MemAvailable
     (what the kernel can hand out without swapping or killing); None where neither can be read."""

@@ -24,9 +24,9 @@ TRITON_INTERPRET=1 the kernel runs on CPU tensors (how the tests check it on a m
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from dflash_train.devices import triton_runs_on
 
 try:
     import triton
@@ -46,9 +46,7 @@ def _dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     tests, it is slow), whose bf16 dot is wrong (triton 3.8), so float32 and float16 there."""
     if device.type == "cuda":
         return (torch.float16, torch.bfloat16)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return (torch.float32, torch.float16)
-    return ()
+    return (torch.float32, torch.float16) if triton_runs_on(device) else ()
 
 
 def applies(rows: int, queries: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -17,11 +17,11 @@ Under TRITON_INTERPRET=1 the kernels run on CPU tensors (the tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_train.devices import triton_runs_on
 
 try:
     import triton
@@ -36,8 +36,7 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if device.type == "cuda":
         return dtype in (torch.float16, torch.bfloat16)
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and dtype in (torch.float32,
-                                                                                              torch.float16)
+    return triton_runs_on(device) and dtype in (torch.float32, torch.float16)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, fused: bool,

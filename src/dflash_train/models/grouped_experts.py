@@ -34,10 +34,11 @@ needs no gradient: the combine has no backward (compiling it with gradients enab
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch import nn
+
+from dflash_train.devices import triton_runs_on
 
 try:
     import triton
@@ -138,9 +139,7 @@ def combine_reference(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Te
 
 
 def _kernel_applies(rows: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    return rows.is_cuda or (rows.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and triton_runs_on(rows.device)
 
 
 @torch.library.custom_op("dflash_train::moe_combine", mutates_args=())
