@@ -1,7 +1,12 @@
 import json
+import os
 import random
+import subprocess
+import sys
+import textwrap
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,6 +87,18 @@ def cli_error(argv: list[str], capsys) -> str:
     assert code == 2, out
     assert err.startswith("dflash-train: error:") and "Traceback" not in out, out
     return err.removeprefix("dflash-train: error: ")
+
+
+def run_interpreted(code: str, timeout: float = 600) -> str:
+    """Run `code` in a child python under triton's interpreter (TRITON_INTERPRET=1, chosen when triton is
+    imported: hence a process of its own), the tests' directory importable; fail with its stderr unless it
+    exits 0. Returns its stdout."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def write_conversations(path, n: int = 12):

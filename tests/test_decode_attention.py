@@ -2,14 +2,11 @@
 and regeneration through it gives the same tokens. Triton's interpreter runs the kernel on the CPU; it is
 chosen when triton is imported, so the checks run in a child process with TRITON_INTERPRET=1."""
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 from dflash_train.decode import attention_kernel as da
 
@@ -20,20 +17,12 @@ interpreted = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(
                                  reason="triton's interpreter runs this kernel from 3.8")
 
 
-def _run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
 @pytest.mark.slow
 @interpreted
 def test_kernel_equals_the_batched_matmul_attention():
     """Rows of 1 slot, one tile less one, one tile, one more, and the whole cache; 3 query heads per KV head;
     float32 and float16; a cache of more rows and slots than the step's (the compacted batch's views)."""
-    _run_interpreted("""
+    run_interpreted("""
         import torch
         from dflash_train.decode import attention_kernel as da
         from dflash_train.decode.static_lm import cached_attention
@@ -63,7 +52,7 @@ def test_kernel_equals_the_batched_matmul_attention():
 def test_regeneration_through_the_kernel_gives_the_batched_matmul_tokens():
     """generate() on the tiny target with the kernel on (its one-token steps, every compaction's views) and
     off: the same tokens at T=0 in float32, and the kernel ran at every layer of every step."""
-    out = _run_interpreted("""
+    out = run_interpreted("""
         import torch
         from dflash_train.decode import attention_kernel as da, generate as gen, static_lm
         from dflash_train.models.loading import load_target
@@ -97,7 +86,7 @@ def test_a_windowed_kernel_reads_only_the_last_window_slots():
     """A sliding layer's step: each row sees its last `window` slots (fewer in rows shorter than the window),
     as the batched-matmul path with the windowed mask; slots before the window are never read. With sink
     logits (gpt_oss) too."""
-    _run_interpreted("""
+    run_interpreted("""
         import torch
         from dflash_train.decode import attention_kernel as da
         from dflash_train.decode.static_lm import cached_attention
@@ -127,7 +116,7 @@ def test_sliding_targets_through_the_kernels_give_the_pytorch_tokens():
     """Gemma 3, gpt_oss, Mistral and Qwen2 sliding-window targets: regeneration with the decode kernel
     (windowed in the sliding layers, gpt_oss's sinks) and the fused chains (Gemma's and gpt_oss's norm
     roundings included) gives the PyTorch math's tokens, and the fused prefill its logits."""
-    _run_interpreted(f"""
+    run_interpreted(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch
@@ -184,7 +173,7 @@ def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
 def test_fused_target_forward_equals_the_eager_forward():
     """StaticLM with its elementwise chains as Triton kernels (decode/fused_target.py: residual add + RMSNorm,
     RoPE in place, SiLU x up) gives the eager forward's logits and features: a prefill, then one-token steps."""
-    _run_interpreted("""
+    run_interpreted("""
         import torch
         from dflash_train.decode import static_lm
         from dflash_train.models.loading import load_target

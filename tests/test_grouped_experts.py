@@ -2,12 +2,10 @@
 triton's interpreter on the CPU, in a child process: the interpreter is chosen when triton is imported) and
 its math against transformers' eager experts (tests/test_moe_targets.py compares whole targets' features)."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 from dflash_train.models import grouped_experts
 from dflash_train.models.grouped_experts import combine_reference, sort_keys
@@ -114,19 +112,12 @@ print("ok")
 """
 
 
-def _interpreted(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
-
-
 @pytest.mark.skipif(grouped_experts.triton is None, reason="triton is not installed")
 def test_the_combine_kernel_equals_the_reference():
     """A width over one column block (1,500 > 1,024: the masked tail) and half-precision rows, with half
     weights (each product rounded) and float32 ones. (Not bf16: the interpreter truncates float32 to bf16,
     where the GPU's conversion, like torch's, rounds to nearest even.)"""
-    _interpreted(_KERNEL_CHECK)
+    assert run_interpreted(_KERNEL_CHECK, timeout=300).strip().endswith("ok")
 
 
 _COMPILED_CHECK = r"""
@@ -157,4 +148,4 @@ print("ok")
 def test_a_compiled_forward_is_one_graph_through_the_combine_kernel():
     """fullgraph: no graph break at the custom op, and its fake (the shapes and dtype a compiled graph
     plans with) agrees with what the kernel returns."""
-    _interpreted(_COMPILED_CHECK)
+    assert run_interpreted(_COMPILED_CHECK, timeout=300).strip().endswith("ok")
