@@ -529,19 +529,27 @@ def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, mak
 @pytest.mark.parametrize("backend", ["flex", "flex-split"])
 def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_drafter, backend):
     """--compile-drafter on packs of new shapes (token counts, tile counts, anchors): one graph per layer kind
-    (full, sliding), not a static one first. Forward only: FlexAttention has no CPU backward."""
+    (full, sliding), not a static one first, and under flex-split the block size a constant in them.
+    Forward only: FlexAttention has no CPU backward."""
     import torch._dynamo
+    from torch._dynamo.testing import EagerAndRecordGraphs
     from torch._dynamo.utils import counters
 
     obj = _objective(tiny_target, make_drafter, backend, num_sliding_layers=1, sliding_window=64)
     torch._dynamo.reset()
     counters.clear()
-    with torch.no_grad(), obj.drafter.compiled_layers(backend="eager"):
+    graphs = EagerAndRecordGraphs()
+    with torch.no_grad(), obj.drafter.compiled_layers(backend=graphs):
         for seed, lens in enumerate([(300, 150), (90, 400, 220), (520, 60)]):  # 1-3 tiles of 128 queries
             b = _packed(lens, seed)
             obj(b, sample_packed_anchors(b, 20 + 15 * seed, torch.Generator().manual_seed(seed)),
                 torch.randn(b.num_tokens, 3 * 64))
     assert counters["stats"]["unique_graphs"] == 2
+    # the block size is a constant of the graphs, never a symbol: Inductor's CUDA codegen could not prove
+    # the queries a multiple of a symbolic one (CantSplit)
+    blocks = [node.meta["example_value"].shape[-2] for g in graphs.graphs for node in g.graph.nodes
+              if node.target == "view" and len(node.meta["example_value"].shape) == 5]
+    assert [(type(n), int(n)) for n in blocks] == ([(int, 4)] * 3 * 2 if backend == "flex-split" else [])
 
 
 def test_validation_of_compiled_layers_runs_on_the_training_graphs(tiny_target, make_drafter):

@@ -54,12 +54,28 @@ class SegmentedMask:
 class SplitBlockMask:
     """The training mask in two parts (objective/masks.py split_block_mask): `context`, a BlockMask of the
     queries over the context keys alone (the first S keys), and each block's own B keys, which follow the
-    context (key S + jB + i is slot i of block j) and which block j's queries see in full, or in a sliding
-    layer (window) slots k - window + 1 .. k only."""
+    context (key S + jB + i is slot i of block j): `own[j, i, k]` says whether slot i of block j sees slot
+    k (all of them, or in a sliding layer slots i - window + 1 .. i).
+
+    `own` is [n, B, B] (one [B, B] pattern repeated; n * B * B bytes), so that a compiled layer learns its
+    shapes from it: B marked static (a constant of the graph) and the query count tied to n * B. A block size
+    read from an int field is a symbol under dynamic=True, and a view of the queries as [n, B] then
+    left Inductor unable to prove one a multiple of the other (CantSplit in the backward; H100,
+    torch 2.11)."""
 
     context: BlockMask
-    block_size: int
-    window: int | None = None
+    own: torch.Tensor
+
+    @classmethod
+    def of(cls, context: BlockMask, num_blocks: int, block_size: int, window: int | None,
+           device: torch.device) -> SplitBlockMask:
+        i = torch.arange(block_size, device=device)
+        lag = i[:, None] - i[None, :]  # slot i's distance back to slot k
+        own = (lag >= 0) & (lag < window) if window is not None else torch.ones_like(lag, dtype=torch.bool)
+        own = own.expand(num_blocks, block_size, block_size).contiguous()  # a view's base would be guarded on
+        torch._dynamo.mark_static(own, 1)
+        torch._dynamo.mark_static(own, 2)
+        return cls(context, own)
 
 
 AttnMask = torch.Tensor | SegmentedMask | BlockMask | SplitBlockMask | None
@@ -144,18 +160,16 @@ def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Sp
     from torch.nn.attention.flex_attention import AuxRequest
 
     b, H, Q, d = q.shape
-    B = mask.block_size
+    n, B = mask.own.shape[:2]
+    torch._check(Q == n * B)  # compiled: the query count becomes n * B, so the view below is exact
     S = k.shape[2] - Q
     out_c, aux = _flex_attention(q)(q, k[:, :, :S], v[:, :, :S], block_mask=mask.context, scale=scale,
                                     enable_gqa=H != k.shape[1], kernel_options=FLEX_KERNEL_OPTIONS,
                                     return_aux=AuxRequest(lse=True))
     kb, vb = repeat_kv(q, k[:, :, S:], v[:, :, S:])
-    qb, kb, vb = (t.float().unflatten(2, (Q // B, B)) for t in (q, kb, vb))  # [b, H, n, B, d]
+    qb, kb, vb = (t.float().view(b, H, n, B, d) for t in (q, kb, vb))  # [b, H, n, B, d]
     scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [b, H, n, B, B]
-    if mask.window is not None:  # slot k sees slots k - window + 1 .. k
-        i = torch.arange(B, device=q.device)
-        scores = scores.masked_fill(~((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < mask.window)),
-                                    float("-inf"))
+    scores = scores.masked_fill(~mask.own, float("-inf"))  # [n, B, B] over [b, H, n, B, B]
     lse_b = torch.logsumexp(scores, dim=-1)  # [b, H, n, B]; never -inf: a slot sees itself
     out_b = torch.matmul(torch.softmax(scores, dim=-1), vb).flatten(2, 3)  # [b, H, Q, d]
     lse_b, lse_c = lse_b.flatten(2, 3), aux.lse.float()

@@ -209,7 +209,8 @@ def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = Fal
     attends to in one batched matmul and merges by log-sum-exp. The own block is one partial tile in every
     query tile of the joint mask, 1/16 of it allowed at B=8: 704 -> 496 partial tiles for the recipe's
     16K packs (counted on the CPU)."""
-    return SplitBlockMask(_tiled_block_mask(spec, tile, compiled, own_blocks=False), spec.block_size, spec.window)
+    return SplitBlockMask.of(_tiled_block_mask(spec, tile, compiled, own_blocks=False), spec.anchors.numel(),
+                             spec.block_size, spec.window, spec.seq_ids.device)
 
 
 @functools.cache  # one per process: its graphs are reused by every pack
