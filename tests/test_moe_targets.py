@@ -49,9 +49,9 @@ class _GroupedMMCalls:
         monkeypatch.setattr(owner, name, counted)
 
 
-def test_auto_is_grouped_mm_for_bf16_on_cuda_and_eager_elsewhere():
+def test_auto_is_dflash_grouped_for_bf16_on_cuda_and_eager_elsewhere():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve("auto", cuda, torch.bfloat16) == "grouped_mm"
+    assert resolve("auto", cuda, torch.bfloat16) == "dflash_grouped"
     assert resolve("auto", cuda, torch.float32) == "eager"  # the CUDA grouped GEMMs take bf16
     assert resolve("auto", cpu, torch.bfloat16) == "eager"  # the reference (docs/performance.md#moe-targets)
     assert resolve("grouped_mm", cpu, torch.float32) == "grouped_mm"

@@ -28,9 +28,9 @@ softcapping (Gemma 2); Gemma 3's bidirectional mode; RoPE types whose frequencie
 sequence length (dynamic, longrope).
 
 CUDA graphs: experts under transformers' "eager" experts implementation pick the tokens each expert
-runs with a host read (`nonzero`), which a graph cannot capture; under "grouped_mm" (what the
-loaders' `auto` sets for bf16 on CUDA, models/experts.py) and "batched_mm" the routing stays on the
-device; under "dflash_grouped" too for bf16 weights on CUDA (elsewhere it loops over the experts on the
+runs with a host read (`nonzero`), which a graph cannot capture; under "grouped_mm" and "batched_mm"
+the routing stays on the device; under "dflash_grouped" (what the loaders' `auto` sets for bf16 on
+CUDA, models/experts.py) too for bf16 weights on CUDA (elsewhere it loops over the experts on the
 host). `capturable` says which; any other implementation (a hub kernel) is taken as not capturable,
 since nothing here knows whether it reads the host. (Under torch.compile with weights other than
 bf16, transformers' grouped_mm falls back to a loop that reads the expert offsets on the host:

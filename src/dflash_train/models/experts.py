@@ -16,7 +16,9 @@ transformers (5.17 and 5.18) routes every expert module it decorates with `use_e
     dflash_grouped  dflash-train's own (models/grouped_experts.py): grouped_mm's GEMMs, the expert
                 ids sorted as one-byte keys and the top-k combine as one Triton kernel
 
-`auto` picks grouped_mm for bf16 weights on CUDA and eager elsewhere. The choice is made here, once,
+`auto` picks dflash_grouped for bf16 weights on CUDA (measured 11-17% ahead of grouped_mm on a
+Qwen3-30B-A3B forward and level with it in the one-GPU pipeline: docs/performance.md#moe-targets) and
+eager elsewhere. The choice is made here, once,
 so the config never holds `auto`: decode/architectures.py reads the implementation set to decide
 whether a forward can be captured as a CUDA graph.
 """
@@ -57,7 +59,7 @@ def resolve(choice: str, device: torch.device, dtype: torch.dtype) -> str:
     """The implementation `choice` means for weights of `dtype` on `device` (see the module docstring)."""
     if choice != "auto":
         return choice
-    return "grouped_mm" if device.type == "cuda" and dtype == torch.bfloat16 else "eager"
+    return grouped_experts.NAME if device.type == "cuda" and dtype == torch.bfloat16 else "eager"
 
 
 def is_moe(model: nn.Module) -> bool:

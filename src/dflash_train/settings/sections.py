@@ -116,11 +116,10 @@ class PipelineConfig:
                                           "(one graph for all layers, compiled once per run; a MoE target's "
                                           "forward ran 2x faster so)")
     target_experts: ExpertsChoice = setting("auto", "the kernel of a mixture-of-experts target's experts: auto = "
-                                                    "grouped_mm (grouped GEMMs) for bf16 on CUDA, else eager "
+                                                    "dflash_grouped (transformers' grouped_mm GEMMs with a "
+                                                    "one-pass top-k combine kernel) for bf16 on CUDA, else eager "
                                                     "(transformers' loop over the experts); batched_mm copies "
-                                                    "weights per token (tiny shapes only); dflash_grouped is "
-                                                    "grouped_mm with a one-pass top-k combine kernel; dense "
-                                                    "targets ignore it")
+                                                    "weights per token (tiny shapes only); dense targets ignore it")
     cache_features: bool | None = setting(None, "compute each sequence's target features once and keep them in the "
                                                 "target's device memory (tokens x features x hidden x 2 bytes on a "
                                                 "GPU), so the target runs only in the first epoch (default: on for "
