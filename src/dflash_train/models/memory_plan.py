@@ -139,7 +139,7 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
     top_k = getattr(config, "num_experts_per_tok", None)
     if top_k:  # routed tokens: each token's k copies of its input, gate/up, output and weighted output rows
         width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # gpt_oss: the latter
-        mlp = top_k * (3 * width // tp + 3 * h)
+        mlp = top_k * (_gate_widths(config) * width // tp + 3 * h)
     else:  # act(gate), up and their product live together
         mlp = 3 * config.intermediate_size // tp
     # the features captured so far; the residual, the normed input, a layer's output and sums (4 h: on an H200
@@ -147,6 +147,15 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
     per_token = n_features * h + 4 * h + max(attention, mlp)
     head = HEAD_ROWS * config.vocab_size * size if labels else 0
     return tokens * per_token * size + head + eager_score_bytes(config, tp, tokens, size)
+
+
+def _gate_widths(config) -> int:
+    """How many [rows, width] tensors a routed expert's activation holds at its peak. A SwiGLU: gate/up (two
+    widths) and their product. gpt_oss's clamped gate (transformers' GptOssExperts._apply_gate) holds
+    gate/up, the clamped gate and up, glu, up + 1 and their product at once: 7
+    (one H100, 2026-12-05: gpt-oss-20b's 8,192-token feature forward peaked at 2.22 GB where 3 widths
+    gave 1.56; benchmarks/results/h100-moe-dflash-grouped-2026-12-05/memory-plan-gpt-oss-20b.json)."""
+    return 7 if config.model_type == "gpt_oss" else 3
 
 
 def eager_score_bytes(config, tp: int, tokens: int, size: int) -> int:
