@@ -154,11 +154,13 @@ def test_cuda_graph_replays_equal_eager_and_hf(arch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("experts", ["grouped_mm", "dflash_grouped"])
 @pytest.mark.parametrize("arch", list(_BUILDERS))
-def test_cuda_bf16_grouped_mm_graphs_equal_eager(arch):
-    """What loading picks for a bf16 MoE target on CUDA (grouped_mm): graph replays of the steps give the eager
-    steps' tokens, and the eager steps the HF modules' logits up to bf16 rounding."""
-    model = moe_model(arch, "grouped_mm").to("cuda", torch.bfloat16)
+def test_cuda_bf16_grouped_graphs_equal_eager(arch, experts):
+    """What loading picks for a bf16 MoE target on CUDA (dflash_grouped; transformers' grouped_mm beside it): graph
+    replays of the steps give the eager steps' tokens, and the eager steps the HF modules' logits up to bf16
+    rounding."""
+    model = moe_model(arch, experts).to("cuda", torch.bfloat16)
     prompts = _prompts(4, seed=7)
     graphed = StaticLM(model)
     assert graphed.graphs
