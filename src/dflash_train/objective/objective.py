@@ -49,9 +49,14 @@ class ObjectiveConfig:
         validate(self)
 
 
+def uses_flex(attention: str) -> bool:
+    """Whether an attention backend runs FlexAttention (flex, flex-split)."""
+    return attention in ("flex", "flex-split")
+
+
 def check_backend_device(attention: str, device: torch.device) -> None:
     """Training needs the backward of its attention backend; FlexAttention has it on CUDA only."""
-    if attention.startswith("flex") and device.type != "cuda":
+    if uses_flex(attention) and device.type != "cuda":
         raise UsageError(f"--attention {attention}: FlexAttention has no backward on {device.type}; "
                          "use --attention dense (or auto, which picks it off CUDA)")
 
@@ -105,14 +110,14 @@ class DFlashObjective(nn.Module):
         keys) belong to no sequence (seq_id -1, no anchor), so no query sees them; block_hidden gives them
         zero features. The dense backend evaluates the exact predicate per sequence and needs none."""
         pad = -batch.num_tokens % MASK_TILE
-        if not pad or not self.backend(batch.input_ids.device).startswith("flex"):
+        if not pad or not uses_flex(self.backend(batch.input_ids.device)):
             return batch
         return PackedBatch(*(torch.cat([t, t.new_full((pad,), fill)]) for t, fill in
                              ((batch.input_ids, 0), (batch.loss_mask, 0), (batch.seq_ids, -1), (batch.positions, 0))))
 
     def masks(self, batch: PackedBatch, blocks: Blocks) -> dict[str, object]:
         backend = self.backend(batch.input_ids.device)
-        if backend.startswith("flex"):
+        if uses_flex(backend):
             mask = structured_block_mask if backend == "flex" else split_block_mask
             build = functools.partial(mask, compiled=self.compiled_masks)
         else:

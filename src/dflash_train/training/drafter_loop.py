@@ -16,7 +16,7 @@ import torch
 from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.loss import LossOutput
-from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device, uses_flex
 from dflash_train.pipeline.handoff import Features
 from dflash_train.profiling.hooks import drafter_spans
 from dflash_train.training.config import OptimizerConfig, TrainerConfig
@@ -62,7 +62,7 @@ class DrafterTrainLoop(Trainer):
         check_backend_device(objective_cfg.attention, device)
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, compile_masks,
                                     embed_scale)
-        if compile_drafter and not objective.backend(device).startswith("flex"):  # the backend the step will run
+        if compile_drafter and not uses_flex(objective.backend(device)):  # the backend the step will run
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
                              f"{objective.backend(device)} attention on {device.type}")
         super().__init__(DrafterStep(objective), optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
