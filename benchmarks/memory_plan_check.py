@@ -1,7 +1,7 @@
 """The memory plan against what a GPU measures: weights and one feature forward's peak, per preset.
 
     python3 benchmarks/memory_plan_check.py --presets qwen3-8b,qwen3-30b-a3b,gpt-oss-20b --tokens 8192 \
-        [--features 5] [--device cuda|cpu] [--json OUT]
+        [--features 5] [--device cuda|cpu] [--experts auto|grouped_mm|...] [--json OUT]
 
 For each `random:` preset (bf16 on a GPU, float32 on a CPU; the loader `train` uses) it prints the
 plan's weights and activations (models/memory_plan.py) beside the measured ones:
@@ -24,6 +24,7 @@ import sys
 import torch
 
 from dflash_train.data.packing import PackedBatch
+from dflash_train.models.experts import CHOICES, use_experts
 from dflash_train.models.loading import load_target
 from dflash_train.models.memory_plan import plan_memory
 from dflash_train.pipeline.features import packed_features
@@ -66,11 +67,12 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def measure(preset: str, tokens: int, n_features: int, device: torch.device) -> dict:
+def measure(preset: str, tokens: int, n_features: int, device: torch.device, experts: str = "auto") -> dict:
     meter, dtype = Meter(device), torch.bfloat16 if device.type == "cuda" else torch.float32
     before = meter.allocated()
     target = load_target(f"random:{preset}", device=device, dtype=dtype)
     weights = meter.allocated() - before
+    kernel = use_experts(target.model, experts)  # None for a dense target
     layers = list(range(target.num_layers - n_features, target.num_layers))
     vocab = target.model.config.vocab_size
     packed_features(target, one_sequence(256, vocab), layers)  # first-call allocations (kernels, workspaces)
@@ -84,7 +86,7 @@ def measure(preset: str, tokens: int, n_features: int, device: torch.device) -> 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"preset": preset, "tokens": tokens, "features": n_features,
+    return {"preset": preset, "tokens": tokens, "features": n_features, "experts": kernel,
             "weights_gb": weights / 1e9, "plan_weights_gb": plan.weights / 1e9,
             "activations_gb": activations / 1e9, "plan_activations_gb": plan.activations / 1e9,
             "activations_over": plan.activations / activations - 1}
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--features", type=int, default=5)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--experts", default="auto", choices=CHOICES, help="a MoE target's experts kernel (train's "
+                   "--target-experts): the routed rows' transients differ between them")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         del load_target("random:tiny", device=device, dtype=torch.float32).model
     rows = []
     for preset in args.presets.split(","):
-        r = measure(preset, args.tokens, args.features, device)
+        r = measure(preset, args.tokens, args.features, device, args.experts)
         rows.append(r)
         over = 100 * r["activations_over"]
         print(f"{preset}: weights {r['weights_gb']:.2f} GB (plan {r['plan_weights_gb']:.2f}), activations "

@@ -138,6 +138,7 @@ def activation_bytes(config, tp: int, tokens: int, n_features: int, size: int, l
     attention = q + 2 * kv + (q + kv) + q  # q, k, v; q and k after RoPE; the attention's output
     top_k = getattr(config, "num_experts_per_tok", None)
     if top_k:  # routed tokens: each token's k copies of its input, gate/up, output and weighted output rows
+        # (grouped_mm's, measured; dflash_grouped's combine keeps no weighted copy: counted anyway, the safe side)
         width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # gpt_oss: the latter
         mlp = top_k * (_gate_widths(config) * width // tp + 3 * h)
     else:  # act(gate), up and their product live together
