@@ -46,8 +46,8 @@ def _prompts(n, lo, hi, vocab, seed=0):
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
-def regen_rate(target, prompts, new_tokens, hf: bool) -> dict:
-    cfg = RegenConfig(max_new_tokens=new_tokens, batch_size=len(prompts))
+def regen_rate(target, prompts, new_tokens, hf: bool, temperature: float = 0.0) -> dict:
+    cfg = RegenConfig(max_new_tokens=new_tokens, batch_size=len(prompts), temperature=temperature)
 
     def decode(rows, c, report=None):  # the generated tokens of every row (no stop tokens: all run to the limit)
         if hf:
@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="measure the StaticLM path only")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="regeneration's sampling temperature (0: greedy; > 0 draws through decode/sampling.py)")
     ap.add_argument("--compile", action="store_true", help="also measure batch-1 decoding with compiled steps")
     ap.add_argument("--profile", default=None,
                     help="write torch.profiler tables of a regen batch and DFlash steps here")
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
                  "command": "python3 benchmarks/decode_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if args.profile:
         _profile(target, drafter, rows[:1024], few[0], args.profile)
-    out["regen_static"] = regen_rate(target, rows, args.new_tokens, hf=False)
+    out["regen_static"] = regen_rate(target, rows, args.new_tokens, hf=False, temperature=args.temperature)
     print("regen static", out["regen_static"], flush=True)
     out["batch1_static"] = batch1_rate(target, few, args.new_tokens, hf=False)
     print("batch1 static", out["batch1_static"], flush=True)

@@ -91,6 +91,15 @@ def test_moe_combine(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_sample_speed(tmp_path):
+    proc = _run(_py("sample_speed.py", "--device", "cpu", "--rows", "4", "--vocab", "40", "--blocks", "16,32"),
+                tmp_path, TRITON_INTERPRET="1")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("rows=4 vocab=40")]
+    assert [ln.split()[2] for ln in lines] == ["multinomial", "kernel", "kernel"], proc.stdout
+
+
+@pytest.mark.slow
 def test_data_stages(tmp_path):
     out = tmp_path / "stages.json"
     _run(_py("data_stages.py", "--target", TINY, "--conversations", "300", "--regen-prompts", "10",
