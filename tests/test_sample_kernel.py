@@ -1,6 +1,7 @@
 """decode/sample_kernel.py: the one-pass Gumbel-max draw regeneration's wide batches take, checked under
-Triton's interpreter: its tokens follow the tempered softmax, masked tokens are never drawn, a seed repeats
-its draws, and sampling.pick routes wide batches to it and narrow ones to torch.multinomial."""
+Triton's interpreter: its tokens follow the tempered softmax, neighbouring rows draw independently, masked
+tokens are never drawn, a seed repeats its draws, and sampling.pick routes wide batches to it and narrow
+ones to torch.multinomial."""
 
 import pytest
 import torch
@@ -22,6 +23,20 @@ def check_the_kernel(device: str) -> None:
     expected = 2000 * torch.softmax(x.double() / 0.7, -1)
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 22.46, (chi2, observed, expected)  # p = 0.001 at 6 degrees of freedom
+
+    # flat logits over 40 columns, three iterations of 16 (the last one part masked): uniform draws
+    flat = sample_kernel.sample(torch.zeros(2000, 40, device=dev), 1.0, seed, block=16).cpu()
+    observed = torch.bincount(flat, minlength=40).double()
+    chi2 = float(((observed - 50) ** 2 / 50).sum())
+    assert chi2 < 72.05, (chi2, observed)  # p = 0.001 at 39 degrees of freedom
+
+    # neighbouring rows draw independently: the pairs (row r, row r + 1) of 3,000 flat rows of 10 columns
+    # (a width that leaves a row's last Philox counters unused: they must not be the next row's)
+    tokens = sample_kernel.sample(torch.zeros(3000, 10, device=dev), 1.0, seed, block=16).cpu()
+    pairs = torch.bincount(tokens[:-1] * 10 + tokens[1:], minlength=100).double()
+    expected = 2999 / 100
+    chi2 = float(((pairs - expected) ** 2 / expected).sum())
+    assert chi2 < 148.2, (chi2, pairs.view(10, 10))  # p = 0.001 at 99 degrees of freedom
 
     # a peak wherever it falls among several iterations and sub-blocks, a row stride wider than the
     # vocabulary, bf16 logits; half the vocabulary masked (-inf) is never drawn
@@ -64,8 +79,9 @@ def test_the_kernel_draws_from_the_tempered_softmax_on_cuda():
     check_the_kernel("cuda")
 
 
-def test_the_cpu_keeps_torch_multinomial_and_zero_temperature_the_argmax():
+def test_the_cpu_keeps_torch_multinomial_and_zero_temperature_the_argmax(monkeypatch):
     """Without the interpreter the kernel does not run on the CPU: pick draws as torch.multinomial does."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     logits = torch.randn(sample_kernel.MIN_ROWS, 11, generator=torch.Generator().manual_seed(2))
     assert not sample_kernel.applies(logits)
     want = torch.multinomial(torch.softmax(logits / 0.5, -1), 1, generator=torch.Generator().manual_seed(3))[:, 0]
@@ -73,3 +89,5 @@ def test_the_cpu_keeps_torch_multinomial_and_zero_temperature_the_argmax():
     assert torch.equal(pick(logits, 0.0), logits.argmax(-1))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         sample_kernel.sample(logits, 0.0, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        sample_kernel.sample(logits, 1.0, torch.zeros(1, dtype=torch.int64), block=24)
