@@ -275,9 +275,10 @@ def test_drafter_step(tmp_path):
 def test_memory_plan_check(tmp_path):
     out = tmp_path / "memory.json"
     _run(_py("memory_plan_check.py", "--device", "cpu", "--presets", "tiny,tiny-qwen3-moe", "--tokens", "256",
-             "--features", "2", "--json", str(out)), tmp_path, MALLOC_MMAP_THRESHOLD_="65536")
+             "--features", "2", "--experts", "grouped_mm", "--json", str(out)), tmp_path,
+         MALLOC_MMAP_THRESHOLD_="65536")
     rows = _json(out, "device", "rows")["rows"]
-    assert [r["preset"] for r in rows] == ["tiny", "tiny-qwen3-moe"]
+    assert [(r["preset"], r["experts"]) for r in rows] == [("tiny", None), ("tiny-qwen3-moe", "grouped_mm")]
     assert all(r["weights_gb"] > 0 and r["plan_weights_gb"] > 0 and r["plan_activations_gb"] > 0 for r in rows)
 
 
