@@ -108,6 +108,17 @@ def time_combines(t: int, args: argparse.Namespace, device: torch.device) -> Non
         print(f"T={t} {name:16s} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s  max|diff| {diff:.3g}", flush=True)
 
 
+def kernel_device(choice: str, has_triton: bool, script: str) -> torch.device | None:
+    """The device a kernel benchmark runs on (`auto`: CUDA where there is one), or None, having said why,
+    where its Triton kernel cannot run: no triton, or a CPU without TRITON_INTERPRET=1."""
+    device = torch.device("cuda" if choice == "auto" and torch.cuda.is_available() else
+                          "cpu" if choice == "auto" else choice)
+    if not has_triton or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"):
+        print(f"{script}: the kernel needs triton, and on a CPU TRITON_INTERPRET=1", file=sys.stderr)
+        return None
+    return device
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="3072,12288", help="comma-separated token counts")
@@ -118,10 +129,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     args = p.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    if grouped_experts.triton is None or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"):
-        print("moe_combine.py: the kernel needs triton, and on a CPU TRITON_INTERPRET=1", file=sys.stderr)
+    device = kernel_device(args.device, grouped_experts.triton is not None, "moe_combine.py")
+    if device is None:
         return 2
     for t in (int(x) for x in args.tokens.split(",")):
         time_combines(t, args, device)

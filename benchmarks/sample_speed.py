@@ -15,7 +15,6 @@ kernel is timed there anyway, to show why. On a CPU the times mean nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling moe_combine.py
 
-from moe_combine import mean_us  # noqa: E402
+from moe_combine import kernel_device, mean_us  # noqa: E402
 
 from dflash_train.decode import sample_kernel  # noqa: E402
 from dflash_train.decode.sampling import multinomial  # noqa: E402
@@ -54,10 +53,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     args = p.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    if sample_kernel.triton is None or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"):
-        print("sample_speed.py: the kernel needs triton, and on a CPU TRITON_INTERPRET=1", file=sys.stderr)
+    device = kernel_device(args.device, sample_kernel.triton is not None, "sample_speed.py")
+    if device is None:
         return 2
     for vocab in (int(v) for v in args.vocab.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
