@@ -13,9 +13,10 @@ with probability exp(x_i) / sum_j exp(x_j)). ~0.2 GB read at 2,048 x 49,152 in b
 
 The same distribution as the eager path, not the same draws: a seed gives other tokens than
 torch.multinomial does. A row whose logits are all -inf or NaN draws token 0 (torch.multinomial
-raises there). Counted from its compiled loop for sm_90 (~84 instructions an entry, most of them the
-two logarithms and Philox), the kernel is bound by instruction issue, not memory: ~1.5 ms at 2,048 x
-262,144 against a 0.3 ms memory floor, still ~4-6x under the eager chain (not yet timed). The seed
+raises there). Counted from its loop compiled for sm_90 (nvdisasm), the kernel is bound by instruction
+issue, not memory: ~64 instructions an entry (84 with both logarithms from libdevice; the outer one is
+now the hardware's lg2.approx), ~1.2 ms at 2,048 x 262,144 against a 0.3 ms memory floor, ~5-7x
+under the eager chain (not yet timed). The seed
 comes from torch's generator (the one passed, or the device's global one) as a device tensor, so no
 host read and a run seeded once draws the same tokens each time. Rows
 below MIN_ROWS keep the eager path: one program walks its whole vocabulary alone, which at batch 1 is
@@ -66,22 +67,33 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, block: 
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():  # triton's current device
-        _gumbel_argmax_kernel[(rows,)](logits, seed, out, vocab, logits.stride(0), 1.0 / temperature,
-                                       QUARTER=block // 4, num_warps=8)
+        _gumbel_argmax_kernel[(rows,)](logits, seed, out, vocab, logits.stride(0), _LOG2E / temperature,
+                                       QUARTER=block // 4, FAST_LOG=logits.is_cuda, num_warps=8)
     return out
+
+
+_LOG2E = 1.4426950408889634  # the scores are kept in base 2: argmax(x / T + g) = argmax(log2(e) (x / T + g))
 
 
 if triton is not None:
     @triton.jit
-    def _keep_best(best, best_col, base, cols, u, vocab, inv_t):
-        """The running per-lane argmax of logit / T + Gumbel noise, over one sub-block of columns."""
+    def _keep_best(best, best_col, base, cols, u, vocab, scale, FAST_LOG: tl.constexpr):
+        """The running per-lane argmax of (logit / T + Gumbel noise) * log2(e), over one sub-block of
+        columns: x * scale - log2(-ln(u)), scale = log2(e) / T."""
         x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        z = x * inv_t - tl.log(-tl.log(u))  # u = 0 gives -inf: never picked
+        e = -tl.log(u)  # exponential noise; accurate: as u -> 1 it is tiny, the Gumbel tail's precision
+        if FAST_LOG:  # the hardware's approximate log2 (one instruction; ~2^-22 relative, e > 0 here)
+            log2_e = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [e], dtype=tl.float32,
+                                               is_pure=True, pack=1)
+        else:  # the interpreter runs no PTX
+            log2_e = tl.log2(e)
+        z = x * scale - log2_e  # u = 0 gives e = inf, z = -inf: never picked
         better = z > best
         return tl.where(better, z, best), tl.where(better, cols, best_col)
 
     @triton.jit
-    def _gumbel_argmax_kernel(Logits, Seed, Out, vocab, stride, inv_t, QUARTER: tl.constexpr):
+    def _gumbel_argmax_kernel(Logits, Seed, Out, vocab, stride, scale, QUARTER: tl.constexpr,
+                              FAST_LOG: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         seed = tl.load(Seed)
         base = Logits + row * stride
@@ -93,9 +105,9 @@ if triton is not None:
             # one counter per lane and iteration, rows apart (no two rows share noise): four uniforms, one per
             # sub-block
             u0, u1, u2, u3 = tl.rand4x(seed, row * groups + start // 4 + q)
-            best, best_col = _keep_best(best, best_col, base, start + q, u0, vocab, inv_t)
-            best, best_col = _keep_best(best, best_col, base, start + QUARTER + q, u1, vocab, inv_t)
-            best, best_col = _keep_best(best, best_col, base, start + 2 * QUARTER + q, u2, vocab, inv_t)
-            best, best_col = _keep_best(best, best_col, base, start + 3 * QUARTER + q, u3, vocab, inv_t)
+            best, best_col = _keep_best(best, best_col, base, start + q, u0, vocab, scale, FAST_LOG)
+            best, best_col = _keep_best(best, best_col, base, start + QUARTER + q, u1, vocab, scale, FAST_LOG)
+            best, best_col = _keep_best(best, best_col, base, start + 2 * QUARTER + q, u2, vocab, scale, FAST_LOG)
+            best, best_col = _keep_best(best, best_col, base, start + 3 * QUARTER + q, u3, vocab, scale, FAST_LOG)
         top = tl.max(best, axis=0)
         tl.store(Out + row, tl.min(tl.where(best == top, best_col, vocab), axis=0))
