@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -27,6 +28,12 @@ def triton_runs_on(device: torch.device) -> bool:
     interpreter (TRITON_INTERPRET=1: how the tests check them without a GPU; slow). Whether triton is
     installed, and which dtypes a kernel takes, are each kernel's own to say."""
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def triton_device(device: torch.device):
+    """The context a Triton kernel launches in for tensors on `device`: CUDA's device made current (triton
+    launches on the current one, which need not be the tensors'), nothing on the CPU (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def available_memory(device: torch.device) -> int | None:

@@ -5,22 +5,21 @@ chain of full passes over [rows, vocabulary] float32: the cast, the division by 
 reads), and torch.multinomial's own Gumbel-max (exponential noise written, p / noise, its argmax):
 ~46 bytes an entry. Counted for SmolLM2-135M's 49,152-token vocabulary that is ~4.6 GB a step at
 2,048 rows, ~1 ms of an H200's bandwidth in a ~12 ms regeneration step; for Gemma 3's 262,144 tokens
-~25 GB, ~5 ms. Here one program
-takes one row: it reads the logits once in their own dtype, draws its uniforms in registers (Philox,
-four per call) and keeps the running argmax of logit / T + Gumbel noise, which is a draw from
-softmax(logits / T) (the Gumbel-max trick: argmax_i (x_i + g_i), g_i = -log(-log(u_i)) i.i.d., picks i
-with probability exp(x_i) / sum_j exp(x_j)). ~0.2 GB read at 2,048 x 49,152 in bf16.
+~25 GB, ~5 ms. Here one program takes one row: it reads the logits once in their own dtype, draws its
+uniforms in registers (Philox, four per call) and keeps the running argmax of logit / T + Gumbel
+noise, which is a draw from softmax(logits / T) (the Gumbel-max trick: argmax_i (x_i + g_i),
+g_i = -log(-log(u_i)) i.i.d., picks i with probability exp(x_i) / sum_j exp(x_j)). ~0.2 GB read at
+2,048 x 49,152 in bf16.
 
 The same distribution as the eager path, not the same draws: a seed gives other tokens than
 torch.multinomial does. A row whose logits are all -inf or NaN draws token 0 (torch.multinomial
 raises there). Counted from its loop compiled for sm_90 (nvdisasm), the kernel is bound by instruction
 issue, not memory: ~64 instructions an entry (84 with both logarithms from libdevice; the outer one is
 now the hardware's lg2.approx), ~1.2 ms at 2,048 x 262,144 against a 0.3 ms memory floor, ~5-7x
-under the eager chain (not yet timed). The seed
-comes from torch's generator (the one passed, or the device's global one) as a device tensor, so no
-host read and a run seeded once draws the same tokens each time. Rows
-below MIN_ROWS keep the eager path: one program walks its whole vocabulary alone, which at batch 1 is
-slower than the eager chain's wide kernels.
+under the eager chain (not yet timed). The seed comes from torch's generator (the one passed, or the
+device's global one) as a device tensor, so no host read and a run seeded once draws the same tokens
+each time. Rows below MIN_ROWS keep the eager path: one program walks its whole vocabulary alone,
+which at batch 1 is slower than the eager chain's wide kernels.
 
 Triton is optional: without it (the CPU build of torch ships none) `applies` is False. Under
 TRITON_INTERPRET=1 the kernel runs on CPU tensors (how the tests check it without a GPU).
@@ -28,11 +27,9 @@ TRITON_INTERPRET=1 the kernel runs on CPU tensors (how the tests check it withou
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from dflash_train.devices import triton_runs_on
+from dflash_train.devices import triton_device, triton_runs_on
 
 try:
     import triton
@@ -42,6 +39,7 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
 
 MIN_ROWS = 128  # about one row a streaming multiprocessor (the H200 has 132): fewer leave the GPU idle
 BLOCK = 2048  # columns a program reads per iteration: four sub-blocks of 512, one Philox call for all four
+_LOG2E = 1.4426950408889634  # the scores are kept in base 2: argmax(x / T + g) = argmax(log2(e) (x / T + g))
 
 
 def applies(logits: torch.Tensor) -> bool:
@@ -66,13 +64,11 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, block: 
         logits = logits.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():  # triton's current device
+    with triton_device(logits.device):
         _gumbel_argmax_kernel[(rows,)](logits, seed, out, vocab, logits.stride(0), _LOG2E / temperature,
                                        QUARTER=block // 4, FAST_LOG=logits.is_cuda, num_warps=8)
     return out
 
-
-_LOG2E = 1.4426950408889634  # the scores are kept in base 2: argmax(x / T + g) = argmax(log2(e) (x / T + g))
 
 
 if triton is not None:

@@ -18,9 +18,9 @@ transformers (5.17 and 5.18) routes every expert module it decorates with `use_e
 
 `auto` picks dflash_grouped for bf16 weights on CUDA (measured 11-17% ahead of grouped_mm on a
 Qwen3-30B-A3B forward and level with it in the one-GPU pipeline: docs/performance.md#moe-targets) and
-eager elsewhere. The choice is made here, once,
-so the config never holds `auto`: decode/architectures.py reads the implementation set to decide
-whether a forward can be captured as a CUDA graph.
+eager elsewhere. The choice is made here, once, so the config never holds `auto`:
+decode/architectures.py reads the implementation set to decide whether a forward can be captured as a
+CUDA graph.
 """
 
 from __future__ import annotations

@@ -33,12 +33,10 @@ needs no gradient: the combine has no backward (compiling it with gradients enab
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-from dflash_train.devices import triton_runs_on
+from dflash_train.devices import triton_device, triton_runs_on
 
 try:
     import triton
@@ -148,7 +146,7 @@ def _combine_op(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) 
     width = rows.shape[-1]
     rows, slots, weights = rows.contiguous(), slots.contiguous(), weights.contiguous()
     out = rows.new_empty(t, width, dtype=torch.promote_types(rows.dtype, weights.dtype))
-    with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():  # triton's current device
+    with triton_device(rows.device):
         _combine_kernel[(t, triton.cdiv(width, _COMBINE_BLOCK))](rows, slots, weights, out, width, K=k,
                                                                  ROUND=out.dtype != torch.float32,
                                                                  BLOCK=_COMBINE_BLOCK, num_warps=4)
