@@ -15,11 +15,10 @@ long the call takes to return (`host_ms`: the host's work, launches included, pl
 for the device) against its wall time; a forward whose host_ms is close to its wall time is
 host-bound, and a faster kernel does not shorten it. Every kernel is timed before any is profiled (a
 profiler session may leave later launches slower in the process). Then one forward of each under
-torch.profiler. Its kernels
-are summed by name and sorted into kinds by name (KINDS, first match): GEMMs, grouped GEMMs,
-attention, routing and indexing (sort, gather, scatter, histogram), Inductor's fused chains,
-normalisation, elementwise and the rest; printed with their share of the device time and the top
---top kernels. The profile says what a faster forward must change: at 0.18 MFU (Qwen3-30B-A3B,
+torch.profiler. Its kernels are summed by name and sorted into kinds by name (KINDS, first match):
+GEMMs, grouped GEMMs, attention, routing and indexing (sort, gather, scatter, histogram), Inductor's
+fused chains, normalisation, elementwise and the rest; printed with their share of the device time and
+the top --top kernels. The profile says what a faster forward must change: at 0.18 MFU (Qwen3-30B-A3B,
 grouped_mm, 2026-12-05) the question is whether the grouped GEMMs themselves are slow or the routing
 and copies around them.
 """
