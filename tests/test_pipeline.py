@@ -83,17 +83,21 @@ def test_cached_features_train_identically_and_skip_the_target_after_epoch_one(p
 
 
 def test_a_feature_cache_that_cannot_fit_the_gpu_keeps_what_fits_and_says_so(capsys):
-    """The shipped H200 config's first cache (7.71M tokens x 5 x 576 bf16 = 44 GB) fits 139 GB free; on a
-    24 GB GPU it would run out of memory in the middle of the first epoch, so it keeps 65% of 24 GB."""
+    """The shipped H200 config's first cache (7.71M tokens x 5 x 576 bf16 = 44 GB) fits beside 90 GB to
+    spare; with 15.6 GB it keeps 15.6 GB of them, and says so."""
     from dflash_train.app.local import cache_budget
 
-    assert cache_budget(7_709_379, 5 * 576 * 2, free_bytes=139 * 10**9) is None
-    assert cache_budget(7_709_379, 5 * 576 * 2, free_bytes=24 * 10**9) == int(15.6e9)
-    assert "44.4 GB, more than 65% of the GPU's 24.0 GB free: keeping 15.6 GB of them (35%)" in capsys.readouterr().err
+    assert cache_budget(7_709_379, 5 * 576 * 2, room=90 * 10**9, working=40 * 10**9) is None
+    assert cache_budget(7_709_379, 5 * 576 * 2, room=int(15.6e9), working=40 * 10**9) == int(15.6e9)
+    assert "take 44.4 GB; beside the run's 40.0 GB of working memory (measured) 15.6 GB fit: keeping 35%" \
+        in capsys.readouterr().err
+    assert cache_budget(7_709_379, 5 * 576 * 2, room=-10**9, working=90 * 10**9) == 0  # no room: keeps nothing
 
 
-def test_each_gpu_worker_budgets_the_share_of_the_cache_it_will_hold(monkeypatch, tmp_path):
-    """A worker caches the packs it serves or trains on: with 4 of them a 44 GB cache is ~11 GB each."""
+def test_a_gpu_feature_cache_is_sized_by_the_working_memory_of_the_first_steps(monkeypatch, tmp_path):
+    """A GPU's cache keeps nothing for the queue's depth and three packs, then budgets what the peak of those
+    steps leaves: free memory and unused reservation, less the peak and a 10% margin. A worker caches the
+    packs it serves or trains on: with 4 of them a 44 GB cache is ~11 GB each, which fits."""
     from types import SimpleNamespace
 
     from dflash_train.app.local import feature_cache
@@ -101,11 +105,23 @@ def test_each_gpu_worker_budgets_the_share_of_the_cache_it_will_hold(monkeypatch
     from dflash_train.settings.tree import TrainConfig
 
     gpu = SimpleNamespace(device=torch.device("cuda", 0), hidden_size=576, dtype=torch.bfloat16)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (24 * 10**9, 80 * 10**9))
-    cfg = TrainConfig.of(run_dir=str(tmp_path), cache_features=True)
+    peak = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: peak.append(0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * 10**9)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 46 * 10**9)
+    cfg = TrainConfig.of(run_dir=str(tmp_path), cache_features=True, queue_depth=2)
     spec = FeatureSpec((1, 8, 14, 20, 27))
-    assert feature_cache(cfg, gpu, 7_709_379, spec, share=4).budget is None  # 11.1 GB of 24 GB free
-    assert feature_cache(cfg, gpu, 7_709_379, spec).budget == int(15.6e9)
+    cache = feature_cache(cfg, gpu, 7_709_379, spec)
+    assert peak == [0]  # the peak is the training's, from here on
+    pack = SimpleNamespace(sequence_ids=[0])
+    for _ in range(5):  # 2 + 3 packs computed and not kept
+        assert cache.features(pack, lambda p: "computed") == "computed" and not cache.parts
+    assert cache.budget == 40e9 + 30e9 - 46e9 - 8e9  # 16 GB of the 44.4
+    shared = feature_cache(cfg, gpu, 7_709_379, spec, share=4)
+    for _ in range(5):
+        shared.features(pack, lambda p: "computed")
+    assert shared.budget is None  # 11.1 GB fit
     off = TrainConfig.of(run_dir=str(tmp_path), cache_features=False)
     assert feature_cache(off, gpu, 7_709_379, spec) is None
 

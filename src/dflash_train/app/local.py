@@ -41,36 +41,51 @@ def cache_features(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.pipeline.cache_features if cfg.pipeline.cache_features is not None else device.type == "cpu"
 
 
-# The share of the GPU's free memory (read before training) the feature cache may take; the rest is the
-# run's working memory. The shipped H200 config's 87 GB cache peaked at 127.1 GB of 139 (H200, 2026-12-02):
-# ~40 GB beside it, so 0.65 of ~135 GB free (~88 GB) is what has been seen to fit; a cache that does
-# not fit keeps that much, so it must be a share that works when filled
-CACHE_HEADROOM = 0.65
+# The share of the GPU's memory left free beside the feature cache and the run's measured working memory:
+# packs larger than the ones measured, validation, the allocator's fragments
+CACHE_MARGIN = 0.10
 
 
-def cache_budget(tokens: int, token_bytes: int, free_bytes: int) -> int | None:
-    """Bytes --cache-features may keep on a GPU: None (no limit) when every sequence's features (tokens x
-    token_bytes) fit beside the run's working memory, else CACHE_HEADROOM of the free memory, said with the
+def cache_budget(tokens: int, token_bytes: int, room: int, working: int) -> int | None:
+    """Bytes --cache-features may keep on a GPU with `room` bytes to spare beside the run's `working` memory:
+    None (no limit) when every sequence's features (tokens x token_bytes) fit, else the room, said with the
     figures: the sequences that fit are kept, the target runs on the others every epoch (FeatureCache)."""
-    need, room = tokens * token_bytes, int(CACHE_HEADROOM * free_bytes)
+    need, room = tokens * token_bytes, max(room, 0)
     if need <= room:
         return None
-    say(f"--cache-features: the target features of {tokens:,} tokens x {token_bytes} B take {need / 1e9:.1f} GB, "
-        f"more than {CACHE_HEADROOM:.0%} of the GPU's {free_bytes / 1e9:.1f} GB free: keeping {room / 1e9:.1f} GB "
-        f"of them ({room / need:.0%}); the target runs on the other sequences every epoch")
+    say(f"--cache-features: the target features of {tokens:,} tokens x {token_bytes} B take {need / 1e9:.1f} GB; "
+        f"beside the run's {working / 1e9:.1f} GB of working memory (measured) {room / 1e9:.1f} GB fit: keeping "
+        f"{room / need:.0%} of them; the target runs on the other sequences every epoch")
     return room
+
+
+def cache_room(device: torch.device) -> tuple[int, int]:
+    """(room, working): the bytes a feature cache may still take on `device`, and the working memory they
+    leave room for: the most this process has allocated since the cache began (holding nothing then). The
+    room is the device's free memory and this process's unused reservation, less that peak and the
+    CACHE_MARGIN, so that the filled cache still leaves every later step what the first ones took."""
+    free, total = torch.cuda.mem_get_info(device)
+    working = torch.cuda.max_memory_allocated(device)
+    return free + torch.cuda.memory_reserved(device) - working - int(CACHE_MARGIN * total), working
 
 
 def feature_cache(cfg: TrainConfig, target: Target, tokens: int, features: FeatureSpec,
                   share: int = 1) -> FeatureCache | None:
     """The feature cache of a process that caches 1/share of the prepared tokens' features (a worker keeps
-    the packs it serves or trains on: about an equal share of them), or None without --cache-features."""
+    the packs it serves or trains on: about an equal share of them), or None without --cache-features.
+
+    On a GPU its budget is measured, not guessed: the cache keeps nothing for its first packs (the queue's
+    depth and three more: past the drafter's first step, compile included), then takes what the peak of
+    those steps leaves (cache_room). Their sequences are computed again every epoch: a few packs of hundreds.
+    """
     if not cache_features(cfg, target.device):
         return None
     if target.device.type != "cuda":
         return FeatureCache()
-    return FeatureCache(cache_budget(-(-tokens // share), features.token_bytes(target.hidden_size, target.dtype),
-                                     torch.cuda.mem_get_info(target.device)[0]))
+    device, token_bytes = target.device, features.token_bytes(target.hidden_size, target.dtype)
+    torch.cuda.reset_peak_memory_stats(device)  # the working memory from here on: not regeneration's
+    return FeatureCache(sized_after=cfg.pipeline.queue_depth + 3,
+                        size=lambda: cache_budget(-(-tokens // share), token_bytes, *cache_room(device)))
 
 
 def features_here(cfg: TrainConfig, target: Target, packs, features: FeatureSpec, cache: FeatureCache | None,

@@ -65,7 +65,7 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, block: 
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     with triton_device(logits.device):
-        _gumbel_argmax_kernel[(rows,)](logits, seed, out, vocab, logits.stride(0), _LOG2E / temperature,
+        _gumbel_argmax_kernel[(rows,)](logits, seed, out, logits.stride(0), _LOG2E / temperature, VOCAB=vocab,
                                        QUARTER=block // 4, FAST_LOG=logits.is_cuda, num_warps=8)
     return out
 
@@ -88,8 +88,11 @@ if triton is not None:
         return tl.where(better, z, best), tl.where(better, cols, best_col)
 
     @triton.jit
-    def _gumbel_argmax_kernel(Logits, Seed, Out, vocab, stride, scale, QUARTER: tl.constexpr,
+    def _gumbel_argmax_kernel(Logits, Seed, Out, stride, scale, VOCAB: tl.constexpr, QUARTER: tl.constexpr,
                               FAST_LOG: tl.constexpr):
+        # VOCAB is a constant of the kernel (one build per model): a loop bound, which older Triton
+        # interpreters (3.6) cannot take from a runtime scalar
+        vocab = VOCAB
         row = tl.program_id(0).to(tl.int64)
         seed = tl.load(Seed)
         base = Logits + row * stride

@@ -86,14 +86,22 @@ class FeatureCache:
     = 87 GB for SmolLM2 on the H200 recipe's data; target labels add 4 B a token). With `budget_bytes`
     it keeps sequences in the order they first come until the budget is spent; the rest are computed
     again each time they come, on their own (a batch of just them, data/packing.select), beside the
-    cached ones of their pack.
+    cached ones of their pack. With `sized_after` packs and `size`, it keeps nothing for that many packs,
+    then takes `size()` as its budget: a budget measured on the run's first steps (app/local.py).
     """
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int | None = None, sized_after: int = 0,
+                 size: Callable[[], int | None] = lambda: None) -> None:
         self.parts: dict[int, TargetFeatures] = {}
         self.budget, self.bytes = budget_bytes, 0
+        self.unsized, self.size = sized_after, size
 
     def features(self, pack: Pack, compute: Callable[[Pack], TargetFeatures]) -> TargetFeatures:
+        if self.unsized:
+            self.unsized -= 1
+            if not self.unsized:
+                self.budget = self.size()
+            return compute(pack)
         ids = pack.sequence_ids
         missing = [k for k, i in enumerate(ids) if i not in self.parts]
         if not missing:
