@@ -110,6 +110,7 @@ def test_a_gpu_feature_cache_is_sized_by_the_working_memory_of_the_first_steps(m
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 10**9, 80 * 10**9))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * 10**9)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 46 * 10**9)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": len(peak)})
     cfg = TrainConfig.of(run_dir=str(tmp_path), cache_features=True, queue_depth=2)
     spec = FeatureSpec((1, 8, 14, 20, 27))
     cache = feature_cache(cfg, gpu, 7_709_379, spec)
@@ -118,6 +119,9 @@ def test_a_gpu_feature_cache_is_sized_by_the_working_memory_of_the_first_steps(m
     for _ in range(5):  # 2 + 3 packs computed and not kept
         assert cache.features(pack, lambda p: "computed") == "computed" and not cache.parts
     assert cache.budget == 40e9 + 30e9 - 46e9 - 8e9  # 16 GB of the 44.4
+    assert not cache.short()  # the allocator has retried no cudaMalloc since the cache began
+    peak.append(0)
+    assert cache.short() and not cache.short()  # one retry since: said once
     shared = feature_cache(cfg, gpu, 7_709_379, spec, share=4)
     for _ in range(5):
         shared.features(pack, lambda p: "computed")
@@ -130,10 +134,10 @@ def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_featu
     """Packs of cached and uncached sequences: the uncached ones go through the target on their own, and
     each pack's features are those the target gives the whole pack; the cache stays within its budget."""
     from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.feature_cache import FeatureCache
     from dflash_train.pipeline.features import target_features
     from dflash_train.pipeline.stream import PackStream
     from dflash_train.pipeline.target_features import FeatureSpec
-    from dflash_train.pipeline.target_loop import FeatureCache
 
     packs = list(PackStream(PreparedDataset.open(prepared), 160, 4, 0, 1).packs(40))  # epochs packed anew
     spec = FeatureSpec((0, 1), labels=True)  # the labels are cached and counted with the hidden states
@@ -151,6 +155,34 @@ def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_featu
     assert 0 < len(cache.parts) < len({i for p in packs for i in p.sequence_ids})
     assert any(0 < ran < whole for ran, whole in calls)  # packs of both kinds: only their uncached sequences ran
     assert sum(ran for ran, _ in calls) < sum(p.batch.num_tokens for p in packs)  # cached tokens did not run again
+
+
+def test_a_cache_gives_memory_back_when_the_device_runs_short(tiny_target, prepared, capsys):
+    """When the allocator had to retry a cudaMalloc, the cache gives back a tenth of its bytes (the
+    sequences it kept first), grows no more, and every pack still gets the target's features."""
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.feature_cache import FeatureCache
+    from dflash_train.pipeline.features import target_features
+    from dflash_train.pipeline.stream import PackStream
+    from dflash_train.pipeline.target_features import FeatureSpec
+
+    packs = list(PackStream(PreparedDataset.open(prepared), 160, 4, 0, 1).packs(40))
+    spec = FeatureSpec((0, 1))
+    compute = lambda p: target_features(tiny_target, p.batch, spec)  # noqa: E731
+    calls = iter(range(len(packs)))
+    cache = FeatureCache(short=lambda: next(calls) == 12)
+    kept = []
+    for n, pack in enumerate(packs):
+        got = cache.features(pack, compute)
+        torch.testing.assert_close(got.hidden, compute(pack).hidden, rtol=1e-5, atol=1e-6)
+        kept.append((cache.bytes, len(cache.parts)))
+        if n == 11:
+            first = next(iter(cache.parts))
+    before = kept[11][0]
+    assert 0 < kept[12][0] <= 0.9 * before < kept[12][0] + max(p.nbytes for p in cache.parts.values())
+    assert first not in cache.parts  # the first kept went first
+    assert all(b <= kept[12][0] for b, _ in kept[12:])  # grows no more
+    assert "the GPU ran short of memory; the feature cache gave back" in capsys.readouterr().err
 
 
 def test_a_pack_stream_counts_the_tokens_of_an_epoch(prepared):

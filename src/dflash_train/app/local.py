@@ -18,9 +18,9 @@ from dflash_train.app.validation import Validation
 from dflash_train.errors import say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
+from dflash_train.pipeline.feature_cache import FeatureCache
 from dflash_train.pipeline.sources import FeatureSource, local_source
 from dflash_train.pipeline.target_features import FeatureSpec
-from dflash_train.pipeline.target_loop import FeatureCache
 from dflash_train.profiling.flops import PackFlops
 from dflash_train.profiling.stats import NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
@@ -85,7 +85,26 @@ def feature_cache(cfg: TrainConfig, target: Target, tokens: int, features: Featu
     device, token_bytes = target.device, features.token_bytes(target.hidden_size, target.dtype)
     torch.cuda.reset_peak_memory_stats(device)  # the working memory from here on: not regeneration's
     return FeatureCache(sized_after=cfg.pipeline.queue_depth + 3,
-                        size=lambda: cache_budget(-(-tokens // share), token_bytes, *cache_room(device)))
+                        size=lambda: cache_budget(-(-tokens // share), token_bytes, *cache_room(device)),
+                        short=AllocRetries(device).since_last)
+
+
+class AllocRetries:
+    """Whether the device ran short of memory: the caching allocator freed its cached blocks and retried a
+    cudaMalloc (its num_alloc_retries grew) since the last look. Read from the allocator's host-side
+    counters: no device sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seen = self._count()
+
+    def _count(self) -> int:
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+
+    def since_last(self) -> bool:
+        count = self._count()
+        grew, self.seen = count > self.seen, count
+        return grew
 
 
 def features_here(cfg: TrainConfig, target: Target, packs, features: FeatureSpec, cache: FeatureCache | None,

@@ -17,9 +17,10 @@ import time
 from typing import Protocol
 
 from dflash_train.models.target import Target
+from dflash_train.pipeline.feature_cache import FeatureCache
 from dflash_train.pipeline.handoff import Features, LocalHandoff, PipelineStopped
 from dflash_train.pipeline.target_features import FeatureSpec
-from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
+from dflash_train.pipeline.target_loop import BatchQueue, TargetForwardLoop
 from dflash_train.profiling.stats import NULL_LOOP, NULL_PROFILE
 from dflash_train.profiling.tools import NO_TRACE
 

@@ -13,12 +13,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 
 import torch
 
-from dflash_train.data.packing import select
 from dflash_train.models.target import Target
+from dflash_train.pipeline.feature_cache import FeatureCache
 from dflash_train.pipeline.features import target_features
 from dflash_train.pipeline.handoff import Features, LocalHandoff, P2PSender, PipelineStopped
 from dflash_train.pipeline.stream import Pack
@@ -77,55 +76,6 @@ class BatchQueue:
 
     def close(self) -> None:
         self.stop.set()
-
-
-class FeatureCache:
-    """Each sequence's target features, kept from its first pack on: later epochs skip the target.
-
-    Costs FeatureSpec.token_bytes a token of the target's device memory (15.2M tokens x 5 x 576 x 2 B
-    = 87 GB for SmolLM2 on the H200 recipe's data; target labels add 4 B a token). With `budget_bytes`
-    it keeps sequences in the order they first come until the budget is spent; the rest are computed
-    again each time they come, on their own (a batch of just them, data/packing.select), beside the
-    cached ones of their pack. With `sized_after` packs and `size`, it keeps nothing for that many packs,
-    then takes `size()` as its budget: a budget measured on the run's first steps (app/local.py).
-    """
-
-    def __init__(self, budget_bytes: int | None = None, sized_after: int = 0,
-                 size: Callable[[], int | None] = lambda: None) -> None:
-        self.parts: dict[int, TargetFeatures] = {}
-        self.budget, self.bytes = budget_bytes, 0
-        self.unsized, self.size = sized_after, size
-
-    def features(self, pack: Pack, compute: Callable[[Pack], TargetFeatures]) -> TargetFeatures:
-        if self.unsized:
-            self.unsized -= 1
-            if not self.unsized:
-                self.budget = self.size()
-            return compute(pack)
-        ids = pack.sequence_ids
-        missing = [k for k, i in enumerate(ids) if i not in self.parts]
-        if not missing:
-            return TargetFeatures.cat([self.parts[i] for i in ids])
-        lengths = torch.bincount(pack.batch.seq_ids).tolist()  # the loader's host copy: no device sync
-        if len(missing) == len(ids):
-            feats = compute(pack)
-            self._keep(ids, feats.split(lengths))
-            return feats
-        sub = compute(replace(pack, batch=select(pack.batch, missing)))
-        fresh = dict(zip(missing, sub.split([lengths[k] for k in missing]), strict=True))
-        self._keep([ids[k] for k in missing], list(fresh.values()))
-        return TargetFeatures.cat([fresh[k] if k in fresh else self.parts[i] for k, i in enumerate(ids)])
-
-    def _keep(self, ids: list[int], parts: list[TargetFeatures]) -> None:
-        sizes = [p.nbytes for p in parts]
-        room = sum(sizes) if self.budget is None else self.budget - self.bytes
-        whole = sum(sizes) <= room  # all of them: views of the pack's tensor, which they use up
-        for i, part, size in zip(ids, parts, sizes, strict=True):
-            if size > room:
-                continue  # over budget: computed again when it comes (another may still fit)
-            self.parts[i] = part if whole else part.clone()  # a view alone would hold the whole pack
-            self.bytes += size
-            room -= size
 
 
 class TargetForwardLoop:

@@ -40,10 +40,11 @@ from dflash_train.config import DEBUG_STACKS_ENV
 from dflash_train.config import FAULT_ENV as FAULT
 from dflash_train.errors import UsageError
 from dflash_train.models.target import Target
+from dflash_train.pipeline.feature_cache import FeatureCache
 from dflash_train.pipeline.handoff import P2PReceiver, P2PSender
 from dflash_train.pipeline.stream import Pack, PackStream
 from dflash_train.pipeline.target_features import FeatureSpec
-from dflash_train.pipeline.target_loop import BatchQueue, FeatureCache, TargetForwardLoop
+from dflash_train.pipeline.target_loop import BatchQueue, TargetForwardLoop
 from dflash_train.profiling.stats import NULL_LOOP
 from dflash_train.profiling.tools import NO_TRACE
 
