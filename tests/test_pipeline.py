@@ -95,9 +95,9 @@ def test_a_feature_cache_that_cannot_fit_the_gpu_keeps_what_fits_and_says_so(cap
 
 
 def test_a_gpu_feature_cache_is_sized_by_the_working_memory_of_the_first_steps(monkeypatch, tmp_path):
-    """A GPU's cache keeps nothing for the queue's depth and three packs, then budgets what the peak of those
-    steps leaves: free memory and unused reservation, less the peak and a 10% margin. A worker caches the
-    packs it serves or trains on: with 4 of them a 44 GB cache is ~11 GB each, which fits."""
+    """A GPU's cache takes its budget after the queue's depth and three packs: what the peak of those steps
+    leaves (free memory and unused reservation, less the peak and a 10% margin). A worker caches the packs
+    it serves or trains on: with 4 of them a 44 GB cache is ~11 GB each, which fits."""
     from types import SimpleNamespace
 
     from dflash_train.app.local import feature_cache
@@ -115,17 +115,13 @@ def test_a_gpu_feature_cache_is_sized_by_the_working_memory_of_the_first_steps(m
     spec = FeatureSpec((1, 8, 14, 20, 27))
     cache = feature_cache(cfg, gpu, 7_709_379, spec)
     assert peak == [0]  # the peak is the training's, from here on
-    pack = SimpleNamespace(sequence_ids=[0])
-    for _ in range(5):  # 2 + 3 packs computed and not kept
-        assert cache.features(pack, lambda p: "computed") == "computed" and not cache.parts
-    assert cache.budget == 40e9 + 30e9 - 46e9 - 8e9  # 16 GB of the 44.4
+    assert cache.unsized == 5 and cache.budget is None  # 2 + 3 packs kept before the budget is measured
+    # 17 GB of the 44.4 in all: the 16 GB the peak leaves, and the 1 GB those packs hold (in the peak)
+    assert cache.size(10**9) == 40e9 + 30e9 - (46e9 - 1e9) - 8e9
     assert not cache.short()  # the allocator has retried no cudaMalloc since the cache began
     peak.append(0)
     assert cache.short() and not cache.short()  # one retry since: said once
-    shared = feature_cache(cfg, gpu, 7_709_379, spec, share=4)
-    for _ in range(5):
-        shared.features(pack, lambda p: "computed")
-    assert shared.budget is None  # 11.1 GB fit
+    assert feature_cache(cfg, gpu, 7_709_379, spec, share=4).size(0) is None  # 11.1 GB fit
     off = TrainConfig.of(run_dir=str(tmp_path), cache_features=False)
     assert feature_cache(off, gpu, 7_709_379, spec) is None
 

@@ -59,13 +59,13 @@ def cache_budget(tokens: int, token_bytes: int, room: int, working: int) -> int 
     return room
 
 
-def cache_room(device: torch.device) -> tuple[int, int]:
-    """(room, working): the bytes a feature cache may still take on `device`, and the working memory they
-    leave room for: the most this process has allocated since the cache began (holding nothing then). The
-    room is the device's free memory and this process's unused reservation, less that peak and the
+def cache_room(device: torch.device, held: int) -> tuple[int, int]:
+    """(room, working): the bytes a feature cache holding `held` may hold in all on `device`, and the working
+    memory they leave room for: the most this process has allocated since the cache began, less `held`.
+    The room is the device's free memory and this process's unused reservation, less that peak and the
     CACHE_MARGIN, so that the filled cache still leaves every later step what the first ones took."""
     free, total = torch.cuda.mem_get_info(device)
-    working = torch.cuda.max_memory_allocated(device)
+    working = torch.cuda.max_memory_allocated(device) - held
     return free + torch.cuda.memory_reserved(device) - working - int(CACHE_MARGIN * total), working
 
 
@@ -74,9 +74,9 @@ def feature_cache(cfg: TrainConfig, target: Target, tokens: int, features: Featu
     """The feature cache of a process that caches 1/share of the prepared tokens' features (a worker keeps
     the packs it serves or trains on: about an equal share of them), or None without --cache-features.
 
-    On a GPU its budget is measured, not guessed: the cache keeps nothing for its first packs (the queue's
-    depth and three more: past the drafter's first step, compile included), then takes what the peak of
-    those steps leaves (cache_room). Their sequences are computed again every epoch: a few packs of hundreds.
+    On a GPU its budget is measured, not guessed: over its first packs (the queue's depth and three more:
+    past the drafter's first step, compile included) it keeps what comes, then takes what the peak of those
+    steps leaves (cache_room), and gives memory back if the device runs short later (AllocRetries).
     """
     if not cache_features(cfg, target.device):
         return None
@@ -85,7 +85,7 @@ def feature_cache(cfg: TrainConfig, target: Target, tokens: int, features: Featu
     device, token_bytes = target.device, features.token_bytes(target.hidden_size, target.dtype)
     torch.cuda.reset_peak_memory_stats(device)  # the working memory from here on: not regeneration's
     return FeatureCache(sized_after=cfg.pipeline.queue_depth + 3,
-                        size=lambda: cache_budget(-(-tokens // share), token_bytes, *cache_room(device)),
+                        size=lambda held: cache_budget(-(-tokens // share), token_bytes, *cache_room(device, held)),
                         short=AllocRetries(device).since_last)
 
 

@@ -22,14 +22,15 @@ class FeatureCache:
     again each time they come, on their own (a batch of just them, data/packing.select), beside the
     cached ones of their pack.
 
-    sized_after, size: keep nothing for that many packs, then take `size()` as the budget (a budget
-    measured on the run's first steps). short: whether the device ran short of memory since the last
+    sized_after, size: after that many packs, kept without a budget, take `size(bytes kept)` as the budget
+    (one measured on the run's first steps). short: whether the device ran short of memory since the last
     call (the allocator had to free its cached blocks and retry); then the cache stops growing and gives
     back SHED of its bytes, the sequences it kept first: memory the run turned out to need.
     """
 
     def __init__(self, budget_bytes: int | None = None, sized_after: int = 0,
-                 size: Callable[[], int | None] = lambda: None, short: Callable[[], bool] = lambda: False) -> None:
+                 size: Callable[[int], int | None] = lambda held: None,
+                 short: Callable[[], bool] = lambda: False) -> None:
         self.parts: dict[int, TargetFeatures] = {}  # in the order kept: the first go first
         self.budget, self.bytes = budget_bytes, 0
         self.unsized, self.size, self.short = sized_after, size, short
@@ -38,9 +39,8 @@ class FeatureCache:
         if self.unsized:
             self.unsized -= 1
             if not self.unsized:
-                self.budget = self.size()
-            return compute(pack)
-        if self.short():
+                self.budget = self.size(self.bytes)
+        elif self.short():
             self._shed()
         ids = pack.sequence_ids
         missing = [k for k, i in enumerate(ids) if i not in self.parts]
