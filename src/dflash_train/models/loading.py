@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dflash_train.config import CACHE_ENV
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
 from dflash_train.models.chat import prepare_chat, prepare_tokenizer
@@ -199,8 +199,31 @@ def _write_hf_copy(model: nn.Module, tok, out: Path) -> None:
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             model.generation_config.save_pretrained(str(tmp))
             tok.save_pretrained(str(tmp))
-    except OSError:
+            if not _reloads_the_same(tok, tmp, out):
+                raise _NotCached
+    except (OSError, _NotCached):
         pass  # another process won the race, the cache is read-only or the disk is full: loading still worked
+
+
+class _NotCached(Exception):
+    """The copy would not load what was converted: no copy (each run converts the GGUF again)."""
+
+
+def _reloads_the_same(tok, saved: Path, out: Path) -> bool:
+    """Whether AutoTokenizer reads back from `saved` the tokenizer written there, as the next run's
+    _load_hf will: transformers < 5.18 read a Unigram tokenizer.json as a GemmaTokenizer BPE without
+    merges (one token per character), and every prepared data set was keyed on a changed tokenizer."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from dflash_train.data.fingerprint import tokenizer_fingerprint
+
+    back = AutoTokenizer.from_pretrained(str(saved), clean_up_tokenization_spaces=False)
+    if tokenizer_fingerprint(back) == tokenizer_fingerprint(tok):
+        return True
+    say(f"not caching {out.name}: its tokenizer does not reload as written under transformers "
+        f"{transformers.__version__}; each run converts the GGUF again")
+    return False
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
