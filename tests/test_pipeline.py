@@ -95,9 +95,10 @@ def test_a_feature_cache_that_cannot_fit_the_gpu_keeps_what_fits_and_says_so(cap
 
 
 def test_a_gpu_feature_cache_is_sized_by_the_working_memory_of_the_first_steps(monkeypatch, tmp_path):
-    """A GPU's cache takes its budget after the queue's depth and three packs: what the peak of those steps
-    leaves (free memory and unused reservation, less the peak and a 10% margin). A worker caches the packs
-    it serves or trains on: with 4 of them a 44 GB cache is ~11 GB each, which fits."""
+    """A GPU's cache takes its budget once the drafter has taken its first optimizer step (the queue's depth,
+    the step's packs and two more): what the peak of those steps leaves of the free memory and the
+    reservation, less a 10% margin. A worker caches the packs it serves or trains on: with 4 of them a
+    44 GB cache is ~11 GB each, which fits."""
     from types import SimpleNamespace
 
     from dflash_train.app.local import feature_cache
@@ -105,25 +106,51 @@ def test_a_gpu_feature_cache_is_sized_by_the_working_memory_of_the_first_steps(m
     from dflash_train.settings.tree import TrainConfig
 
     gpu = SimpleNamespace(device=torch.device("cuda", 0), hidden_size=576, dtype=torch.bfloat16)
-    peak = []
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: peak.append(0))
+    resets, retries, emptied = [], [0], []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 10**9, 80 * 10**9))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * 10**9)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 46 * 10**9)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": len(peak)})
-    cfg = TrainConfig.of(run_dir=str(tmp_path), cache_features=True, queue_depth=2)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {"num_alloc_retries": retries[0]})
+    cfg = TrainConfig.of(run_dir=str(tmp_path), cache_features=True, queue_depth=2, grad_accum=3)
     spec = FeatureSpec((1, 8, 14, 20, 27))
     cache = feature_cache(cfg, gpu, 7_709_379, spec)
-    assert peak == [0]  # the peak is the training's, from here on
-    assert cache.unsized == 5 and cache.budget is None  # 2 + 3 packs kept before the budget is measured
-    # 17 GB of the 44.4 in all: the 16 GB the peak leaves, and the 1 GB those packs hold (in the peak)
-    assert cache.size(10**9) == 40e9 + 30e9 - (46e9 - 1e9) - 8e9
+    assert resets == [gpu.device]  # the peak is the training's, from here on
+    assert cache.unsized == 2 + 3 + 2 and cache.budget is None
+    assert cache.size() == 40e9 + 30e9 - 46e9 - 8e9 and emptied  # 16 GB of the 44.4, unused blocks handed back
     assert not cache.short()  # the allocator has retried no cudaMalloc since the cache began
-    peak.append(0)
+    retries[0] += 1
     assert cache.short() and not cache.short()  # one retry since: said once
-    assert feature_cache(cfg, gpu, 7_709_379, spec, share=4).size(0) is None  # 11.1 GB fit
+    assert feature_cache(cfg, gpu, 7_709_379, spec, share=4).size() is None  # 11.1 GB fit
     off = TrainConfig.of(run_dir=str(tmp_path), cache_features=False)
     assert feature_cache(off, gpu, 7_709_379, spec) is None
+
+
+def test_a_measured_cache_keeps_its_first_packs_then_holds_to_its_budget(tiny_target, prepared, capsys):
+    """The packs before the budget are kept; the budget, once taken, trims what they hold beyond it; a
+    retry from those first steps (compile, first allocations) is not a shortage."""
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.feature_cache import FeatureCache
+    from dflash_train.pipeline.features import target_features
+    from dflash_train.pipeline.stream import PackStream
+    from dflash_train.pipeline.target_features import FeatureSpec
+
+    packs = list(PackStream(PreparedDataset.open(prepared), 160, 4, 0, 1).packs(20))
+    spec = FeatureSpec((0, 1))
+    compute = lambda p: target_features(tiny_target, p.batch, spec)  # noqa: E731
+    width = spec.token_bytes(tiny_target.hidden_size, tiny_target.dtype)
+    sized, released, retried = [], [], [True]  # a retry pending from the measured steps
+    cache = FeatureCache(size=lambda: sized.append(cache.bytes) or 150 * width, sized_after=3,
+                         short=lambda: retried.pop() if retried else False, release=lambda: released.append(1))
+    for n, pack in enumerate(packs):
+        held = cache.bytes
+        cache.features(pack, compute)
+        if n < 3:
+            assert cache.bytes > held and not sized  # kept, unbudgeted
+    assert len(sized) == 1 and sized[0] == sum(p.num_tokens for p in packs[:3]) * width
+    assert sized[0] > 150 * width >= cache.bytes > 0 and released  # trimmed to the budget
+    assert "ran short" not in capsys.readouterr().err
 
 
 def test_a_cache_over_budget_keeps_some_sequences_and_gives_every_pack_its_features(tiny_target, prepared):

@@ -59,13 +59,15 @@ def cache_budget(tokens: int, token_bytes: int, room: int, working: int) -> int 
     return room
 
 
-def cache_room(device: torch.device, held: int) -> tuple[int, int]:
-    """(room, working): the bytes a feature cache holding `held` may hold in all on `device`, and the working
-    memory they leave room for: the most this process has allocated since the cache began, less `held`.
-    The room is the device's free memory and this process's unused reservation, less that peak and the
+def cache_room(device: torch.device) -> tuple[int, int]:
+    """(room, working): the bytes a feature cache may hold in all on `device`, and the working memory they
+    leave room for: the most this process has allocated since the cache began (the packs it kept then
+    included: a margin of a few packs). The room is the device's free memory and this process's
+    reservation (its unused blocks handed back first, so that they count once), less that peak and the
     CACHE_MARGIN, so that the filled cache still leaves every later step what the first ones took."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    working = torch.cuda.max_memory_allocated(device) - held
+    working = torch.cuda.max_memory_allocated(device)
     return free + torch.cuda.memory_reserved(device) - working - int(CACHE_MARGIN * total), working
 
 
@@ -74,9 +76,11 @@ def feature_cache(cfg: TrainConfig, target: Target, tokens: int, features: Featu
     """The feature cache of a process that caches 1/share of the prepared tokens' features (a worker keeps
     the packs it serves or trains on: about an equal share of them), or None without --cache-features.
 
-    On a GPU its budget is measured, not guessed: over its first packs (the queue's depth and three more:
-    past the drafter's first step, compile included) it keeps what comes, then takes what the peak of those
-    steps leaves (cache_room), and gives memory back if the device runs short later (AllocRetries).
+    On a GPU its budget is measured, not guessed: it keeps the packs that come until the drafter has taken
+    its first optimizer step (the queue's depth, the step's packs and two more; compile included), then
+    takes what the peak of those steps leaves (cache_room), and gives memory back if the device runs short
+    later (AllocRetries). Not in that window: the first validation and later recompiles (CACHE_MARGIN).
+    Resetting the peak makes a bench's peak_memory_gb that of training alone (all it then holds).
     """
     if not cache_features(cfg, target.device):
         return None
@@ -84,9 +88,9 @@ def feature_cache(cfg: TrainConfig, target: Target, tokens: int, features: Featu
         return FeatureCache()
     device, token_bytes = target.device, features.token_bytes(target.hidden_size, target.dtype)
     torch.cuda.reset_peak_memory_stats(device)  # the working memory from here on: not regeneration's
-    return FeatureCache(sized_after=cfg.pipeline.queue_depth + 3,
-                        size=lambda held: cache_budget(-(-tokens // share), token_bytes, *cache_room(device, held)),
-                        short=AllocRetries(device).since_last)
+    return FeatureCache(size=lambda: cache_budget(-(-tokens // share), token_bytes, *cache_room(device)),
+                        sized_after=cfg.pipeline.queue_depth + cfg.optimizer.grad_accum + 2,
+                        short=AllocRetries(device).since_last, release=torch.cuda.empty_cache)
 
 
 class AllocRetries:
@@ -99,7 +103,7 @@ class AllocRetries:
         self.seen = self._count()
 
     def _count(self) -> int:
-        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        return torch.cuda.memory_stats_as_nested_dict(self.device).get("num_alloc_retries", 0)  # not flattened
 
     def since_last(self) -> bool:
         count = self._count()

@@ -22,24 +22,24 @@ class FeatureCache:
     again each time they come, on their own (a batch of just them, data/packing.select), beside the
     cached ones of their pack.
 
-    sized_after, size: after that many packs, kept without a budget, take `size(bytes kept)` as the budget
-    (one measured on the run's first steps). short: whether the device ran short of memory since the last
-    call (the allocator had to free its cached blocks and retry); then the cache stops growing and gives
-    back SHED of its bytes, the sequences it kept first: memory the run turned out to need.
+    size, sized_after: keep `sized_after` packs without a budget, then take `size()` as the budget (one
+    measured on the run's first steps), giving back at once what it holds beyond it. short: whether the
+    device ran short of memory since the last call (the allocator had to free its cached blocks and
+    retry); then the cache gives back SHED of its bytes, the sequences it kept first, and grows no more.
+    release: hands the memory given back to the device (another stream's allocations can take it).
     """
 
-    def __init__(self, budget_bytes: int | None = None, sized_after: int = 0,
-                 size: Callable[[int], int | None] = lambda held: None,
-                 short: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, budget_bytes: int | None = None, *, size: Callable[[], int | None] | None = None,
+                 sized_after: int = 0, short: Callable[[], bool] = lambda: False,
+                 release: Callable[[], None] = lambda: None) -> None:
         self.parts: dict[int, TargetFeatures] = {}  # in the order kept: the first go first
         self.budget, self.bytes = budget_bytes, 0
-        self.unsized, self.size, self.short = sized_after, size, short
+        self.size, self.short, self.release = size, short, release
+        self.unsized = sized_after if size is not None else None  # packs still to keep before the budget
 
     def features(self, pack: Pack, compute: Callable[[Pack], TargetFeatures]) -> TargetFeatures:
-        if self.unsized:
-            self.unsized -= 1
-            if not self.unsized:
-                self.budget = self.size(self.bytes)
+        if self.unsized is not None:
+            self._measure()
         elif self.short():
             self._shed()
         ids = pack.sequence_ids
@@ -67,12 +67,27 @@ class FeatureCache:
             self.bytes += size
             room -= size
 
-    def _shed(self) -> None:
-        """Stop growing and give back SHED of the bytes, the first-kept sequences first: their packs' whole
-        tensors (views of one pack go together) return to the allocator."""
-        before = self.bytes
-        while self.parts and self.bytes > before * (1 - SHED):
+    def _measure(self) -> None:
+        """One more pack kept unbudgeted, or the budget taken now and what is over it given back."""
+        if self.unsized:
+            self.unsized -= 1
+            return
+        self.unsized = None
+        self.budget = self.size()
+        if self.budget is not None and self.bytes > self.budget:
+            self._evict(self.budget)
+        self.short()  # retries so far were the measured steps' (compile, first allocations), not a shortage
+
+    def _evict(self, limit: float) -> None:
+        """The first-kept sequences out until `limit` bytes are left: their packs' tensors (views of one pack
+        go together) return to the allocator, then to the device."""
+        while self.parts and self.bytes > limit:
             self.bytes -= self.parts.pop(next(iter(self.parts))).nbytes
+        self.release()
+
+    def _shed(self) -> None:
+        before = self.bytes
+        self._evict(before * (1 - SHED))
         self.budget = self.bytes
         say(f"--cache-features: the GPU ran short of memory; the feature cache gave back "
             f"{(before - self.bytes) / 1e9:.1f} GB, keeps {self.bytes / 1e9:.1f} GB and grows no more")
