@@ -6,7 +6,7 @@ import json
 import shutil
 
 from dflash_train.cli import main
-from dflash_train.data.fingerprint import tokenizer_fingerprint
+from dflash_train.models.chat import tokenizer_fingerprint
 from dflash_train.models.loading import byte_tokenizer
 
 TRAIN = ["train", "--target", "random:tiny", "--no-regenerate", "--data-topic", "any", "--num-conversations", "0",

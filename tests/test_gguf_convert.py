@@ -15,10 +15,9 @@ import torch
 import transformers
 from tiny_gguf import write_tiny_gguf
 
-from dflash_train.data.fingerprint import tokenizer_fingerprint
 from dflash_train.errors import UsageError
 from dflash_train.models import gguf_convert, loading
-from dflash_train.models.chat import prepare_tokenizer
+from dflash_train.models.chat import prepare_tokenizer, tokenizer_fingerprint
 from dflash_train.models.gguf_read import read_header
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_train.app.phases import Phases
 from dflash_train.data.dataset import LABELS, PreparedDataset, prepare_dataset
-from dflash_train.data.fingerprint import source_fingerprint, target_fingerprint, tokenizer_fingerprint
+from dflash_train.data.fingerprint import source_fingerprint, target_fingerprint
 from dflash_train.data.parallel import default_workers
 from dflash_train.data.regen_client import regenerate_via_server, server_config
 from dflash_train.data.regen_common import RegenConfig, RegenReport, read_regenerated, sample_ids, without_credentials
@@ -24,6 +24,7 @@ from dflash_train.data.selection import select_conversations
 from dflash_train.data.sources import Conversation, SourceReport, default_split, iter_conversations
 from dflash_train.errors import UsageError, say
 from dflash_train.files import write_atomic
+from dflash_train.models.chat import tokenizer_fingerprint
 from dflash_train.models.target import Target
 from dflash_train.objective.objective import feature_layer_ids
 from dflash_train.pipeline.target_features import FeatureSpec

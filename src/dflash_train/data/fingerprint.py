@@ -9,7 +9,6 @@ its inputs beside it and a later run can say which one changed.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -73,17 +72,3 @@ def target_fingerprint(target: Target) -> dict:
         return {"directory": {p.name: weights_fingerprint(p) for p in sorted(path.iterdir())
                               if p.is_file() and not p.name.startswith(".")}}
     return {"spec": spec, "revision": getattr(target.model.config, "_commit_hash", None)}
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of what turns conversations into ids: the vocabulary and merges (a fast tokenizer's whole
-    serialized state), the special tokens and the chat template."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = {
-        "class": type(tokenizer).__name__,
-        "size": len(tokenizer),
-        "special": getattr(tokenizer, "special_tokens_map", None),
-        "chat_template": getattr(tokenizer, "chat_template", None),
-        "state": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

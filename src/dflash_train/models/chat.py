@@ -10,6 +10,8 @@ data, regeneration), so every path sees the same tokens.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import TYPE_CHECKING
 
 from dflash_train.errors import UsageError, say
@@ -161,3 +163,17 @@ def check_mask_token(target: Target, mask_token_id: int, name: str = "mask_token
         raise UsageError(f"{name}: token {mask_token_id} ({token_text(target, mask_token_id)!r}) "
                          "is in the target's normal vocabulary of labels; "
                          "use a spare row or an unused special token")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what turns conversations into ids: the vocabulary and merges (a fast tokenizer's whole
+    serialized state), the special tokens and the chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "class": type(tokenizer).__name__,
+        "size": len(tokenizer),
+        "special": getattr(tokenizer, "special_tokens_map", None),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "state": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

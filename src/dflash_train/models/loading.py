@@ -23,7 +23,7 @@ from dflash_train.config import CACHE_ENV
 from dflash_train.errors import UsageError, say
 from dflash_train.files import AtomicDirectory, package_file
 from dflash_train.models import presets
-from dflash_train.models.chat import prepare_chat, prepare_tokenizer
+from dflash_train.models.chat import prepare_chat, prepare_tokenizer, tokenizer_fingerprint
 from dflash_train.models.experts import use_experts
 from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
 from dflash_train.models.gguf_convert import FORMAT, load_gguf, load_gguf_tokenizer
@@ -216,7 +216,6 @@ def _reloads_the_same(tok, saved: Path, out: Path) -> bool:
     import transformers
     from transformers import AutoTokenizer
 
-    from dflash_train.data.fingerprint import tokenizer_fingerprint
 
     back = AutoTokenizer.from_pretrained(str(saved), clean_up_tokenization_spaces=False)
     if tokenizer_fingerprint(back) == tokenizer_fingerprint(tok):
