@@ -112,7 +112,8 @@ def _key(inputs: dict) -> str:
 
 def _cache_inputs(cfg: TrainConfig, target: Target, split: str) -> tuple[dict, dict]:
     """The inputs of the regenerated replies and of the prepared data: what the conversations, the
-    tokenizer and the target hold, by content (data/fingerprint.py), and the settings that shape each."""
+    tokenizer and the target hold, by content (data/fingerprint.py, models/chat.py), and the settings that
+    shape each."""
     made_from = {"data": source_fingerprint(cfg.data.data), "tokenizer": tokenizer_fingerprint(target.tokenizer),
                  "target": target_fingerprint(target)}
     data, rc = cfg.data, cfg.regeneration
