@@ -102,6 +102,23 @@ def test_a_copy_whose_tokenizer_does_not_reload_as_written_is_not_kept(tiny, cac
     assert "not caching copy: its tokenizer does not reload as written" in capsys.readouterr().err
 
 
+def test_a_copy_whose_tokenizer_fails_to_reload_is_not_kept_and_the_load_stands(tiny, cache, capsys, monkeypatch):
+    """A tokenizer that cannot be read back (a ValueError from a damaged tokenizer.json, tokenizers' own
+    errors) costs the copy, not the load that already worked."""
+    import transformers
+
+    model, tok = gguf_convert.load_gguf(tiny)
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("Expecting value: line 1 column 1")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreadable)
+    out = cache / "copy"
+    loading._write_hf_copy(model, tok, out)
+    assert not out.exists() and not list(cache.iterdir())
+    assert "its tokenizer does not reload (ValueError: Expecting value" in capsys.readouterr().err
+
+
 def test_files_it_was_not_checked_on_take_transformers_path(tmp_path, monkeypatch):
     """transformers reads a llama GGUF named "mistral" as Mistral, and takes the tokenizer's class from a
     tokenizer_config.json beside the file: neither takes the fast route."""

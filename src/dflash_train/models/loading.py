@@ -216,13 +216,15 @@ def _reloads_the_same(tok, saved: Path, out: Path) -> bool:
     import transformers
     from transformers import AutoTokenizer
 
-
-    back = AutoTokenizer.from_pretrained(str(saved), clean_up_tokenization_spaces=False)
-    if tokenizer_fingerprint(back) == tokenizer_fingerprint(tok):
-        return True
-    say(f"not caching {out.name}: its tokenizer does not reload as written under transformers "
-        f"{transformers.__version__}; each run converts the GGUF again")
-    return False
+    try:  # any failure to read it back (a ValueError from a bad tokenizer.json, tokenizers' own errors)
+        back = AutoTokenizer.from_pretrained(str(saved), clean_up_tokenization_spaces=False)
+        same, why = tokenizer_fingerprint(back) == tokenizer_fingerprint(tok), "does not reload as written"
+    except Exception as e:  # noqa: BLE001 - the load already worked; only the copy is in question
+        same, why = False, f"does not reload ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+    if not same:
+        say(f"not caching {out.name}: its tokenizer {why} under transformers {transformers.__version__}; "
+            "each run converts the GGUF again")
+    return same
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
