@@ -187,7 +187,9 @@ def test_leftovers_of_killed_writes_are_swept_on_the_next_run(prepared, tmp_path
     assert main([*argv, "--max-steps", "4", "--resume"]) == 0
     assert not any(d.exists() for d in leftovers) and not (run / "checkpoints" / ".latest.k3j").exists()
     assert mine.read_text() == "keep" and (run / "checkpoints" / "step_0000004").is_dir()
-    assert "removed 4 leftover(s) of interrupted writes" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "removed 4 leftover(s) of interrupted writes" in out.err
+    assert "trained 4 steps, 2 of them in this run (resumed at 2)" in out.out
 
 
 def test_resume_refuses_flags_that_would_shape_another_drafter(prepared, tmp_path, capsys):

@@ -177,7 +177,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
               f"untrained {before.tau:.3f} -> trained {after.tau:.3f}" if before else
               f"tau of the trained drafter on {len(prompts)} held-out {cfg.eval.dataset} prompts: {after.tau:.3f}")
     phases.save(run_dir / PHASES_FILE)
-    print(f"trained {steps} steps in {seconds:.0f} s; drafter exported to {export}")
+    resumed = f", {steps - state['step']} of them in this run (resumed at {state['step']})" if state else ""
+    print(f"trained {steps} steps{resumed} in {seconds:.0f} s; drafter exported to {export}")
     print(f"{phases.summary()} ({run_dir / PHASES_FILE})")
     return 0
 
