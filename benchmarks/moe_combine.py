@@ -108,15 +108,19 @@ def time_combines(t: int, args: argparse.Namespace, device: torch.device) -> Non
         print(f"T={t} {name:16s} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s  max|diff| {diff:.3g}", flush=True)
 
 
-def kernel_device(choice: str, has_triton: bool, script: str) -> torch.device | None:
-    """The device a kernel benchmark runs on (`auto`: CUDA where there is one), or None, having said why,
-    where its Triton kernel cannot run: no triton, or a CPU without TRITON_INTERPRET=1."""
-    device = torch.device("cuda" if choice == "auto" and torch.cuda.is_available() else
-                          "cpu" if choice == "auto" else choice)
+def kernel_args(p: argparse.ArgumentParser, has_triton: bool) -> tuple[argparse.Namespace, torch.device | None]:
+    """A kernel benchmark's flags with --seed and --device added, and the device it runs on (`auto`: CUDA where
+    there is one), or None, having said why, where its Triton kernel cannot run: no triton, or a CPU without
+    TRITON_INTERPRET=1."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
     if not has_triton or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"):
-        print(f"{script}: the kernel needs triton, and on a CPU TRITON_INTERPRET=1", file=sys.stderr)
-        return None
-    return device
+        print(f"{p.prog}: the kernel needs triton, and on a CPU TRITON_INTERPRET=1", file=sys.stderr)
+        return args, None
+    return args, device
 
 
 def main() -> int:
@@ -126,10 +130,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--blocks", default=str(grouped_experts._COMBINE_BLOCK), help="comma-separated column blocks")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    args = p.parse_args()
-    device = kernel_device(args.device, grouped_experts.triton is not None, "moe_combine.py")
+    args, device = kernel_args(p, grouped_experts.triton is not None)
     if device is None:
         return 2
     for t in (int(x) for x in args.tokens.split(",")):

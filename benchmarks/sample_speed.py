@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling moe_combine.py
 
-from moe_combine import kernel_device, mean_us  # noqa: E402
+from moe_combine import kernel_args, mean_us  # noqa: E402
 
 from dflash_train.decode import sample_kernel  # noqa: E402
 from dflash_train.decode.sampling import multinomial  # noqa: E402
@@ -50,10 +50,7 @@ def main() -> int:
     p.add_argument("--vocab", default="49152,262144", help="comma-separated vocabulary sizes")
     p.add_argument("--blocks", default=str(sample_kernel.BLOCK), help="comma-separated column blocks")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    args = p.parse_args()
-    device = kernel_device(args.device, sample_kernel.triton is not None, "sample_speed.py")
+    args, device = kernel_args(p, sample_kernel.triton is not None)
     if device is None:
         return 2
     for vocab in (int(v) for v in args.vocab.split(",")):
