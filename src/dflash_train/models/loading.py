@@ -194,13 +194,13 @@ def _write_hf_copy(model: nn.Module, tok, out: Path) -> None:
             for key in ("quantization_config", "gguf_file"):
                 cfg.pop(key, None)
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            tok.save_pretrained(str(tmp))
+            if not _reloads_the_same(tok, tmp, out):  # before the weights: a refused copy writes none of them
+                raise _NotCached
             tied = cfg.get("tie_word_embeddings", False)
             state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             model.generation_config.save_pretrained(str(tmp))
-            tok.save_pretrained(str(tmp))
-            if not _reloads_the_same(tok, tmp, out):
-                raise _NotCached
     except (OSError, _NotCached):
         pass  # another process won the race, the cache is read-only or the disk is full: loading still worked
 
