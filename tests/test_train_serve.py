@@ -154,3 +154,30 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp
             accepted.append(a)
             j += a + 1
     assert sum(accepted) >= 0.9 * (B - 1) * len(accepted), accepted
+
+
+def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_dataset, tmp_path):
+    """eval's tau_replay (eval/replay.py): a drafter trained on the target's own greedy outputs accepts many
+    of their tokens in the decode, and the training path's blocks on the same outputs, stepped through as
+    the decode steps, commit exactly as many (float32: the two paths round alike). A decode that drafted
+    from other features, positions or masks than training would accept fewer than the replay counts."""
+    from dflash_train.app.local import train_local
+    from dflash_train.decode.speculative import target_generate
+    from dflash_train.eval.evaluate import EvalConfig, evaluate
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.settings.tree import TrainConfig
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (6,), generator=g).tolist() for _ in range(2)]
+    outputs = [target_generate(tiny, p, 30).tokens for p in prompts]
+    B = 4
+    cfg = TrainConfig.of(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, num_anchors=64,
+                      block_size=B, num_layers=1, max_steps=150, lr=5e-3, warmup_ratio=0.0, checkpoint_every=0,
+                      log_every=50, seed=3)
+    drafter = new_drafter(drafter_config_for(tiny, num_layers=1, block_size=B, dtype="float32"), cfg.run.seed).float()
+    pairs = [(np.array(p + o), np.array([0] * len(p) + [1] * len(o))) for p, o in zip(prompts, outputs, strict=True)]
+    train_local(cfg, tiny, drafter, in_memory_dataset(pairs), tmp_path, progress=False)
+    report = evaluate(tiny, drafter.eval(), prompts, EvalConfig(limit=2, max_new_tokens=30, baseline=False),
+                      progress=False)
+    assert report.tau > 2.0, report.tau
+    assert report.tau_replay == pytest.approx(report.tau, abs=1e-9)

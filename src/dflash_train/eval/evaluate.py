@@ -27,6 +27,7 @@ from dflash_train.config import MAX_BLOCK_SIZE, at_least, between, setting, vali
 from dflash_train.decode.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.decode.static_lm import KV_BUCKET, bucket
 from dflash_train.errors import UsageError
+from dflash_train.eval.replay import replay_tau
 from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
@@ -113,6 +114,9 @@ class EvalReport:
     """Each prompt's tau and verify steps: tau over any subset is sum(tau * steps) / sum(steps)."""
     tau_by_category: dict[str, float] | None = None
     """tau over each category's prompts (by_category), where the eval set names them."""
+    tau_replay: float | None = None
+    """T=0: the decode's tau replayed through the training path on the same outputs (eval/replay.py); equal to
+    tau up to rounding when decoding computes what training does. None at T > 0 or another block size."""
 
     def to_json(self, path: str | Path, flag: str = "--json") -> None:
         """Written in place, not atomically: `path` may be a device or a pipe, never renamed over."""
@@ -136,6 +140,9 @@ class EvalReport:
                          + "  ".join(f"{c} {t:.2f}" for c, t in self.tau_by_category.items()))
         if self.lossless is not None:
             lines.append("lossless:                   " + self._lossless_text())
+        if self.tau_replay is not None:
+            lines.append(f"training path, same outputs: tau {self.tau_replay:.3f} (the decode's up to rounding when "
+                         "serving computes what training does)")
         return "\n".join(lines)
 
     def by_category(self, categories: list[str]) -> dict[str, float]:
@@ -206,6 +213,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
                               for i in report.mismatched_prompts]
         report.tie_gap = TIE_GAP.get(target.dtype, TIE_GAP[torch.float32])
         report.lossless = lossless_status(report.divergences, report.tie_gap)
+    if cfg.temperature == 0 and B == drafter.block_size:
+        report.tau_replay = replay_tau(target, drafter, prompts, [r.tokens for r in spec_runs])
     return report
 
 

@@ -1,0 +1,60 @@
+"""The decode's tau replayed through the training path: does serving compute what training learned?
+
+At T=0 a decode emits the target's greedy tokens, so a prompt and its output are a sequence of the
+kind training learns from (labels: the target's greedy tokens). Through the training path (the
+target's features of the whole sequence, the objective's blocks and masks, the drafter's training
+forward) the drafter's block at every output position accepts some run of draft tokens; stepping
+from the first output token as the decode does (commit 1 + that run, go on from there) visits the
+decode's own anchors on the decode's own prefixes. So the replay's tau is the decode's tau up to
+rounding when the two paths compute the same thing. A decode tau well below it points at the
+decode path (features, masks, embedding, numerics); equal, a low tau is the drafter's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_train.data.packing import PackedBatch
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.target import Target
+from dflash_train.objective.blocks import IGNORE
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
+from dflash_train.pipeline.features import packed_features
+
+_HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 GB
+
+
+@torch.no_grad()
+def replay_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """The tau of decoding `outputs` (each prompt's greedy tokens, the first from its prefill) with the
+    drafter's blocks from the training path: committed tokens over verify steps, as the decode counts."""
+    # dense masks: one short sequence at a time, each of its own length (FlexAttention would compile per shape)
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
+                          embed_scale=target.embed_scale)
+    committed = steps = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        runs = accepted_runs(target, obj, prompt, out)
+        j = 0
+        while j < len(out) - 1:  # the last token ends the decode: no step after it
+            take = min(runs[j] + 1, len(out) - 1 - j)
+            committed, steps, j = committed + take, steps + 1, j + take
+    return committed / steps if steps else 1.0
+
+
+def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int]) -> list[int]:
+    """For each output token j as a block's known token: how many of the drafts after it equal out[j+1:]."""
+    dev, B = target.device, obj.drafter.block_size
+    ids = prompt + out
+    n, p = len(ids), len(prompt)
+    positions = torch.arange(n, device=dev)
+    batch = PackedBatch(torch.tensor(ids, device=dev), (positions >= p).long(), torch.zeros_like(positions), positions)
+    anchors = torch.arange(p, n, device=dev)
+    feats = packed_features(target, batch, list(obj.drafter.config.target_layer_ids))
+    blocks = obj.blocks(batch, anchors)
+    hidden = obj.block_hidden(batch, blocks, obj.masks(batch, blocks), feats)[0]
+    hidden = hidden.view(len(anchors), B, -1)[:, 1:].reshape(-1, hidden.shape[-1])
+    head = obj.lm_head
+    drafts = torch.cat([head(h.to(head.weight.dtype)).argmax(-1) for h in hidden.split(_HEAD_ROWS)])
+    labels = blocks.labels.view(len(anchors), B)[:, 1:]
+    hits = (drafts.view_as(labels) == labels) & (labels != IGNORE)
+    return hits.int().cumprod(1).sum(1).tolist()
