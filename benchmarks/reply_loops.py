@@ -1,11 +1,13 @@
-"""How much of a target's greedy reply is a loop, by position in the reply.
+"""How much of a target's reply is a loop or a copy of its prompt, by position in the reply.
 
 A token counts as copy-predictable when the n tokens before it occurred earlier in the same
-reply followed by the same token: a drafter that copies the loop gets it right. Training
-anchors are spread over whole replies while the eval decodes the first 128 tokens of each, so a
-loop-heavy tail raises the train-time estimate of tau without raising the eval's.
+reply followed by the same token: a drafter that copies the loop gets it right; "with the prompt"
+counts n-grams of the prompt too (a reply that repeats its prompt). Training anchors are spread
+over whole replies while the eval decodes the first 128 tokens of each, so a loop-heavy tail
+raises the train-time estimate of tau without raising the eval's. --temperature samples the
+replies as regeneration does (the training data) instead of the eval's greedy decode.
 
-    python3 benchmarks/reply_loops.py --dataset sharegpt --limit 24
+    python3 benchmarks/reply_loops.py --dataset sharegpt --limit 24 [--target gemma3-270m --temperature 0.7]
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ import torch
 
 from dflash_train.decode import static_lm
 from dflash_train.decode.generate import generate
+from dflash_train.decode.sampling import pick
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.loading import load_target
 
 
-def copy_predictable(row: list[int], n: int) -> list[bool]:
-    """Per position i >= n: whether the n-gram before i was last followed by row[i]."""
+def copy_predictable(row: list[int], n: int, start: int = 0) -> list[bool]:
+    """Per position i >= max(n, start): whether the n-gram before i was last followed by row[i] (the n-grams
+    of row[:start], a prompt, count as seen)."""
     last: dict[tuple[int, ...], int] = {}
+    for i in range(n, min(start, len(row))):
+        last[tuple(row[i - n:i])] = row[i]
     hits = []
-    for i in range(n, len(row)):
+    for i in range(max(n, start), len(row)):
         key = tuple(row[i - n:i])
         hits.append(last.get(key) == row[i])
         last[key] = row[i]
@@ -41,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--split", type=int, default=128, help="report positions before and after this one")
     ap.add_argument("--ngram", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the eval's); > 0: sampled")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     target = load_target(args.target, device=args.device)
@@ -49,18 +57,25 @@ def main(argv=None) -> int:
     lm = static_lm.for_model(target.model)
     if lm is None:
         raise SystemExit(f"{args.target}: no StaticLM for this architecture")
-    rows = generate(lm, prompts, args.new_tokens, sorted(stops)).rows
-    capped, counts = 0, [[0, 0], [0, 0]]  # [before split, after]: [tokens, copy-predictable]
-    for row in rows:
+    gen = torch.Generator(device=lm.device).manual_seed(args.seed)
+    rows = generate(lm, prompts, args.new_tokens, sorted(stops), lambda x: pick(x, args.temperature, gen)).rows
+    capped, counts = 0, [[0, 0, 0], [0, 0, 0]]  # [before split, after]: [tokens, in-reply, with the prompt]
+    for prompt, row in zip(prompts, rows, strict=True):
         end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
         capped += end is None
-        for i, hit in enumerate(copy_predictable(row[:end], args.ngram), start=args.ngram):
+        reply = row[:end]
+        both = copy_predictable(prompt + reply, args.ngram, len(prompt))[-len(reply):] if reply else []
+        for i, (hit, any_hit) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both[args.ngram:], strict=True),
+                                           start=args.ngram):
             part = counts[i >= args.split]
             part[0] += 1
             part[1] += hit
-    print(f"{args.dataset}: {len(rows)} replies, {capped} reach {args.new_tokens} tokens")
-    for name, (total, hits) in zip((f"< {args.split}", f">= {args.split}"), counts, strict=True):
-        print(f"  positions {name}: {hits}/{total} tokens copy-predictable ({hits / max(total, 1):.2f})")
+            part[2] += any_hit
+    print(f"{args.target} {args.dataset} T={args.temperature:g}: {len(rows)} replies, {capped} reach "
+          f"{args.new_tokens} tokens")
+    for name, (total, hits, any_hits) in zip((f"< {args.split}", f">= {args.split}"), counts, strict=True):
+        print(f"  positions {name}: copy-predictable {hits}/{total} in the reply ({hits / max(total, 1):.2f}), "
+              f"{any_hits}/{total} with the prompt ({any_hits / max(total, 1):.2f})")
     return 0
 
 

@@ -212,7 +212,27 @@ def test_relabel_speed(tmp_path, prepared):
 def test_reply_loops(tmp_path):
     proc = _run(_py("reply_loops.py", "--device", "cpu", "--target", TINY, "--limit", "2", "--new-tokens", "8",
                     "--split", "4", "--ngram", "2"), tmp_path)
-    assert "sharegpt: 2 replies" in proc.stdout and "copy-predictable" in proc.stdout
+    assert "sharegpt T=0: 2 replies" in proc.stdout and "with the prompt" in proc.stdout
+
+
+def test_copy_predictable_counts_the_prompts_ngrams_when_asked():
+    copy_predictable = _load("reply_loops.py").copy_predictable
+    prompt, reply = [1, 2, 3, 4], [1, 2, 3, 5, 1, 2, 3]
+    assert copy_predictable(reply, 2) == [False, False, False, False, True]  # the reply's own loop only
+    # with the prompt's 2-grams seen first, reply[2] = 3 follows (1, 2) as in the prompt (and reply[6] again)
+    assert copy_predictable(prompt + reply, 2, len(prompt)) == [False, False, True, False, False, False, True]
+
+
+def test_train_serve_gap_finds_no_gap_in_float32(tmp_path):
+    """In float32 on the CPU training's and the decode's features, labels and drafts agree to rounding."""
+    out = tmp_path / "gap.json"
+    _run(_py("train_serve_gap.py", "--device", "cpu", "--target", TINY, "--dtype", "float32", "--limit", "2",
+             "--new-tokens", "12", "--block-size", "4", "--json", str(out)), tmp_path)
+    figures = _json(out, "labels_equal_greedy", "drafts_argmax_agree", "drafts_logits_rel_diff")
+    layers = [v for k, v in figures.items() if k.startswith("layer ")]
+    assert layers and all(v["decode_vs_training"] < 1e-4 for v in layers), layers
+    assert figures["labels_equal_greedy"] == 1.0 and figures["drafts_argmax_agree"] == 1.0, figures
+    assert figures["drafts_logits_rel_diff"] < 1e-4, figures
 
 
 @pytest.mark.slow

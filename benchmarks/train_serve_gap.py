@@ -1,0 +1,165 @@
+"""The training path against the decode path on one device, for a real target: do they compute the same?
+
+For a few eval prompts and the target's greedy continuation of each:
+  features  the target's features as training computes them (the packed row: FlexAttention on CUDA,
+            dense masks on the CPU) and as the decode engine does (StaticLM: the prompt's prefill, then
+            verify steps of B tokens), each against a float32 forward of transformers;
+  labels    training's target labels against the greedy tokens themselves;
+  drafts    a drafter's block at every B-th output position (the decode's anchors when every draft is
+            accepted) through the objective's training forward on training's features, and through the
+            decode engine (StaticDrafter) on the decode's features: the logits' relative difference and
+            how often the two argmaxes agree.
+At float32 on a CPU every pair agrees to rounding (tests/test_benchmarks.py). On a GPU in bfloat16 the
+figures say how far apart the two paths are; a drafts agreement far below the features' suggests a
+decode path that does not compute what training does (eval's tau_replay tells the same with a trained
+drafter, end to end). The drafter: --drafter DIR, else a fresh one initialised from the target's layers.
+
+    python3 benchmarks/train_serve_gap.py --target gemma3-270m [--drafter RUN/drafter] [--limit 4] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import torch
+
+from dflash_train.data.packing import PackedBatch
+from dflash_train.decode import static_lm
+from dflash_train.decode.speculative import target_generate
+from dflash_train.decode.static_drafter import StaticDrafter
+from dflash_train.eval.prompts import load_prompts
+from dflash_train.models.chat import render_chat
+from dflash_train.models.checkpoint import load_drafter, parse_dtype
+from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
+from dflash_train.models.loading import load_target
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
+from dflash_train.pipeline.features import target_features
+from dflash_train.pipeline.target_features import FeatureSpec
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of |a - b| / |b| (float32)."""
+    a, b = a.float(), b.float()
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).mean())
+
+
+def packed(seqs: list[list[int]], starts: list[int], device: torch.device) -> PackedBatch:
+    """The sequences as training packs them; loss on each one's output (from `starts`)."""
+    ids = torch.tensor([t for s in seqs for t in s])
+    seq = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    loss = torch.cat([(torch.arange(len(s)) >= p).long() for s, p in zip(seqs, starts, strict=True)])
+    return PackedBatch(ids, loss, seq, pos).to(device)
+
+
+@torch.no_grad()
+def decode_features(target, ids: list[int], prompt_len: int, layers: tuple[int, ...], B: int) -> torch.Tensor:
+    """[n, k*H]: the prompt's prefill, then verify-sized steps of B tokens, as the decode loop feeds them."""
+    lm = static_lm.for_model(target.model)
+    x = torch.tensor([ids], device=target.device)
+    cache = lm.cache_for(1, len(ids) + B)
+    parts = [lm.forward(x[:, :prompt_len], torch.arange(prompt_len, device=x.device)[None], cache,
+                        static_lm.bucket(prompt_len), layers=layers, logits="none", prefill=True).features[0]]
+    for s in range(prompt_len, len(ids), B):
+        e = min(s + B, len(ids))
+        parts.append(lm.forward(x[:, s:e], torch.arange(s, e, device=x.device)[None], cache, static_lm.bucket(e),
+                                layers=layers, logits="none").features[0])
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def decode_drafts(target, drafter, ids: list[int], feats: torch.Tensor, anchors: list[int]) -> torch.Tensor:
+    """The decode engine's draft logits [len(anchors), B-1, V]: each anchor's block on the features before it."""
+    B = drafter.block_size
+    engine = StaticDrafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+    cache, ctx, out = engine.cache_for(len(ids) + B), 0, []
+    for a in anchors:
+        block = torch.tensor([[ids[a]] + [drafter.mask_token_id] * (B - 1)], device=feats.device)
+        meta = torch.tensor([ctx, a - ctx, B], device=feats.device)
+        out.append(engine.step(feats[None, ctx:a], block, meta, cache, static_lm.bucket(a + B))[:B - 1].float())
+        ctx = a
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def training_drafts(target, drafter, batch: PackedBatch, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """The objective's training forward at `anchors` (indices into the packed row): logits [n, B-1, V]."""
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(),
+                          embed_scale=target.embed_scale)
+    blocks = obj.blocks(batch, anchors)
+    keys = obj.key_context(batch)
+    hidden = obj.block_hidden(keys, blocks, obj.masks(keys, blocks), feats)[0]
+    B = drafter.block_size
+    rows = hidden.view(len(anchors), B, -1)[:, 1:]
+    return target.lm_head(rows.to(target.lm_head.weight.dtype)).float()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", help="the run's dtype (float32 compares exactly)")
+    ap.add_argument("--drafter", help="a drafter directory (default: a fresh one from the target's layers)")
+    ap.add_argument("--num-layers", type=int, default=2, help="the fresh drafter's layers")
+    ap.add_argument("--block-size", type=int, default=8, help="the fresh drafter's block size")
+    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    dtype = parse_dtype(args.dtype)
+    target = load_target(args.target, device=args.device, dtype=dtype)
+    ref = target if dtype == torch.float32 else load_target(args.target, device=args.device, dtype=torch.float32)
+    if args.drafter:
+        drafter = load_drafter(args.drafter, device=target.device, dtype=dtype)
+    else:
+        cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size, dtype=args.dtype)
+        drafter = new_drafter(cfg, seed=0).to(target.device, dtype)
+        init_from_target(drafter, target)
+    drafter.eval()
+    B, layers = drafter.block_size, tuple(drafter.config.target_layer_ids)
+
+    prompts = [render_chat(target, m) for m in load_prompts(args.dataset, args.limit)]
+    seqs = [p + target_generate(ref, p, args.new_tokens).tokens for p in prompts]  # float32 greedy: the truth
+    batch = packed(seqs, [len(p) for p in prompts], target.device)
+    spec = FeatureSpec(layers=layers, labels=True)
+    train = target_features(target, batch, spec)  # as a target loop computes them for a pack
+    truth = target_features(ref, batch, FeatureSpec(layers=layers)).hidden
+    starts = torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0).tolist()
+    keep = batch.loss_mask.bool() & (batch.positions > 0)
+
+    H, out, agree, diffs = target.hidden_size, {}, [], []
+    decode = []
+    for i, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
+        dec = decode_features(target, s, len(p), layers, B)
+        decode.append(dec)
+        anchors = list(range(len(p), len(s) - 1, B))
+        want = training_drafts(target, drafter, batch, train.hidden, torch.tensor(anchors, device=target.device)
+                               + starts[i])
+        got = decode_drafts(target, drafter, s, dec, anchors)
+        agree.append((got.argmax(-1) == want.argmax(-1)).float().flatten())
+        diffs.append(rel(got.flatten(0, 1), want.flatten(0, 1)))
+    decode = torch.cat(decode)
+    for j, layer in enumerate(layers):
+        cols = slice(j * H, (j + 1) * H)
+        out[f"layer {layer}"] = {"training_vs_float32": round(rel(train.hidden[:, cols], truth[:, cols]), 5),
+                                 "decode_vs_float32": round(rel(decode[:, cols], truth[:, cols]), 5),
+                                 "decode_vs_training": round(rel(decode[:, cols], train.hidden[:, cols]), 5)}
+    out["labels_equal_greedy"] = float((train.labels.long()[keep] == batch.input_ids[keep]).float().mean())
+    out["drafts_argmax_agree"] = float(torch.cat(agree).mean())
+    out["drafts_logits_rel_diff"] = sum(diffs) / len(diffs)
+    figures = {"target": args.target, "device": torch.cuda.get_device_name(target.device) if target.device.type ==
+               "cuda" else "cpu", "dtype": args.dtype, "drafter": args.drafter or f"fresh, {args.num_layers} layers",
+               "prompts": len(prompts), "date": datetime.date.today().isoformat(), **out}
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
