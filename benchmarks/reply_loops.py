@@ -19,6 +19,7 @@ import torch
 from dflash_train.decode import static_lm
 from dflash_train.decode.generate import generate
 from dflash_train.decode.sampling import pick
+from dflash_train.eval.lookup import lookup_tau
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.loading import load_target
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the eval's); > 0: sampled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=8, help="prompt lookup's block (its tau over the first --split)")
     args = ap.parse_args(argv)
 
     target = load_target(args.target, device=args.device)
@@ -60,10 +62,12 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=lm.device).manual_seed(args.seed)
     rows = generate(lm, prompts, args.new_tokens, sorted(stops), lambda x: pick(x, args.temperature, gen)).rows
     capped, counts = 0, [[0, 0, 0], [0, 0, 0]]  # [before split, after]: [tokens, in-reply, with the prompt]
+    replies = []
     for prompt, row in zip(prompts, rows, strict=True):
         end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
         capped += end is None
         reply = row[:end]
+        replies.append(reply)
         both = copy_predictable(prompt + reply, args.ngram, len(prompt))[-len(reply):] if reply else []
         for i, (hit, any_hit) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both[args.ngram:], strict=True),
                                            start=args.ngram):
@@ -76,6 +80,8 @@ def main(argv=None) -> int:
     for name, (total, hits, any_hits) in zip((f"< {args.split}", f">= {args.split}"), counts, strict=True):
         print(f"  positions {name}: copy-predictable {hits}/{total} in the reply ({hits / max(total, 1):.2f}), "
               f"{any_hits}/{total} with the prompt ({any_hits / max(total, 1):.2f})")
+    tau = lookup_tau(prompts, [r[:args.split] for r in replies], args.block_size)
+    print(f"  prompt lookup over positions < {args.split} (eval/lookup.py, B={args.block_size}): tau {tau:.3f}")
     return 0
 
 

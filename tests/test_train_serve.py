@@ -181,3 +181,12 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
                       progress=False)
     assert report.tau > 2.0, report.tau
     assert report.tau_replay == pytest.approx(report.tau, abs=1e-9)
+
+
+def test_prompt_lookup_copies_the_prompt_and_counts_as_the_decode_steps():
+    from dflash_train.eval.lookup import lookup_tau
+
+    # out[0] = 5 recalls the prompt's 5 -> drafts 6 7 8, all right (4 committed); then 9 recalls 7 8 9 -> drafts
+    # 5 6 7, wrong at once (1 committed, the last token): 5 tokens in 2 steps
+    assert lookup_tau([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9, 1]], block_size=4) == 2.5
+    assert lookup_tau([[1, 2]], [[3, 4, 5]], block_size=4) == 1.0  # nothing to copy: one token a step

@@ -27,6 +27,7 @@ from dflash_train.config import MAX_BLOCK_SIZE, at_least, between, setting, vali
 from dflash_train.decode.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.decode.static_lm import KV_BUCKET, bucket
 from dflash_train.errors import UsageError
+from dflash_train.eval.lookup import LOOKUP_NGRAM, lookup_tau
 from dflash_train.eval.replay import replay_tau
 from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
@@ -117,6 +118,9 @@ class EvalReport:
     tau_replay: float | None = None
     """T=0: the decode's tau replayed through the training path on the same outputs (eval/replay.py); equal to
     tau up to rounding when decoding computes what training does. None at T > 0 or another block size."""
+    tau_lookup: float | None = None
+    """T=0: the tau prompt lookup (copying from the prompt and the output so far) gets on the same outputs
+    (eval/lookup.py): the drafter any target has for free. None at T > 0."""
 
     def to_json(self, path: str | Path, flag: str = "--json") -> None:
         """Written in place, not atomically: `path` may be a device or a pipe, never renamed over."""
@@ -143,6 +147,9 @@ class EvalReport:
         if self.tau_replay is not None:
             lines.append(f"training path, same outputs: tau {self.tau_replay:.3f} (the decode's up to rounding when "
                          "serving computes what training does)")
+        if self.tau_lookup is not None:
+            lines.append(f"prompt lookup, same outputs: tau {self.tau_lookup:.3f} (copying {LOOKUP_NGRAM}-grams of the "
+                         "prompt and output)")
         return "\n".join(lines)
 
     def by_category(self, categories: list[str]) -> dict[str, float]:
@@ -213,8 +220,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
                               for i in report.mismatched_prompts]
         report.tie_gap = TIE_GAP.get(target.dtype, TIE_GAP[torch.float32])
         report.lossless = lossless_status(report.divergences, report.tie_gap)
-    if cfg.temperature == 0 and B == drafter.block_size:
-        report.tau_replay = replay_tau(target, drafter, prompts, [r.tokens for r in spec_runs])
+    if cfg.temperature == 0:
+        outputs = [r.tokens for r in spec_runs]
+        report.tau_lookup = lookup_tau(prompts, outputs, B)
+        if B == drafter.block_size:
+            report.tau_replay = replay_tau(target, drafter, prompts, outputs)
     return report
 
 
