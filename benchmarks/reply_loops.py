@@ -68,8 +68,8 @@ def main(argv=None) -> int:
         capped += end is None
         reply = row[:end]
         replies.append(reply)
-        both = copy_predictable(prompt + reply, args.ngram, len(prompt))[-len(reply):] if reply else []
-        for i, (hit, any_hit) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both[args.ngram:], strict=True),
+        both = copy_predictable(prompt + reply, args.ngram, len(prompt) + args.ngram)  # reply positions n..
+        for i, (hit, any_hit) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both, strict=True),
                                            start=args.ngram):
             part = counts[i >= args.split]
             part[0] += 1

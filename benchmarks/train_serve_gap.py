@@ -78,7 +78,8 @@ def decode_drafts(target, drafter, ids: list[int], feats: torch.Tensor, anchors:
     for a in anchors:
         block = torch.tensor([[ids[a]] + [drafter.mask_token_id] * (B - 1)], device=feats.device)
         meta = torch.tensor([ctx, a - ctx, B], device=feats.device)
-        out.append(engine.step(feats[None, ctx:a], block, meta, cache, static_lm.bucket(a + B))[:B - 1].float())
+        logits = engine.step(feats[None, ctx:a], block, meta, cache, static_lm.bucket(a + B))[:B - 1]
+        out.append(logits.to(torch.float32, copy=True))  # a graph's output buffer: the next replay rewrites it
         ctx = a
     return torch.stack(out)
 

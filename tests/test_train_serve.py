@@ -157,13 +157,15 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp
 
 
 def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_dataset, tmp_path):
-    """eval's tau_replay (eval/replay.py): a drafter trained on the target's own greedy outputs accepts many
-    of their tokens in the decode, and the training path's blocks on the same outputs, stepped through as
-    the decode steps, commit exactly as many (float32: the two paths round alike). A decode that drafted
-    from other features, positions or masks than training would accept fewer than the replay counts."""
+    """eval's tau_replay (eval/replay.py): a drafter part-trained on the target's own greedy outputs accepts
+    some drafts and misses others in the decode; the training path's blocks on the same outputs, stepped
+    through as the decode steps, commit the same tokens at every step (float32: the two paths round alike),
+    the last blocks cut short by the token limit included. A decode that drafted from other features,
+    positions or masks than training would commit other counts."""
     from dflash_train.app.local import train_local
-    from dflash_train.decode.speculative import target_generate
+    from dflash_train.decode.speculative import speculative_generate, target_generate
     from dflash_train.eval.evaluate import EvalConfig, evaluate
+    from dflash_train.eval.replay import accepted_runs
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.settings.tree import TrainConfig
 
@@ -172,14 +174,25 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
     outputs = [target_generate(tiny, p, 30).tokens for p in prompts]
     B = 4
     cfg = TrainConfig.of(run_dir=str(tmp_path), target="random:tiny", max_length=96, token_budget=192, num_anchors=64,
-                      block_size=B, num_layers=1, max_steps=150, lr=5e-3, warmup_ratio=0.0, checkpoint_every=0,
+                      block_size=B, num_layers=1, max_steps=20, lr=5e-3, warmup_ratio=0.0, checkpoint_every=0,
                       log_every=50, seed=3)
     drafter = new_drafter(drafter_config_for(tiny, num_layers=1, block_size=B, dtype="float32"), cfg.run.seed).float()
     pairs = [(np.array(p + o), np.array([0] * len(p) + [1] * len(o))) for p, o in zip(prompts, outputs, strict=True)]
     train_local(cfg, tiny, drafter, in_memory_dataset(pairs), tmp_path, progress=False)
-    report = evaluate(tiny, drafter.eval(), prompts, EvalConfig(limit=2, max_new_tokens=30, baseline=False),
-                      progress=False)
-    assert report.tau > 2.0, report.tau
+    drafter.eval()
+    obj = DFlashObjective(drafter, tiny.embedding_weight, tiny.lm_head, ObjectiveConfig(attention="dense"))
+    decoded = []
+    for limit in (*range(5, 13), 30):  # < 30: the decode's last blocks are cut short, some mid-block
+        for p in prompts:
+            res = speculative_generate(tiny, drafter, p, limit)
+            runs, j, replayed = accepted_runs(tiny, obj, p, res.tokens, limit), 0, []
+            while j < len(res.tokens) - 1:
+                replayed.append(min(runs[j] + 1, len(res.tokens) - 1 - j))
+                j += replayed[-1]
+            assert replayed == res.committed, (limit, p)
+            decoded += res.accepted
+    assert 0 < sum(decoded) < (B - 1) * len(decoded), decoded  # neither nothing nor everything accepted
+    report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False)
     assert report.tau_replay == pytest.approx(report.tau, abs=1e-9)
 
 
@@ -190,3 +203,6 @@ def test_prompt_lookup_copies_the_prompt_and_counts_as_the_decode_steps():
     # 5 6 7, wrong at once (1 committed, the last token): 5 tokens in 2 steps
     assert lookup_tau([[5, 6, 7, 8, 9]], [[5, 6, 7, 8, 9, 1]], block_size=4) == 2.5
     assert lookup_tau([[1, 2]], [[3, 4, 5]], block_size=4) == 1.0  # nothing to copy: one token a step
+    # a run of one token: each step copies only tokens already committed (the draft never reads ahead):
+    # no draft, then 1, 1 and 3 of them right (the last step cut to the 2 tokens left): 7 tokens, 4 steps
+    assert lookup_tau([[9]], [[5] * 8], block_size=4) == 1.75

@@ -224,7 +224,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
         outputs = [r.tokens for r in spec_runs]
         report.tau_lookup = lookup_tau(prompts, outputs, B)
         if B == drafter.block_size:
-            report.tau_replay = replay_tau(target, drafter, prompts, outputs)
+            report.tau_replay = replay_tau(target, drafter, prompts, outputs, cfg.max_new_tokens)
     return report
 
 

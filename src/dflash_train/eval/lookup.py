@@ -1,11 +1,13 @@
 """The tau of prompt lookup on the decode's own outputs: the drafter any target gets for free.
 
 Prompt lookup drafts by copying: the last n tokens committed are searched for in the prompt and
-the output so far, and the tokens that followed their latest earlier occurrence are the draft (the
-longest n from LOOKUP_NGRAM down to 1 that occurs; none, no draft). At T=0 its acceptance on the
-decode's outputs is exact arithmetic, with the decode's steps: commit the accepted run and the
-target's next token, go on from there. A trained drafter below it on some prompts has not learned
-to copy what the target copies (a base model repeating its prompt, code quoting its context).
+the output so far, and the tokens that followed their first occurrence are the draft (the longest n
+from LOOKUP_NGRAM down to 1 that occurs with a token after it; none, no draft), as transformers'
+prompt lookup decoding does (in a loop the first occurrence has the most committed tokens after
+it). At T=0 its acceptance on the decode's outputs is exact arithmetic, with the decode's steps:
+commit the accepted run and the target's next token, go on from there. A trained drafter below it
+has not learned to copy what the target copies (a base model repeating its prompt, code quoting its
+context).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ def lookup_tau(prompts: list[list[int]], outputs: list[list[int]], block_size: i
 
 
 def _draft(seq: list[int], end: int, width: int, ngram: int) -> list[int]:
-    """Up to `width` tokens after the latest earlier occurrence of seq[end-n:end], the longest n <= ngram."""
+    """Up to `width` committed tokens (before `end`) after the first occurrence of seq[end-n:end] that has
+    one, the longest n <= ngram."""
     for n in range(min(ngram, end - 1), 0, -1):
         key = seq[end - n:end]
-        for i in range(end - n - 1, -1, -1):  # the latest occurrence before the key itself
+        for i in range(end - n):  # occurrences before the key itself: each has a token after it
             if seq[i:i + n] == key:
                 return seq[i + n:min(i + n + width, end)]
     return []

@@ -17,7 +17,7 @@ import torch
 from dflash_train.data.packing import PackedBatch
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
-from dflash_train.objective.blocks import IGNORE
+from dflash_train.objective.blocks import IGNORE, build_blocks
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 from dflash_train.pipeline.features import packed_features
 
@@ -25,15 +25,17 @@ _HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 G
 
 
 @torch.no_grad()
-def replay_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], outputs: list[list[int]]) -> float:
-    """The tau of decoding `outputs` (each prompt's greedy tokens, the first from its prefill) with the
-    drafter's blocks from the training path: committed tokens over verify steps, as the decode counts."""
+def replay_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], outputs: list[list[int]],
+               max_new_tokens: int) -> float:
+    """The tau of decoding `outputs` (each prompt's greedy tokens, the first from its prefill; at most
+    `max_new_tokens`) with the drafter's blocks from the training path: committed tokens over verify steps,
+    as the decode counts them."""
     # dense masks: one short sequence at a time, each of its own length (FlexAttention would compile per shape)
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
                           embed_scale=target.embed_scale)
     committed = steps = 0
     for prompt, out in zip(prompts, outputs, strict=True):
-        runs = accepted_runs(target, obj, prompt, out)
+        runs = accepted_runs(target, obj, prompt, out, max_new_tokens)
         j = 0
         while j < len(out) - 1:  # the last token ends the decode: no step after it
             take = min(runs[j] + 1, len(out) - 1 - j)
@@ -41,20 +43,37 @@ def replay_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]],
     return committed / steps if steps else 1.0
 
 
-def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int]) -> list[int]:
-    """For each output token j as a block's known token: how many of the drafts after it equal out[j+1:]."""
+def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int],
+                  max_new_tokens: int) -> list[int]:
+    """For each output token j as a block's known token: how many of the drafts after it equal out[j+1:].
+
+    Near the token limit the decode drafts a block cut to min(B, max_new_tokens - j) slots, which sees only
+    its own slots (block attention is non-causal, so a narrower block drafts other tokens): those anchors
+    run as blocks of their own width."""
     dev, B = target.device, obj.drafter.block_size
     ids = prompt + out
     n, p = len(ids), len(prompt)
     positions = torch.arange(n, device=dev)
     batch = PackedBatch(torch.tensor(ids, device=dev), (positions >= p).long(), torch.zeros_like(positions), positions)
-    anchors = torch.arange(p, n, device=dev)
     feats = packed_features(target, batch, list(obj.drafter.config.target_layer_ids))
-    blocks = obj.blocks(batch, anchors)
+    width = [min(B, max_new_tokens - j) for j in range(len(out))]
+    runs: list[int] = []
+    for w in sorted(set(width), reverse=True):  # B first: every anchor up to the last B - 1
+        js = [j for j in range(len(out)) if width[j] == w]
+        runs += _runs(obj, batch, feats, torch.tensor(js, device=dev) + p, w)
+    return runs
+
+
+def _runs(obj: DFlashObjective, batch: PackedBatch, feats: torch.Tensor, anchors: torch.Tensor,
+          width: int) -> list[int]:
+    """Accepted drafts of blocks `width` wide at `anchors`: the leading slots whose argmax is the label."""
+    if width < 2:  # the last token's block: no draft slot
+        return [0] * len(anchors)
+    blocks = build_blocks(batch, anchors, width, obj.drafter.mask_token_id, obj.gamma)
     hidden = obj.block_hidden(batch, blocks, obj.masks(batch, blocks), feats)[0]
-    hidden = hidden.view(len(anchors), B, -1)[:, 1:].reshape(-1, hidden.shape[-1])
+    hidden = hidden.view(len(anchors), width, -1)[:, 1:].reshape(-1, hidden.shape[-1])
     head = obj.lm_head
     drafts = torch.cat([head(h.to(head.weight.dtype)).argmax(-1) for h in hidden.split(_HEAD_ROWS)])
-    labels = blocks.labels.view(len(anchors), B)[:, 1:]
+    labels = blocks.labels.view(len(anchors), width)[:, 1:]
     hits = (drafts.view_as(labels) == labels) & (labels != IGNORE)
     return hits.int().cumprod(1).sum(1).tolist()
