@@ -7,8 +7,10 @@ For a few eval prompts and the target's greedy continuation of each:
   labels    training's target labels against the greedy tokens themselves;
   drafts    a drafter's block at every B-th output position (the decode's anchors when every draft is
             accepted) through the objective's training forward on training's features, and through the
-            decode engine (StaticDrafter) on the decode's features: the logits' relative difference and
-            how often the two argmaxes agree.
+            decode engine (StaticDrafter, one step per block as the host-side decode loop takes them; eval's
+            T=0 loop on the device fills the drafter's cache in a first step of its own, which tau_replay
+            covers) on the decode's features: the logits' relative difference and how often the two
+            argmaxes agree.
 At float32 on a CPU every pair agrees to rounding (tests/test_benchmarks.py). On a GPU in bfloat16 the
 figures say how far apart the two paths are; a drafts agreement far below the features' suggests a
 decode path that does not compute what training does (eval's tau_replay tells the same with a trained
@@ -64,8 +66,9 @@ def decode_features(target, ids: list[int], prompt_len: int, layers: tuple[int, 
                         static_lm.bucket(prompt_len), layers=layers, logits="none", prefill=True).features[0]]
     for s in range(prompt_len, len(ids), B):
         e = min(s + B, len(ids))
-        parts.append(lm.forward(x[:, s:e], torch.arange(s, e, device=x.device)[None], cache, static_lm.bucket(e),
-                                layers=layers, logits="none").features[0])
+        step = lm.step(x[:, s:e], torch.arange(s, e, device=x.device)[None], cache, static_lm.bucket(e),
+                       layers=layers, logits="none")  # a graph replay on CUDA, as the decode's verify
+        parts.append(step.features[0].clone())  # the graph's output buffer: the next replay rewrites it
     return torch.cat(parts)
 
 

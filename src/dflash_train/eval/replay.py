@@ -22,6 +22,7 @@ from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 from dflash_train.pipeline.features import packed_features
 
 _HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 GB
+_ANCHORS = 256  # blocks a forward: its dense mask is [256 B, context + 256 B], whatever the output's length
 
 
 @torch.no_grad()
@@ -60,7 +61,8 @@ def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: 
     runs: list[int] = []
     for w in sorted(set(width), reverse=True):  # B first: every anchor up to the last B - 1
         js = [j for j in range(len(out)) if width[j] == w]
-        runs += _runs(obj, batch, feats, torch.tensor(js, device=dev) + p, w)
+        for i in range(0, len(js), _ANCHORS):  # blocks see the context, not each other: any grouping is exact
+            runs += _runs(obj, batch, feats, torch.tensor(js[i:i + _ANCHORS], device=dev) + p, w)
     return runs
 
 
