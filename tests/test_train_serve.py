@@ -157,7 +157,7 @@ def test_memorised_sequences_replay_as_whole_blocks(tiny, in_memory_dataset, tmp
 
 
 def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_dataset, tmp_path):
-    """eval's tau_replay (eval/replay.py): a drafter part-trained on the target's own greedy outputs accepts
+    """eval's tau_replay (training/replay.py): a drafter part-trained on the target's own greedy outputs accepts
     some drafts and misses others in the decode; the training path's blocks on the same outputs, stepped
     through as the decode steps, commit the same tokens at every step (float32: the two paths round alike),
     the last blocks cut short by the token limit included. A decode that drafted from other features,
@@ -165,9 +165,9 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
     from dflash_train.app.local import train_local
     from dflash_train.decode.speculative import speculative_generate, target_generate
     from dflash_train.eval.evaluate import EvalConfig, evaluate
-    from dflash_train.eval.replay import accepted_runs
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.settings.tree import TrainConfig
+    from dflash_train.training.replay import accepted_runs, replayer
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (6,), generator=g).tolist() for _ in range(2)]
@@ -192,7 +192,8 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
             assert replayed == res.committed, (limit, p)
             decoded += res.accepted
     assert 0 < sum(decoded) < (B - 1) * len(decoded), decoded  # neither nothing nor everything accepted
-    report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False)
+    report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False,
+                      replay=replayer(tiny, drafter, prompts, 10))
     assert report.tau_replay == pytest.approx(report.tau, abs=1e-9)
 
 

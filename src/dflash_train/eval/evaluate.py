@@ -16,6 +16,7 @@ closer than rounding can swap places; `lossless` is
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,7 +29,6 @@ from dflash_train.decode.speculative import DecodeResult, compile_decode, specul
 from dflash_train.decode.static_lm import KV_BUCKET, bucket
 from dflash_train.errors import UsageError
 from dflash_train.eval.lookup import LOOKUP_NGRAM, lookup_tau
-from dflash_train.eval.replay import replay_tau
 from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
@@ -116,7 +116,7 @@ class EvalReport:
     tau_by_category: dict[str, float] | None = None
     """tau over each category's prompts (by_category), where the eval set names them."""
     tau_replay: float | None = None
-    """T=0: the decode's tau replayed through the training path on the same outputs (eval/replay.py); equal to
+    """T=0: the decode's tau replayed through the training path on the same outputs (training/replay.py); equal to
     tau up to rounding when decoding computes what training does. None at T > 0 or another block size."""
     tau_lookup: float | None = None
     """T=0: the tau prompt lookup (copying from the prompt and the output so far) gets on the same outputs
@@ -189,8 +189,11 @@ def warm_prompts(prompts: list[list[int]], size: int = KV_BUCKET) -> list[list[i
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: EvalConfig,
-             progress: bool = True) -> EvalReport:
-    """Decode every prompt (token ids, chat template applied) with and without the drafter."""
+             progress: bool = True, replay: Callable[[list[list[int]]], float] | None = None) -> EvalReport:
+    """Decode every prompt (token ids, chat template applied) with and without the drafter.
+
+    replay: the decode's outputs -> their tau through the training path (training/replay.py: replayer), the
+    report's tau_replay at T=0 and the drafter's block size."""
     B = cfg.block_size or drafter.block_size
     stops = stop_token_ids(target)
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
@@ -223,8 +226,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     if cfg.temperature == 0:
         outputs = [r.tokens for r in spec_runs]
         report.tau_lookup = lookup_tau(prompts, outputs, B)
-        if B == drafter.block_size:
-            report.tau_replay = replay_tau(target, drafter, prompts, outputs, cfg.max_new_tokens)
+        if replay is not None and B == drafter.block_size:
+            report.tau_replay = replay(outputs)
     return report
 
 

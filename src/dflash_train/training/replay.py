@@ -12,6 +12,8 @@ decode path (features, masks, embedding, numerics); equal, a low tau is the draf
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dflash_train.data.packing import PackedBatch
@@ -23,6 +25,13 @@ from dflash_train.pipeline.features import packed_features
 
 _HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 GB
 _ANCHORS = 256  # blocks a forward: its dense mask is [256 B, context + 256 B], whatever the output's length
+
+
+def replayer(target: Target, drafter: DFlashDrafter, prompts: list[list[int]],
+             max_new_tokens: int) -> Callable[[list[list[int]]], float]:
+    """replay_tau of these prompts' outputs: what eval.evaluate takes as `replay` (eval/ sits below the
+    objective and the target's feature forward, so the replay comes from above it)."""
+    return lambda outputs: replay_tau(target, drafter, prompts, outputs, max_new_tokens)
 
 
 @torch.no_grad()
