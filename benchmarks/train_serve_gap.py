@@ -11,7 +11,9 @@ For a few eval prompts and the target's greedy continuation of each:
             T=0 loop on the device fills the drafter's cache in a first step of its own, which tau_replay
             covers) on the decode's features: the logits' relative difference and how often the two
             argmaxes agree.
-At float32 on a CPU every pair agrees to rounding (tests/test_benchmarks.py). On a GPU in bfloat16 the
+On CUDA two more pairs bisect training's own path: its drafts under dense masks against FlexAttention
+(training's backend there), and its features from the padded batch against the packed row's
+FlexAttention. At float32 on a CPU every pair agrees to rounding (tests/test_benchmarks.py). On a GPU in bfloat16 the
 figures say how far apart the two paths are; a drafts agreement far below the features' suggests a
 decode path that does not compute what training does (eval's tau_replay tells the same with a trained
 drafter, end to end). The drafter: --drafter DIR, else a fresh one initialised from the target's layers.
@@ -88,9 +90,10 @@ def decode_drafts(target, drafter, ids: list[int], feats: torch.Tensor, anchors:
 
 
 @torch.no_grad()
-def training_drafts(target, drafter, batch: PackedBatch, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+def training_drafts(target, drafter, batch: PackedBatch, feats: torch.Tensor, anchors: torch.Tensor,
+                    attention: str = "auto") -> torch.Tensor:
     """The objective's training forward at `anchors` (indices into the packed row): logits [n, B-1, V]."""
-    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(),
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=attention),
                           embed_scale=target.embed_scale)
     blocks = obj.blocks(batch, anchors)
     keys = obj.key_context(batch)
@@ -135,18 +138,26 @@ def main(argv=None) -> int:
     starts = torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0).tolist()
     keep = batch.loss_mask.bool() & (batch.positions > 0)
 
-    H, out, agree, diffs = target.hidden_size, {}, [], []
+    cuda = target.device.type == "cuda"
+    H, out, agree, diffs, dense_agree = target.hidden_size, {}, [], [], []
     decode = []
     for i, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
         dec = decode_features(target, s, len(p), layers, B)
         decode.append(dec)
         anchors = list(range(len(p), len(s) - 1, B))
-        want = training_drafts(target, drafter, batch, train.hidden, torch.tensor(anchors, device=target.device)
-                               + starts[i])
+        packed_anchors = torch.tensor(anchors, device=target.device) + starts[i]
+        want = training_drafts(target, drafter, batch, train.hidden, packed_anchors)
         got = decode_drafts(target, drafter, s, dec, anchors)
         agree.append((got.argmax(-1) == want.argmax(-1)).float().flatten())
         diffs.append(rel(got.flatten(0, 1), want.flatten(0, 1)))
+        if cuda:  # training's drafts under dense masks: FlexAttention's share of any gap
+            dense = training_drafts(target, drafter, batch, train.hidden, packed_anchors, attention="dense")
+            dense_agree.append((dense.argmax(-1) == want.argmax(-1)).float().flatten())
     decode = torch.cat(decode)
+    if cuda:  # the padded batch's features against the packed row's (FlexAttention's document masks)
+        padded = target_features(target, batch, FeatureSpec(layers=layers), mode="padded").hidden
+        out["features_padded_vs_packed"] = round(rel(padded, train.hidden), 5)
+        out["drafts_dense_vs_flex_agree"] = float(torch.cat(dense_agree).mean())
     for j, layer in enumerate(layers):
         cols = slice(j * H, (j + 1) * H)
         out[f"layer {layer}"] = {"training_vs_float32": round(rel(train.hidden[:, cols], truth[:, cols]), 5),
