@@ -41,6 +41,7 @@ from dflash_train.models.loading import load_target
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 from dflash_train.pipeline.features import target_features
 from dflash_train.pipeline.target_features import FeatureSpec
+from dflash_train.training.replay import block_outputs
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,11 +96,7 @@ def training_drafts(target, drafter, batch: PackedBatch, feats: torch.Tensor, an
     """The objective's training forward at `anchors` (indices into the packed row): logits [n, B-1, V]."""
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention=attention),
                           embed_scale=target.embed_scale)
-    blocks = obj.blocks(batch, anchors)
-    keys = obj.key_context(batch)
-    hidden = obj.block_hidden(keys, blocks, obj.masks(keys, blocks), feats)[0]
-    B = drafter.block_size
-    rows = hidden.view(len(anchors), B, -1)[:, 1:]
+    rows = block_outputs(obj, batch, feats, anchors, drafter.block_size)[0]
     return target.lm_head(rows.to(target.lm_head.weight.dtype)).float()
 
 

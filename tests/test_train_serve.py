@@ -165,6 +165,7 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
     from dflash_train.app.local import train_local
     from dflash_train.decode.speculative import speculative_generate, target_generate
     from dflash_train.eval.evaluate import EvalConfig, evaluate
+    from dflash_train.eval.lookup import decode_commits
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.settings.tree import TrainConfig
     from dflash_train.training.replay import accepted_runs, replayer
@@ -185,11 +186,8 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
     for limit in (*range(5, 13), 30):  # < 30: the decode's last blocks are cut short, some mid-block
         for p in prompts:
             res = speculative_generate(tiny, drafter, p, limit)
-            runs, j, replayed = accepted_runs(tiny, obj, p, res.tokens, limit), 0, []
-            while j < len(res.tokens) - 1:
-                replayed.append(min(runs[j] + 1, len(res.tokens) - 1 - j))
-                j += replayed[-1]
-            assert replayed == res.committed, (limit, p)
+            runs = accepted_runs(tiny, obj, p, res.tokens, limit)
+            assert decode_commits(len(res.tokens), runs.__getitem__) == res.committed, (limit, p)
             decoded += res.accepted
     assert 0 < sum(decoded) < (B - 1) * len(decoded), decoded  # neither nothing nor everything accepted
     report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False,

@@ -12,22 +12,37 @@ context).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 LOOKUP_NGRAM = 3
 
 
 def lookup_tau(prompts: list[list[int]], outputs: list[list[int]], block_size: int, ngram: int = LOOKUP_NGRAM) -> float:
     """Committed tokens over verify steps of prompt lookup with B-1 drafts a step, over every output."""
-    committed = steps = 0
+    commits: list[int] = []
     for prompt, out in zip(prompts, outputs, strict=True):
-        seq, start = prompt + out, len(prompt)
-        j = 0
-        while j < len(out) - 1:  # out[j] is committed; the step drafts out[j+1:]
-            draft = _draft(seq, start + j + 1, block_size - 1, ngram)
-            run = next((i for i, t in enumerate(draft) if start + j + 1 + i >= len(seq) or seq[start + j + 1 + i] != t),
-                       len(draft))
-            take = min(run + 1, len(out) - 1 - j)
-            committed, steps, j = committed + take, steps + 1, j + take
-    return committed / steps if steps else 1.0
+        commits += decode_commits(len(out), functools.partial(_accepted, prompt + out, len(prompt), block_size - 1,
+                                                              ngram))
+    return sum(commits) / len(commits) if commits else 1.0
+
+
+def decode_commits(length: int, run: Callable[[int], int]) -> list[int]:
+    """The tokens each verify step commits over an output of `length` tokens, stepped as the decode steps: the
+    first token comes from the prefill; a step whose block starts at output token j commits the run(j) drafts
+    it got right and the target's next token, cut at the output's end (its limit or stop token)."""
+    commits, j = [], 0
+    while j < length - 1:  # the last token ends the decode: no step after it
+        commits.append(min(run(j) + 1, length - 1 - j))
+        j += commits[-1]
+    return commits
+
+
+def _accepted(seq: list[int], start: int, width: int, ngram: int, j: int) -> int:
+    """How many of the drafts after output token j (seq[start + j], committed) equal the tokens after it."""
+    at = start + j + 1
+    draft = _draft(seq, at, width, ngram)
+    return next((i for i, t in enumerate(draft) if at + i >= len(seq) or seq[at + i] != t), len(draft))
 
 
 def _draft(seq: list[int], end: int, width: int, ngram: int) -> list[int]:

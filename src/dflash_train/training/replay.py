@@ -17,9 +17,10 @@ from collections.abc import Callable
 import torch
 
 from dflash_train.data.packing import PackedBatch
+from dflash_train.eval.lookup import decode_commits
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
-from dflash_train.objective.blocks import IGNORE, build_blocks
+from dflash_train.objective.blocks import IGNORE, Blocks, build_blocks
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
 from dflash_train.pipeline.features import packed_features
 
@@ -43,14 +44,10 @@ def replay_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]],
     # dense masks: one short sequence at a time, each of its own length (FlexAttention would compile per shape)
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
                           embed_scale=target.embed_scale)
-    committed = steps = 0
+    commits: list[int] = []
     for prompt, out in zip(prompts, outputs, strict=True):
-        runs = accepted_runs(target, obj, prompt, out, max_new_tokens)
-        j = 0
-        while j < len(out) - 1:  # the last token ends the decode: no step after it
-            take = min(runs[j] + 1, len(out) - 1 - j)
-            committed, steps, j = committed + take, steps + 1, j + take
-    return committed / steps if steps else 1.0
+        commits += decode_commits(len(out), accepted_runs(target, obj, prompt, out, max_new_tokens).__getitem__)
+    return sum(commits) / len(commits) if commits else 1.0
 
 
 def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int],
@@ -75,16 +72,24 @@ def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: 
     return runs
 
 
+def block_outputs(obj: DFlashObjective, batch: PackedBatch, feats: torch.Tensor, anchors: torch.Tensor,
+                  width: int) -> tuple[torch.Tensor, Blocks]:
+    """The training forward's final-normed outputs at the draft slots of blocks `width` wide at `anchors`
+    (indices into the packed row), [n, width - 1, H], and the blocks."""
+    blocks = build_blocks(batch, anchors, width, obj.drafter.mask_token_id, obj.gamma)
+    keys = obj.key_context(batch)  # FlexAttention's padded context; the batch itself under dense masks
+    hidden = obj.block_hidden(keys, blocks, obj.masks(keys, blocks), feats)[0]
+    return hidden.view(len(anchors), width, -1)[:, 1:], blocks
+
+
 def _runs(obj: DFlashObjective, batch: PackedBatch, feats: torch.Tensor, anchors: torch.Tensor,
           width: int) -> list[int]:
     """Accepted drafts of blocks `width` wide at `anchors`: the leading slots whose argmax is the label."""
     if width < 2:  # the last token's block: no draft slot
         return [0] * len(anchors)
-    blocks = build_blocks(batch, anchors, width, obj.drafter.mask_token_id, obj.gamma)
-    hidden = obj.block_hidden(batch, blocks, obj.masks(batch, blocks), feats)[0]
-    hidden = hidden.view(len(anchors), width, -1)[:, 1:].reshape(-1, hidden.shape[-1])
+    hidden, blocks = block_outputs(obj, batch, feats, anchors, width)
     head = obj.lm_head
-    drafts = torch.cat([head(h.to(head.weight.dtype)).argmax(-1) for h in hidden.split(_HEAD_ROWS)])
+    drafts = torch.cat([head(h.to(head.weight.dtype)).argmax(-1) for h in hidden.flatten(0, 1).split(_HEAD_ROWS)])
     labels = blocks.labels.view(len(anchors), width)[:, 1:]
     hits = (drafts.view_as(labels) == labels) & (labels != IGNORE)
     return hits.int().cumprod(1).sum(1).tolist()
