@@ -11,12 +11,13 @@ For a few eval prompts and the target's greedy continuation of each:
             T=0 loop on the device fills the drafter's cache in a first step of its own, which tau_replay
             covers) on the decode's features: the logits' relative difference and how often the two
             argmaxes agree.
-On CUDA two more pairs bisect training's own path: its drafts under dense masks against FlexAttention
-(training's backend there), and its features from the padded batch against the packed row's
-FlexAttention. At float32 on a CPU every pair agrees to rounding (tests/test_benchmarks.py). On a GPU in bfloat16 the
-figures say how far apart the two paths are; a drafts agreement far below the features' suggests a
-decode path that does not compute what training does (eval's tau_replay tells the same with a trained
-drafter, end to end). The drafter: --drafter DIR, else a fresh one initialised from the target's layers.
+On CUDA three more figures bisect the paths: training's drafts under dense masks against FlexAttention
+(training's backend there), its features from the padded batch against the packed row's FlexAttention, and the
+decode's features from a StaticLM without graphs, Triton chains or decode kernel against float32. At float32
+on a CPU every pair agrees to rounding (tests/test_benchmarks.py). On a GPU in bfloat16 the figures say how
+far apart the two paths are; a drafts agreement far below the features' suggests a decode path that does not
+compute what training does (eval's tau_replay tells the same with a trained drafter, end to end). The drafter:
+--drafter DIR, else a fresh one initialised from the target's layers.
 
     python3 benchmarks/train_serve_gap.py --target gemma3-270m [--drafter RUN/drafter] [--limit 4] [--json OUT]
 """
@@ -73,6 +74,18 @@ def decode_features(target, ids: list[int], prompt_len: int, layers: tuple[int, 
                        layers=layers, logits="none")  # a graph replay on CUDA, as the decode's verify
         parts.append(step.features[0].clone())  # the graph's output buffer: the next replay rewrites it
     return torch.cat(parts)
+
+
+def plain_decode_features(target, seqs: list[list[int]], prompts: list[list[int]], layers: tuple[int, ...],
+                          B: int) -> torch.Tensor:
+    """decode_features from a StaticLM without its CUDA parts (graphs, Triton chains, decode kernel): the
+    PyTorch math on the same device, which bisects a decode gap between those parts and the rest."""
+    engine = static_lm.for_model(target.model)
+    static_lm.use(static_lm.StaticLM(target.model, graphs=False, attention_kernel=False, fused=False))
+    try:
+        return torch.cat([decode_features(target, s, len(p), layers, B) for s, p in zip(seqs, prompts, strict=True)])
+    finally:
+        static_lm.use(engine)
 
 
 @torch.no_grad()
@@ -155,6 +168,7 @@ def main(argv=None) -> int:
         padded = target_features(target, batch, FeatureSpec(layers=layers), mode="padded").hidden
         out["features_padded_vs_packed"] = round(rel(padded, train.hidden), 5)
         out["drafts_dense_vs_flex_agree"] = float(torch.cat(dense_agree).mean())
+        out["decode_plain_vs_float32"] = round(rel(plain_decode_features(target, seqs, prompts, layers, B), truth), 5)
     for j, layer in enumerate(layers):
         cols = slice(j * H, (j + 1) * H)
         out[f"layer {layer}"] = {"training_vs_float32": round(rel(train.hidden[:, cols], truth[:, cols]), 5),
