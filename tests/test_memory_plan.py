@@ -17,7 +17,7 @@ from dflash_train.models.memory_plan import eager_attention, meta_model, paramet
 
 # (total, active) from the model cards; gpt-oss counts "active" without the input embedding
 KNOWN = {"qwen3-30b-a3b": (30.5e9, 3.3e9), "gpt-oss-20b": (21e9, 3.6e9), "llama3.3-70b": (70.6e9, 70.6e9),
-         "qwen3-235b-a22b": (235e9, 22e9)}
+         "qwen3-235b-a22b": (235e9, 22e9), "gemma3-270m": (268e6, 268e6)}
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN))
@@ -33,6 +33,15 @@ def test_gpt_oss_preset_has_sliding_layers_and_attention_sinks():
     model = meta_model(presets.hf_config("gpt-oss-20b"))
     assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
     assert model.model.layers[0].self_attn.sinks.shape == (64,)
+
+
+def test_gemma3_preset_has_the_real_models_layer_pattern_and_ropes():
+    """random:gemma3-270m stands in for the real weights on a GPU without staging them: the same shapes."""
+    model = meta_model(presets.hf_config("gemma3-270m"))
+    cfg = model.config
+    assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3 and cfg.sliding_window == 512
+    assert cfg.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert cfg.head_dim == 256 and cfg.num_key_value_heads == 1 and cfg.query_pre_attn_scalar == 256
 
 
 def test_the_235b_preset_is_refused_on_one_gpu_naming_the_tp_size_that_fits():

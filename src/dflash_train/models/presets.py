@@ -65,6 +65,18 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                      "original_max_position_embeddings": 4096},
                                     max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    # Gemma 3 270M's shapes (the real weights: --target gemma3-270m): five sliding (512) layers to one full,
+    # a RoPE base per layer type, 256-wide heads over one KV head, sandwich norms, a 262K vocabulary
+    "gemma3-270m": ("gemma3_text", dict(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                                        num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                                        head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+                                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1e6}},
+                                        max_position_embeddings=32768, tie_word_embeddings=True,
+                                        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")),
 }
 
 
@@ -86,8 +98,9 @@ PRESETS["tiny-gpt-oss"] = _scaled_down("gpt-oss-20b", **_TINY, intermediate_size
 
 def hf_config(preset: str):
     """The transformers config of a preset (KeyError for unknown names; callers report it)."""
-    from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     model_type, kwargs = PRESETS[preset]
-    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}[model_type]
+    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig,
+           "gemma3_text": Gemma3TextConfig}[model_type]
     return cls(**kwargs)
