@@ -215,6 +215,26 @@ def test_reply_loops(tmp_path):
     assert "sharegpt T=0: 2 replies" in proc.stdout and "with the prompt" in proc.stdout
 
 
+@pytest.mark.slow
+def test_tau_by_prompt(tmp_path):
+    record, out = tmp_path / "eval.json", tmp_path / "by_prompt.json"
+    record.write_text(json.dumps({"per_prompt_tau": [1.5, 2.0, 3.0], "block_size": 4}))
+    _run(_py("tau_by_prompt.py", "--device", "cpu", "--target", TINY, "--record", str(record), "--dataset", "sharegpt",
+             "--new-tokens", "8", "--json", str(out)), tmp_path)
+    figures = _json(out, "tau_by_prompt_third", "corr_tau_prompt", "prompts")
+    assert [r["tau"] for r in figures["prompts"]] == [1.5, 2.0, 3.0]
+
+
+def test_copy_distances_measure_back_to_the_last_occurrence_followed_by_the_same_token():
+    copy_distances = _load("tau_by_prompt.py").copy_distances
+    prompt, reply = [1, 2, 9], [1, 2, 9, 1, 2, 7]
+    # reply positions from the second on (1-grams): 2 after 1, 9 after 2, 1 after 9 (the prompt's 9 was followed
+    # by the reply's first 1), 2 after 1, each 3 back; 7 after 2 never
+    assert copy_distances(prompt + reply, len(prompt), n=1) == [3, 3, 3, 3, None]
+    # a later occurrence followed by another token does not hide an earlier one followed by the same
+    assert copy_distances([5, 6, 5, 8, 5, 6], 4, n=1) == [4]
+
+
 def test_copy_predictable_counts_the_prompts_ngrams_when_asked():
     copy_predictable = _load("reply_loops.py").copy_predictable
     prompt, reply = [1, 2, 3, 4], [1, 2, 3, 5, 1, 2, 3]
