@@ -207,3 +207,19 @@ def test_cuda_graph_replays_equal_eager():
     a = generate(eager, prompts, 24, [], lag=0).rows
     b = generate(graphed, prompts, 24, []).rows
     assert a == b
+
+
+@pytest.mark.parametrize("heads", [(4, 1, 256), (9, 3, 64)])  # Gemma 3 270M's, SmolLM2's
+@pytest.mark.parametrize("length", [64, 65, 200, 424])
+def test_the_causal_prefill_matches_float64_at_the_targets_head_shapes(heads, length):
+    """StaticLM's prefill attention in bf16 (SDPA's flash kernel with grouped heads on CUDA) against float64,
+    past one 64-row tile and at real prompt lengths: a wrong prefill skews every prompt feature the drafter sees."""
+    H, Hkv, d = heads
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(1, h, length, d, generator=gen) for h in (H, Hkv, Hkv))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(H // Hkv, 1), v.double().repeat_interleave(H // Hkv, 1),
+        is_causal=True, scale=d ** -0.5)
+    got = static_lm.causal_attention(*(x.to(device, torch.bfloat16) for x in (q, k, v)), d ** -0.5)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=0.05)
