@@ -195,6 +195,54 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
     assert report.tau_replay == pytest.approx(report.tau, abs=1e-9)
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_the_device_loops_drafts_on_long_prompts_are_trainings(arch):
+    """The eval's device loop (greedy_loop: the prompt's drafter pass padded to a key bucket, then one step a
+    block) drafts what training's blocks give at the same anchors, for prompts past one key bucket (128) and
+    the target's window: every step's draft logits, compared one by one (CPU: the steps run eagerly)."""
+    from dflash_train.decode import static_drafter
+    from dflash_train.decode.speculative import speculative_generate
+    from dflash_train.models.factory import drafter_config_for, new_drafter
+    from dflash_train.training.replay import block_outputs
+
+    target = Target(model=sliding_window_model(arch), tokenizer=byte_tokenizer(), spec=f"{arch}-sliding-test")
+    cfg = drafter_config_for(target, num_layers=2, block_size=4, num_sliding_layers=1, sliding_window=3,
+                             dtype="float32")
+    drafter = new_drafter(cfg, seed=0).float().eval()
+    engine = static_drafter.for_drafter(drafter, target.model.get_input_embeddings(), target.lm_head)
+    steps, forward = [], engine.forward
+
+    def recorded(features, block, meta, cache, kv_len):
+        out = forward(features, block, meta, cache, kv_len)
+        steps.append((meta.tolist(), block.shape[1], out.clone()))
+        return out
+
+    engine.forward = recorded
+    obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
+                          embed_scale=target.embed_scale)
+    g = torch.Generator().manual_seed(2)
+    try:
+        for n in (140, 300):
+            prompt = torch.randint(3, 250, (n,), generator=g).tolist()
+            steps.clear()
+            ids = prompt + speculative_generate(target, drafter, prompt, 24).tokens
+            pos = torch.arange(len(ids))
+            batch = PackedBatch(torch.tensor(ids), (pos >= n).long(), torch.zeros_like(pos), pos)
+            with torch.no_grad():
+                feats = packed_features(target, batch, list(cfg.target_layer_ids))
+            full = [(meta[0] + meta[1], out) for meta, width, out in steps if width == 4 and meta[2] == 4]
+            assert len(full) >= 4 and any(width == 1 for _, width, _ in steps)  # the prompt's pass ran
+            for a, out in full:
+                if a + 4 > len(ids):
+                    continue
+                with torch.no_grad():
+                    want = target.lm_head(block_outputs(obj, batch, feats, torch.tensor([a]), 4)[0][0])
+                torch.testing.assert_close(out[:3], want, **TOL, msg=f"{arch}: prompt {n}, anchor {a}")
+    finally:
+        engine.forward = forward
+        static_drafter.release(drafter)
+
+
 def test_prompt_lookup_copies_the_prompt_and_counts_as_the_decode_steps():
     from dflash_train.eval.lookup import lookup_tau
 
