@@ -1,20 +1,20 @@
-"""Where an eval's tau comes from, prompt by prompt: its length, and how far back its reply copies from.
+"""Where an eval's tau comes from, prompt by prompt: its length, and where and how far back its reply copies from.
 
 Reads an eval record (RUN/eval_after.json, or `dflash-train eval --json`), decodes the same prompts
-greedily with the target (the tokens the eval's decode emitted, up to ties) and gives, for each prompt,
-the drafter's tau beside:
-  prompt     the rendered prompt's tokens;
-  copy_far   the share of reply tokens whose 4-gram continuation last occurred >= --far tokens back
-             (a copy of the prompt, or of a distant part of the reply; prompt lookup gets these right);
-  copy_near  the share whose continuation occurred fewer than --far tokens back (a short loop);
-  lookup     prompt lookup's tau on that reply (eval/lookup.py).
-Then the mean tau by prompt length (thirds) and the correlation of tau with each column. A drafter
-that copies only what is near (tau falling with copy_far and prompt length while lookup stays high)
-never learned long-range copying, or the decode path differs from training on long contexts
-(eval's tau_replay tells which).
+greedily with the target (the eval's tokens up to ties and the dtype's rounding: give the eval's
+--dtype) and gives, for each prompt, the drafter's tau beside:
+  prompt       the rendered prompt's tokens;
+  copy_prompt  the share of reply tokens whose 4-gram continuation last occurred in the prompt;
+  copy_reply   the share whose continuation last occurred earlier in the reply (a loop);
+  copy_dist    the median distance back of those copies, in tokens;
+  lookup       prompt lookup's tau on that reply (eval/lookup.py: its own matching rule, up to 3-grams).
+Then the mean tau by prompt length (thirds) and the correlation of tau with each column. Greedy
+replies that repeat their prompt copy from further back the longer it is, so prompt length and copy
+distance go together: a tau that falls with both while lookup's holds says the drafter misses
+long-range copies, whether it never learned them or the decode path differs from training on long
+contexts (eval's tau_replay tells which).
 
-    python3 benchmarks/tau_by_prompt.py --target gemma3-270m --record RUN/eval_after.json --dataset humaneval
-"""
+    python3 benchmarks/tau_by_prompt.py --target gemma3-270m --record RUN/eval_after.json --dataset humaneval"""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from dflash_train.decode.generate import generate
 from dflash_train.eval.lookup import lookup_tau
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat, stop_token_ids
+from dflash_train.models.checkpoint import parse_dtype
 from dflash_train.models.loading import load_target
 
 
@@ -46,33 +47,38 @@ def copy_distances(seq: list[int], start: int, n: int = 4) -> list[int | None]:
     return out
 
 
-def prompt_rows(taus: list[float], prompts: list[list[int]], replies: list[list[int]], far: int,
-                block_size: int) -> list[dict]:
+def prompt_rows(taus: list[float], prompts: list[list[int]], replies: list[list[int]], block_size: int) -> list[dict]:
     rows = []
     for tau, prompt, reply in zip(taus, prompts, replies, strict=True):
         dists = copy_distances(prompt + reply, len(prompt))
-        n = max(len(dists), 1)
-        rows.append({"tau": round(tau, 3), "prompt": len(prompt),
-                     "copy_far": round(sum(d is not None and d >= far for d in dists) / n, 3),
-                     "copy_near": round(sum(d is not None and d < far for d in dists) / n, 3),
+        # position k of dists is reply token k + 4; a copy reaching back past the reply's start is the prompt's
+        sources = [None if d is None else d > k + 4 for k, d in enumerate(dists)]
+        n, copied = max(len(dists), 1), [d for d in dists if d is not None]
+        rows.append({"tau": round(tau, 3), "prompt": len(prompt), "reply": len(reply),
+                     "copy_prompt": round(sum(x is True for x in sources) / n, 3),
+                     "copy_reply": round(sum(x is False for x in sources) / n, 3),
+                     "copy_dist": statistics.median(copied) if copied else None,
                      "lookup": round(lookup_tau([prompt], [reply], block_size), 3)})
     return rows
 
 
+def thirds(rows: list[dict]) -> list[list[dict]]:
+    """The rows by prompt length in three parts as equal as the count allows (empty ones for fewer than 3)."""
+    by_len, n = sorted(rows, key=lambda r: r["prompt"]), len(rows)
+    return [by_len[i * n // 3:(i + 1) * n // 3] for i in range(3)]
+
+
 def summary(rows: list[dict]) -> dict:
-    """Mean tau by prompt-length third, and tau's correlation with each column."""
-    by_len = sorted(rows, key=lambda r: r["prompt"])
-    k = len(by_len) // 3 or 1
-    thirds = [by_len[:k], by_len[k:len(by_len) - k], by_len[len(by_len) - k:]]
+    """Mean tau (and lookup's) by prompt-length third, and tau's correlation with each column."""
     out = {"tau_by_prompt_third": [{"prompt": [t[0]["prompt"], t[-1]["prompt"]],
                                     "tau": round(statistics.mean(r["tau"] for r in t), 3),
-                                    "lookup": round(statistics.mean(r["lookup"] for r in t), 3)}
-                                   for t in thirds if t]}
-    taus = [r["tau"] for r in rows]
-    for col in ("prompt", "copy_far", "copy_near", "lookup"):
-        xs = [r[col] for r in rows]
-        ok = len(rows) > 2 and len(set(xs)) > 1 and len(set(taus)) > 1
-        out[f"corr_tau_{col}"] = round(statistics.correlation(xs, taus), 3) if ok else None
+                                    "lookup": round(statistics.mean(r["lookup"] for r in t), 3)} if t else None
+                                   for t in thirds(rows)]}
+    for col in ("prompt", "copy_prompt", "copy_reply", "copy_dist", "lookup"):
+        pairs = [(r[col], r["tau"]) for r in rows if r[col] is not None]
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+        ok = len(pairs) > 2 and len(set(xs)) > 1 and len(set(ys)) > 1
+        out[f"corr_tau_{col}"] = round(statistics.correlation(xs, ys), 3) if ok else None
     return out
 
 
@@ -82,8 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--record", required=True, help="an eval record with per_prompt_tau (RUN/eval_after.json)")
     ap.add_argument("--dataset", default="humaneval", help="the record's prompts (its eval's --eval-dataset)")
     ap.add_argument("--new-tokens", type=int, default=128, help="the eval's --eval-max-new-tokens")
-    ap.add_argument("--far", type=int, default=128, help="copy distance that counts as far, in tokens")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", help="the target's dtype (default: the device's; the eval ran bfloat16 on a GPU)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
@@ -92,7 +98,7 @@ def main(argv=None) -> int:
     taus = record.get("per_prompt_tau")
     if not taus:
         raise SystemExit(f"{args.record}: no per_prompt_tau")
-    target = load_target(args.target, device=args.device)
+    target = load_target(args.target, device=args.device, dtype=parse_dtype(args.dtype) if args.dtype else None)
     lm = static_lm.for_model(target.model)
     if lm is None:
         raise SystemExit(f"{args.target}: no StaticLM for this architecture")
@@ -100,12 +106,14 @@ def main(argv=None) -> int:
     stops = sorted(set(stop_token_ids(target)))
     replies = [r[:next((i + 1 for i, t in enumerate(r) if t in stops), None)]
                for r in generate(lm, prompts, args.new_tokens, stops).rows]
-    rows = prompt_rows(taus, prompts, replies, args.far, record.get("block_size") or 8)
+    rows = prompt_rows(taus, prompts, replies, record.get("block_size") or 8)
     for i, r in enumerate(rows):
-        print(f"{i:3d}  tau {r['tau']:5.2f}  prompt {r['prompt']:4d}  copy_far {r['copy_far']:.2f}  "
-              f"copy_near {r['copy_near']:.2f}  lookup {r['lookup']:5.2f}")
-    figures = {"target": args.target, "record": args.record, "dataset": args.dataset, "far": args.far,
-               **summary(rows), "prompts": rows}
+        print(f"{i:3d}  tau {r['tau']:5.2f}  prompt {r['prompt']:4d}  copy_prompt {r['copy_prompt']:.2f}  "
+              f"copy_reply {r['copy_reply']:.2f}  copy_dist {r['copy_dist']}  lookup {r['lookup']:5.2f}")
+    # the record's own count of generated tokens against these replies': unequal, the decodes differ
+    figures = {"target": args.target, "record": args.record, "dataset": args.dataset, "dtype": str(target.dtype),
+               "device": args.device, "reply_tokens": sum(len(r) for r in replies),
+               "record_generated_tokens": record.get("generated_tokens"), **summary(rows), "prompts": rows}
     print(json.dumps({k: v for k, v in figures.items() if k != "prompts"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -217,12 +217,28 @@ def test_reply_loops(tmp_path):
 
 @pytest.mark.slow
 def test_tau_by_prompt(tmp_path):
+    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.models.chat import render_chat
+    from dflash_train.models.loading import load_target
+
     record, out = tmp_path / "eval.json", tmp_path / "by_prompt.json"
     record.write_text(json.dumps({"per_prompt_tau": [1.5, 2.0, 3.0], "block_size": 4}))
     _run(_py("tau_by_prompt.py", "--device", "cpu", "--target", TINY, "--record", str(record), "--dataset", "sharegpt",
              "--new-tokens", "8", "--json", str(out)), tmp_path)
-    figures = _json(out, "tau_by_prompt_third", "corr_tau_prompt", "prompts")
-    assert [r["tau"] for r in figures["prompts"]] == [1.5, 2.0, 3.0]
+    figures = _json(out, "tau_by_prompt_third", "corr_tau_prompt", "prompts", "reply_tokens", "dtype")
+    rows = figures["prompts"]
+    assert [r["tau"] for r in rows] == [1.5, 2.0, 3.0] and len(figures["tau_by_prompt_third"]) == 3
+    target = load_target(TINY)
+    assert [r["prompt"] for r in rows] == [len(render_chat(target, m)) for m in load_prompts("sharegpt", 3)]
+    assert all(0 <= r["copy_prompt"] + r["copy_reply"] <= 1 and 0 < r["reply"] <= 8 for r in rows), rows
+    assert figures["reply_tokens"] == sum(r["reply"] for r in rows)
+
+
+def test_tau_by_prompt_splits_prompts_into_thirds_by_length_whatever_their_count():
+    thirds = _load("tau_by_prompt.py").thirds
+    rows = [{"prompt": n} for n in (50, 10, 40, 20, 30)]
+    assert [[r["prompt"] for r in t] for t in thirds(rows)] == [[10], [20, 30], [40, 50]]
+    assert [len(t) for t in thirds(rows[:2])] == [0, 1, 1] and [len(t) for t in thirds(rows[:1])] == [0, 0, 1]
 
 
 def test_copy_distances_measure_back_to_the_last_occurrence_followed_by_the_same_token():
