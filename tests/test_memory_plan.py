@@ -44,6 +44,16 @@ def test_gemma3_preset_has_the_real_models_layer_pattern_and_ropes():
     assert cfg.head_dim == 256 and cfg.num_key_value_heads == 1 and cfg.query_pre_attn_scalar == 256
 
 
+def test_random_weights_start_norms_as_each_family_scales_them():
+    """Gemma's RMSNorm scales by 1 + weight: its random draw starts the weight at zero, as its initializer does."""
+    from dflash_train.models.sharded_loading import RandomWeights
+
+    name, shape = "model.layers.0.input_layernorm.weight", torch.Size([8])
+    for preset, want in (("gemma3-270m", 0.0), ("smollm2-135m", 1.0)):
+        draw = RandomWeights(0, presets.hf_config(preset), torch.device("cpu")).read(name, shape, None)
+        assert torch.equal(draw, torch.full(shape, want)), preset
+
+
 def test_the_235b_preset_is_refused_on_one_gpu_naming_the_tp_size_that_fits():
     cfg = presets.hf_config("qwen3-235b-a22b")
     with pytest.raises(UsageError) as e:

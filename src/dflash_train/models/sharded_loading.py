@@ -308,11 +308,13 @@ class RandomWeights:
 
     Drawn on the target's device: a 235B-parameter target's draw takes seconds on a GPU, not the
     host's minutes; one seed gives the same weights on every device of a type (as new_drafter's).
-    Norm weights are ones and biases and attention sinks zeros, as the models' initializers have them.
+    Norm weights are ones (zeros for Gemma's, which scale by 1 + weight) and biases and attention sinks zeros,
+    as the models' initializers have them.
     """
 
     def __init__(self, seed: int, config, device: torch.device) -> None:
         self.seed, self.std, self.device = seed, getattr(config, "initializer_range", 0.02), device
+        self.norm = 0.0 if getattr(config, "model_type", "").startswith("gemma") else 1.0
 
     def __enter__(self):
         return self
@@ -333,7 +335,7 @@ class RandomWeights:
     def _draw(self, name: str, shape: torch.Size) -> torch.Tensor:
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and len(shape) == 1:
-            return torch.ones(shape, device=self.device)
+            return torch.full(shape, self.norm, device=self.device)
         if leaf in ("bias", "sinks") or leaf.endswith("_bias"):
             return torch.zeros(shape, device=self.device)
         gen = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
