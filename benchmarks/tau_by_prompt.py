@@ -68,12 +68,25 @@ def thirds(rows: list[dict]) -> list[list[dict]]:
     return [by_len[i * n // 3:(i + 1) * n // 3] for i in range(3)]
 
 
+DIST_BINS = (0, 32, 64, 128)  # copy distances, tokens: [0, 32), [32, 64), [64, 128), 128 and more
+
+
+def means(rows: list[dict]) -> dict:
+    return {"prompts": len(rows), "tau": round(statistics.mean(r["tau"] for r in rows), 3),
+            "lookup": round(statistics.mean(r["lookup"] for r in rows), 3)}
+
+
 def summary(rows: list[dict]) -> dict:
-    """Mean tau (and lookup's) by prompt-length third, and tau's correlation with each column."""
-    out = {"tau_by_prompt_third": [{"prompt": [t[0]["prompt"], t[-1]["prompt"]],
-                                    "tau": round(statistics.mean(r["tau"] for r in t), 3),
-                                    "lookup": round(statistics.mean(r["lookup"] for r in t), 3)} if t else None
+    """Mean tau (and lookup's) by prompt-length third and, over the prompts whose replies are mostly copies, by
+    their median copy distance; and tau's correlation with each column."""
+    out = {"tau_by_prompt_third": [{"prompt": [t[0]["prompt"], t[-1]["prompt"]], **means(t)} if t else None
                                    for t in thirds(rows)]}
+    copying = [r for r in rows if r["copy_dist"] is not None and r["copy_prompt"] + r["copy_reply"] > 0.5]
+    out["tau_by_copy_dist"] = []
+    for lo, hi in zip(DIST_BINS, (*DIST_BINS[1:], None), strict=True):
+        part = [r for r in copying if lo <= r["copy_dist"] and (hi is None or r["copy_dist"] < hi)]
+        if part:
+            out["tau_by_copy_dist"].append({"copy_dist": [lo, hi], **means(part)})
     for col in ("prompt", "copy_prompt", "copy_reply", "copy_dist", "lookup"):
         pairs = [(r[col], r["tau"]) for r in rows if r[col] is not None]
         xs, ys = [x for x, _ in pairs], [y for _, y in pairs]

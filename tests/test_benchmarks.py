@@ -225,13 +225,26 @@ def test_tau_by_prompt(tmp_path):
     record.write_text(json.dumps({"per_prompt_tau": [1.5, 2.0, 3.0], "block_size": 4}))
     _run(_py("tau_by_prompt.py", "--device", "cpu", "--target", TINY, "--record", str(record), "--dataset", "sharegpt",
              "--new-tokens", "8", "--json", str(out)), tmp_path)
-    figures = _json(out, "tau_by_prompt_third", "corr_tau_prompt", "prompts", "reply_tokens", "dtype")
+    figures = _json(out, "tau_by_prompt_third", "tau_by_copy_dist", "corr_tau_prompt", "prompts", "reply_tokens",
+                    "dtype")
     rows = figures["prompts"]
     assert [r["tau"] for r in rows] == [1.5, 2.0, 3.0] and len(figures["tau_by_prompt_third"]) == 3
     target = load_target(TINY)
     assert [r["prompt"] for r in rows] == [len(render_chat(target, m)) for m in load_prompts("sharegpt", 3)]
     assert all(0 <= r["copy_prompt"] + r["copy_reply"] <= 1 and 0 < r["reply"] <= 8 for r in rows), rows
     assert figures["reply_tokens"] == sum(r["reply"] for r in rows)
+
+
+def test_tau_by_prompt_bins_the_copying_replies_by_their_median_copy_distance():
+    summary = _load("tau_by_prompt.py").summary
+
+    def row(tau, dist, copied=0.9):
+        return {"tau": tau, "prompt": dist, "copy_prompt": copied, "copy_reply": 0.0, "copy_dist": dist, "lookup": 5.0}
+
+    rows = [row(5.0, 10), row(4.0, 20), row(2.0, 100), row(1.0, 400), row(9.0, 40, copied=0.2)]  # last: few copies
+    bins = summary(rows)["tau_by_copy_dist"]
+    assert [(b["copy_dist"], b["prompts"], b["tau"]) for b in bins] == [([0, 32], 2, 4.5), ([64, 128], 1, 2.0),
+                                                                         ([128, None], 1, 1.0)]
 
 
 def test_tau_by_prompt_splits_prompts_into_thirds_by_length_whatever_their_count():
