@@ -33,6 +33,9 @@ from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
 
+# the decode's tau replayed through the training path (training/replay.py: replay_tau); eval/ cannot import it
+Replay = Callable[[Target, DFlashDrafter, list[list[int]], list[list[int]], int], float]
+
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
@@ -189,11 +192,11 @@ def warm_prompts(prompts: list[list[int]], size: int = KV_BUCKET) -> list[list[i
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: EvalConfig,
-             progress: bool = True, replay: Callable[[list[list[int]]], float] | None = None) -> EvalReport:
+             progress: bool = True, replay: Replay | None = None) -> EvalReport:
     """Decode every prompt (token ids, chat template applied) with and without the drafter.
 
-    replay: the decode's outputs -> their tau through the training path (training/replay.py: replayer), the
-    report's tau_replay at T=0 and the drafter's block size."""
+    replay: (target, drafter, prompts, the decode's outputs, max_new_tokens) -> their tau through the training
+    path (training/replay.py: replay_tau), the report's tau_replay at T=0 and the drafter's block size."""
     B = cfg.block_size or drafter.block_size
     stops = stop_token_ids(target)
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
@@ -227,7 +230,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
         outputs = [r.tokens for r in spec_runs]
         report.tau_lookup = lookup_tau(prompts, outputs, B)
         if replay is not None and B == drafter.block_size:
-            report.tau_replay = replay(outputs)
+            report.tau_replay = replay(target, drafter, prompts, outputs, cfg.max_new_tokens)
     return report
 
 

@@ -12,8 +12,6 @@ decode path (features, masks, embedding, numerics); equal, a low tau is the draf
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from dflash_train.data.packing import PackedBatch
@@ -28,17 +26,11 @@ _HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 G
 _ANCHORS = 256  # blocks a forward: its dense mask is [256 B, context + 256 B], whatever the output's length
 
 
-def replayer(target: Target, drafter: DFlashDrafter, prompts: list[list[int]],
-             max_new_tokens: int) -> Callable[[list[list[int]]], float]:
-    """replay_tau of these prompts' outputs: what eval.evaluate takes as `replay` (eval/ sits below the
-    objective and the target's feature forward, so the replay comes from above it)."""
-    return lambda outputs: replay_tau(target, drafter, prompts, outputs, max_new_tokens)
-
-
 @torch.no_grad()
 def replay_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], outputs: list[list[int]],
                max_new_tokens: int) -> float:
-    """The tau of decoding `outputs` (each prompt's greedy tokens, the first from its prefill; at most
+    """eval.evaluate's `replay` (eval/ sits below the objective and the target's feature forward, so its callers
+    pass this in). The tau of decoding `outputs` (each prompt's greedy tokens, the first from its prefill; at most
     `max_new_tokens`) with the drafter's blocks from the training path: committed tokens over verify steps,
     as the decode counts them."""
     # dense masks: one short sequence at a time, each of its own length (FlexAttention would compile per shape)
