@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from dflash_train.decode import static_lm
-from dflash_train.decode.generate import generate
+from dflash_train.decode.generate import generate, until_stop
 from dflash_train.decode.sampling import pick
 from dflash_train.eval.lookup import lookup_tau
 from dflash_train.eval.prompts import load_prompts
@@ -64,9 +64,8 @@ def main(argv=None) -> int:
     capped, counts = 0, [[0, 0, 0], [0, 0, 0]]  # [before split, after]: [tokens, in-reply, with the prompt]
     replies = []
     for prompt, row in zip(prompts, rows, strict=True):
-        end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
-        capped += end is None
-        reply = row[:end]
+        reply = until_stop(row, stops)
+        capped += not reply or reply[-1] not in stops
         replies.append(reply)
         both = copy_predictable(prompt + reply, args.ngram, len(prompt) + args.ngram)  # reply positions n..
         for i, (hit, any_hit) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both, strict=True),

@@ -25,7 +25,7 @@ import statistics
 import torch
 
 from dflash_train.decode import static_lm
-from dflash_train.decode.generate import generate
+from dflash_train.decode.generate import generate, until_stop
 from dflash_train.eval.lookup import lookup_tau
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat, stop_token_ids
@@ -116,9 +116,8 @@ def main(argv=None) -> int:
     if lm is None:
         raise SystemExit(f"{args.target}: no StaticLM for this architecture")
     prompts = [render_chat(target, m) for m in load_prompts(args.dataset, len(taus))]
-    stops = sorted(set(stop_token_ids(target)))
-    replies = [r[:next((i + 1 for i, t in enumerate(r) if t in stops), None)]
-               for r in generate(lm, prompts, args.new_tokens, stops).rows]
+    stops = set(stop_token_ids(target))
+    replies = [until_stop(r, stops) for r in generate(lm, prompts, args.new_tokens, sorted(stops)).rows]
     rows = prompt_rows(taus, prompts, replies, record.get("block_size") or 8)
     for i, r in enumerate(rows):
         print(f"{i:3d}  tau {r['tau']:5.2f}  prompt {r['prompt']:4d}  copy_prompt {r['copy_prompt']:.2f}  "

@@ -9,7 +9,7 @@ from dflash_train.data import regenerate as regen
 from dflash_train.data.regenerate import RegenConfig
 from dflash_train.decode import speculative as spec
 from dflash_train.decode import static_lm
-from dflash_train.decode.generate import generate
+from dflash_train.decode.generate import generate, until_stop
 from dflash_train.decode.static_lm import StaticLM
 from dflash_train.models.loading import byte_tokenizer
 from dflash_train.models.target import Target
@@ -80,7 +80,7 @@ def test_generate_reads_the_stop_check_lag_steps_late(target):
     at_once = generate(lm, [prompt], 12, [stop], lag=0).rows[0]
     late = generate(lm, [prompt], 12, [stop], lag=2).rows[0]
     assert len(at_once) == first and len(late) == first + 2
-    assert spec._cut(late, {stop}) == at_once == free[:first]
+    assert until_stop(late, {stop}) == at_once == free[:first]
 
 
 def test_prefill_chunks_pad_to_their_own_width(target, monkeypatch):
@@ -136,7 +136,7 @@ def test_dropping_finished_rows_keeps_every_rows_tokens(target, monkeypatch, lag
     monkeypatch.setattr(gen, "COMPACT_MIN_SHARE", 0.0)
     compacted = generate(lm, prompts, 16, stops, lag=lag)
     assert compacted.compactions >= 1
-    assert [spec._cut(r, set(stops)) for r in compacted.rows] == [spec._cut(r, set(stops)) for r in free]
+    assert [until_stop(r, set(stops)) for r in compacted.rows] == [until_stop(r, set(stops)) for r in free]
 
 
 def test_compaction_when_the_last_rows_stop_after_the_count_was_read(tiny_target, monkeypatch):
@@ -155,7 +155,7 @@ def test_compaction_when_the_last_rows_stop_after_the_count_was_read(tiny_target
     monkeypatch.setattr(gen, "COMPACT_MIN_ROWS", 1)
     monkeypatch.setattr(gen, "COMPACT_MIN_SHARE", 0.0)
     out = generate(lm, [prompts[i], prompts[j]], 16, stops, lag=1)
-    assert [spec._cut(r, set(stops)) for r in out.rows] == [spec._cut(r, set(stops)) for r in (free[i], free[j])]
+    assert [until_stop(r, set(stops)) for r in out.rows] == [until_stop(r, set(stops)) for r in (free[i], free[j])]
 
 
 def _ends(a: list[int], b: list[int], stops: set[int]) -> tuple:

@@ -48,6 +48,11 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def until_stop(row: list[int], stops: set[int]) -> list[int]:
+    """A generated row's tokens up to and including its first stop token (rows run on past it: `generate`)."""
+    return next((row[:i + 1] for i, t in enumerate(row) if t in stops), row)
+
+
 def max_rows(lm: StaticLM, capacity: int) -> int:
     """Rows whose KV cache of `capacity` slots fits the memory budget (unbounded on CPU)."""
     if lm.device.type != "cuda":

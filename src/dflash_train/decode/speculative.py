@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.decode import greedy_loop, static_drafter, static_lm
-from dflash_train.decode.generate import generate, now
+from dflash_train.decode.generate import generate, now, until_stop
 from dflash_train.decode.limits import check_context
 from dflash_train.decode.sampling import pick, probs
 from dflash_train.models.drafter import ContextCache, DFlashDrafter
@@ -88,12 +88,8 @@ def target_generate(target: Target, prompt: list[int], max_new_tokens: int, temp
     if lm is None:
         return hf_target_generate(target, prompt, max_new_tokens, temperature, stop_ids, gen)
     out = generate(lm, [prompt], max_new_tokens, list(stop_ids or []), lambda lg: pick(lg, temperature, gen))
-    return DecodeResult(tokens=_cut(out.rows[0], set(stop_ids or [])), prefill_s=out.prefill_s, decode_s=out.decode_s)
-
-
-def _cut(row: list[int], stops: set[int]) -> list[int]:
-    """Tokens up to and including the first stop token."""
-    return next((row[:i + 1] for i, t in enumerate(row) if t in stops), row)
+    return DecodeResult(tokens=until_stop(out.rows[0], set(stop_ids or [])), prefill_s=out.prefill_s,
+                        decode_s=out.decode_s)
 
 
 def hf_target_generate(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
