@@ -32,8 +32,10 @@ from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.checkpoint import parse_dtype
 from dflash_train.models.loading import load_target
 
+NGRAM = 4  # the n-gram whose continuation counts as a copy
 
-def copy_distances(seq: list[int], start: int, n: int = 4) -> list[int | None]:
+
+def copy_distances(seq: list[int], start: int, n: int = NGRAM) -> list[int | None]:
     """Per position i > start + n - 1 of seq (the reply's, after its first n tokens): how far back the n-gram
     ending at i - 1 last occurred followed by seq[i] (None: never). Earlier occurrences in the prompt count."""
     last: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ends of its occurrences, latest last
@@ -51,8 +53,8 @@ def prompt_rows(taus: list[float], prompts: list[list[int]], replies: list[list[
     rows = []
     for tau, prompt, reply in zip(taus, prompts, replies, strict=True):
         dists = copy_distances(prompt + reply, len(prompt))
-        # position k of dists is reply token k + 4; a copy reaching back past the reply's start is the prompt's
-        sources = [None if d is None else d > k + 4 for k, d in enumerate(dists)]
+        # position k of dists is reply token k + NGRAM; a copy reaching back past the reply's start is the prompt's
+        sources = [None if d is None else d > k + NGRAM for k, d in enumerate(dists)]
         n, copied = max(len(dists), 1), [d for d in dists if d is not None]
         rows.append({"tau": round(tau, 3), "prompt": len(prompt), "reply": len(reply),
                      "copy_prompt": round(sum(x is True for x in sources) / n, 3),

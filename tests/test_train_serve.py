@@ -196,7 +196,7 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
-def test_the_device_loops_drafts_on_long_prompts_are_trainings(arch):
+def test_the_device_loops_drafts_on_long_prompts_are_trainings(arch, monkeypatch):
     """The eval's device loop (greedy_loop: the prompt's drafter pass padded to a key bucket, then one step a
     block) drafts what training's blocks give at the same anchors, for prompts past one key bucket (128) and
     the target's window: every step's draft logits, compared one by one (CPU: the steps run eagerly)."""
@@ -217,7 +217,7 @@ def test_the_device_loops_drafts_on_long_prompts_are_trainings(arch):
         steps.append((meta.tolist(), block.shape[1], out.clone()))
         return out
 
-    engine.forward = recorded
+    monkeypatch.setattr(engine, "forward", recorded)
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
                           embed_scale=target.embed_scale)
     g = torch.Generator().manual_seed(2)
@@ -239,7 +239,6 @@ def test_the_device_loops_drafts_on_long_prompts_are_trainings(arch):
                     want = target.lm_head(block_outputs(obj, batch, feats, torch.tensor([a]), 4)[0][0])
                 torch.testing.assert_close(out[:3], want, **TOL, msg=f"{arch}: prompt {n}, anchor {a}")
     finally:
-        engine.forward = forward
         static_drafter.release(drafter)
 
 
