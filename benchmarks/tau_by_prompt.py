@@ -7,12 +7,13 @@ greedily with the target (the eval's tokens up to ties and the dtype's rounding:
   copy_prompt  the share of reply tokens whose 4-gram continuation last occurred in the prompt;
   copy_reply   the share whose continuation last occurred earlier in the reply (a loop);
   copy_dist    the median distance back of those copies, in tokens;
-  lookup       prompt lookup's tau on that reply (eval/lookup.py: its own matching rule, up to 3-grams).
+  lookup       prompt lookup's tau on that reply (eval/lookup.py: its own matching rule, up to 3-grams);
+  replay       the record's per-prompt tau_replay, where it has one (the training path on the same outputs).
 Then the mean tau by prompt length (thirds) and the correlation of tau with each column. Greedy
 replies that repeat their prompt copy from further back the longer it is, so prompt length and copy
 distance go together: a tau that falls with both while lookup's holds says the drafter misses
 long-range copies, whether it never learned them or the decode path differs from training on long
-contexts (eval's tau_replay tells which).
+contexts (the replay column tells which: beside tau, the drafter's own; above it, the decode path).
 
     python3 benchmarks/tau_by_prompt.py --target gemma3-270m --record RUN/eval_after.json --dataset humaneval"""
 
@@ -49,9 +50,11 @@ def copy_distances(seq: list[int], start: int, n: int = NGRAM) -> list[int | Non
     return out
 
 
-def prompt_rows(taus: list[float], prompts: list[list[int]], replies: list[list[int]], block_size: int) -> list[dict]:
+def prompt_rows(taus: list[float], prompts: list[list[int]], replies: list[list[int]], block_size: int,
+                replays: list[float] | None = None) -> list[dict]:
+    """One row per prompt; with `replays` (the record's per_prompt_tau_replay) each row's replayed tau too."""
     rows = []
-    for tau, prompt, reply in zip(taus, prompts, replies, strict=True):
+    for i, (tau, prompt, reply) in enumerate(zip(taus, prompts, replies, strict=True)):
         dists = copy_distances(prompt + reply, len(prompt))
         # position k of dists is reply token k + NGRAM; a copy reaching back past the reply's start is the prompt's
         sources = [None if d is None else d > k + NGRAM for k, d in enumerate(dists)]
@@ -61,6 +64,8 @@ def prompt_rows(taus: list[float], prompts: list[list[int]], replies: list[list[
                      "copy_reply": round(sum(x is False for x in sources) / n, 3),
                      "copy_dist": statistics.median(copied) if copied else None,
                      "lookup": round(lookup_tau([prompt], [reply], block_size), 3)})
+        if replays is not None:
+            rows[-1]["replay"] = round(replays[i], 3)
     return rows
 
 
@@ -74,8 +79,8 @@ DIST_BINS = (0, 32, 64, 128)  # copy distances, tokens: [0, 32), [32, 64), [64, 
 
 
 def means(rows: list[dict]) -> dict:
-    return {"prompts": len(rows), "tau": round(statistics.mean(r["tau"] for r in rows), 3),
-            "lookup": round(statistics.mean(r["lookup"] for r in rows), 3)}
+    cols = ("tau", "replay", "lookup") if all("replay" in r for r in rows) else ("tau", "lookup")
+    return {"prompts": len(rows), **{c: round(statistics.mean(r[c] for r in rows), 3) for c in cols}}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -120,9 +125,10 @@ def main(argv=None) -> int:
     prompts = [render_chat(target, m) for m in load_prompts(args.dataset, len(taus))]
     stops = set(stop_token_ids(target))
     replies = [until_stop(r, stops) for r in generate(lm, prompts, args.new_tokens, sorted(stops)).rows]
-    rows = prompt_rows(taus, prompts, replies, record.get("block_size") or 8)
+    rows = prompt_rows(taus, prompts, replies, record.get("block_size") or 8, record.get("per_prompt_tau_replay"))
     for i, r in enumerate(rows):
-        print(f"{i:3d}  tau {r['tau']:5.2f}  prompt {r['prompt']:4d}  copy_prompt {r['copy_prompt']:.2f}  "
+        replay = f"  replay {r['replay']:5.2f}" if "replay" in r else ""
+        print(f"{i:3d}  tau {r['tau']:5.2f}{replay}  prompt {r['prompt']:4d}  copy_prompt {r['copy_prompt']:.2f}  "
               f"copy_reply {r['copy_reply']:.2f}  copy_dist {r['copy_dist']}  lookup {r['lookup']:5.2f}")
     # the record's own count of generated tokens against these replies': unequal, the decodes differ
     figures = {"target": args.target, "record": args.record, "dataset": args.dataset, "dtype": str(target.dtype),

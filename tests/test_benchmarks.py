@@ -222,13 +222,15 @@ def test_tau_by_prompt(tmp_path):
     from dflash_train.models.loading import load_target
 
     record, out = tmp_path / "eval.json", tmp_path / "by_prompt.json"
-    record.write_text(json.dumps({"per_prompt_tau": [1.5, 2.0, 3.0], "block_size": 4}))
+    record.write_text(json.dumps({"per_prompt_tau": [1.5, 2.0, 3.0], "per_prompt_tau_replay": [1.5, 2.5, 3.0],
+                                  "block_size": 4}))
     _run(_py("tau_by_prompt.py", "--device", "cpu", "--target", TINY, "--record", str(record), "--dataset", "sharegpt",
              "--new-tokens", "8", "--json", str(out)), tmp_path)
     figures = _json(out, "tau_by_prompt_third", "tau_by_copy_dist", "corr_tau_prompt", "prompts", "reply_tokens",
                     "dtype")
     rows = figures["prompts"]
     assert [r["tau"] for r in rows] == [1.5, 2.0, 3.0] and len(figures["tau_by_prompt_third"]) == 3
+    assert [r["replay"] for r in rows] == [1.5, 2.5, 3.0] and all("replay" in t for t in figures["tau_by_prompt_third"])
     target = load_target(TINY)
     assert [r["prompt"] for r in rows] == [len(render_chat(target, m)) for m in load_prompts("sharegpt", 3)]
     assert all(0 <= r["copy_prompt"] + r["copy_reply"] <= 1 and 0 < r["reply"] <= 8 for r in rows), rows

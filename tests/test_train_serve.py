@@ -168,7 +168,7 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
     from dflash_train.eval.lookup import decode_commits
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.settings.tree import TrainConfig
-    from dflash_train.training.replay import accepted_runs, replay_tau
+    from dflash_train.training.replay import accepted_runs, replay_commits
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (6,), generator=g).tolist() for _ in range(2)]
@@ -191,8 +191,9 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
             decoded += res.accepted
     assert 0 < sum(decoded) < (B - 1) * len(decoded), decoded  # neither nothing nor everything accepted
     report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False,
-                      replay=replay_tau)
+                      replay=replay_commits)
     assert report.tau_replay == pytest.approx(report.tau, abs=1e-9)
+    assert report.per_prompt_tau_replay == pytest.approx(report.per_prompt_tau, abs=1e-9)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])

@@ -44,7 +44,7 @@ from dflash_train.settings import subcommands as uses
 from dflash_train.settings.commands import Use, add_flags, build_sections, given
 from dflash_train.settings.sections import RunConfig
 from dflash_train.settings.tree import TRAIN, TrainConfig, read_toml
-from dflash_train.training.replay import replay_tau
+from dflash_train.training.replay import replay_commits
 
 
 class _Parser(argparse.ArgumentParser):
@@ -141,7 +141,7 @@ def cmd_eval(args) -> int:
     drafter = to_device(drafter, target)
     ids = [render_chat(target, m) for m in evalset.prompts]
     check_decode(target, drafter, ids, cfg.max_new_tokens, cfg.block_size)  # before the caches are sized
-    report = evaluate(target, drafter, ids, cfg, progress=not args.quiet, replay=replay_tau)
+    report = evaluate(target, drafter, ids, cfg, progress=not args.quiet, replay=replay_commits)
     if evalset.categories:
         report.tau_by_category = report.by_category(evalset.categories)
     print(report.summary())

@@ -50,7 +50,7 @@ from dflash_train.profiling.session import profile_session
 from dflash_train.profiling.stall import StallWatch
 from dflash_train.settings.tree import TrainConfig
 from dflash_train.training.checkpoint import latest_checkpoint, load_state
-from dflash_train.training.replay import replay_tau
+from dflash_train.training.replay import replay_commits
 from dflash_train.training.trainer import GracefulStop
 
 PHASES_FILE = "phases.json"  # the last run's seconds per phase (app/phases.py)
@@ -75,7 +75,7 @@ def eval_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     """tau on the eval prompts; `baseline` adds target-only decoding (speedup + lossless check)."""
     drafter.eval()
     settings = dataclasses.replace(cfg.evaluation(), baseline=baseline and cfg.eval.baseline)
-    rep = evaluate(target, drafter, prompts, settings, progress=progress, replay=replay_tau)
+    rep = evaluate(target, drafter, prompts, settings, progress=progress, replay=replay_commits)
     rep.to_json(run_dir / f"eval_{name}.json", "--run-dir")
     return rep
 

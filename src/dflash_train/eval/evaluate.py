@@ -33,8 +33,9 @@ from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
 
-# the decode's tau replayed through the training path (training/replay.py: replay_tau); eval/ cannot import it
-Replay = Callable[[Target, DFlashDrafter, list[list[int]], list[list[int]], int], float]
+# the decode's commits replayed through the training path (training/replay.py: replay_commits), per prompt the
+# tokens each verify step commits; eval/ cannot import it
+Replay = Callable[[Target, DFlashDrafter, list[list[int]], list[list[int]], int], list[list[int]]]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,6 +122,8 @@ class EvalReport:
     tau_replay: float | None = None
     """T=0: the decode's tau replayed through the training path on the same outputs (training/replay.py); equal to
     tau up to rounding when decoding computes what training does. None at T > 0 or another block size."""
+    per_prompt_tau_replay: list[float] | None = None
+    """Each prompt's tau_replay beside per_prompt_tau: which prompts the two paths part on."""
     tau_lookup: float | None = None
     """T=0: the tau prompt lookup (copying from the prompt and the output so far) gets on the same outputs
     (eval/lookup.py): the drafter any target has for free. None at T > 0."""
@@ -195,8 +198,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
              progress: bool = True, replay: Replay | None = None) -> EvalReport:
     """Decode every prompt (token ids, chat template applied) with and without the drafter.
 
-    replay: (target, drafter, prompts, the decode's outputs, max_new_tokens) -> their tau through the training
-    path (training/replay.py: replay_tau), the report's tau_replay at T=0 and the drafter's block size."""
+    replay: (target, drafter, prompts, the decode's outputs, max_new_tokens) -> per prompt the tokens each verify
+    step commits through the training path (training/replay.py: replay_commits), the report's tau_replay at T=0
+    and the drafter's block size."""
     B = cfg.block_size or drafter.block_size
     stops = stop_token_ids(target)
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
@@ -230,7 +234,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
         outputs = [r.tokens for r in spec_runs]
         report.tau_lookup = lookup_tau(prompts, outputs, B)
         if replay is not None and B == drafter.block_size:
-            report.tau_replay = replay(target, drafter, prompts, outputs, cfg.max_new_tokens)
+            commits = replay(target, drafter, prompts, outputs, cfg.max_new_tokens)
+            report.tau_replay = _mean([c for row in commits for c in row])
+            report.per_prompt_tau_replay = [_mean(row) for row in commits]
     return report
 
 
@@ -252,6 +258,11 @@ def lossless_status(divergences: list[Divergence], tie_gap: float) -> str:
     if not divergences:
         return "exact"
     return "ties-only" if all(d.gap is not None and abs(d.gap) <= tie_gap for d in divergences) else "mismatch"
+
+
+def _mean(commits: list[int]) -> float:
+    """tau of verify steps that committed these many tokens each (1.0 for none: a decode commits at least one)."""
+    return sum(commits) / len(commits) if commits else 1.0
 
 
 def _report(spec: list[DecodeResult], base: list[DecodeResult], B: int, cfg: EvalConfig) -> EvalReport:
@@ -282,11 +293,11 @@ def _report(spec: list[DecodeResult], base: list[DecodeResult], B: int, cfg: Eva
             mismatched = [i for i, (s, b) in enumerate(zip(spec, base, strict=True)) if s.tokens != b.tokens]
             lossless = "exact" if not mismatched else "mismatch"  # evaluate() tells ties apart
     return EvalReport(
-        tau=sum(committed) / steps if steps else 1.0,
+        tau=_mean(committed),
         lossless=lossless, speedup=speedup, per_position_acceptance=per_pos, histogram=histogram,
         steps=steps, generated_tokens=sum(len(r.tokens) for r in spec), dflash_tokens_per_s=spec_tps,
         target_tokens_per_s=target_tps, block_size=B, temperature=cfg.temperature, num_prompts=len(spec),
         mismatched_prompts=mismatched,
-        per_prompt_tau=[sum(r.committed) / len(r.committed) if r.committed else 1.0 for r in spec],
+        per_prompt_tau=[_mean(r.committed) for r in spec],
         per_prompt_steps=[len(r.committed) for r in spec],
     )

@@ -27,19 +27,17 @@ _ANCHORS = 256  # blocks a forward: its dense mask is [256 B, context + 256 B], 
 
 
 @torch.no_grad()
-def replay_tau(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], outputs: list[list[int]],
-               max_new_tokens: int) -> float:
+def replay_commits(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], outputs: list[list[int]],
+                   max_new_tokens: int) -> list[list[int]]:
     """eval.evaluate's `replay` (eval/ sits below the objective and the target's feature forward, so its callers
-    pass this in). The tau of decoding `outputs` (each prompt's greedy tokens, the first from its prefill; at most
-    `max_new_tokens`) with the drafter's blocks from the training path: committed tokens over verify steps,
-    as the decode counts them."""
+    pass this in). Per prompt, the tokens each verify step commits when decoding `outputs` (each prompt's greedy
+    tokens, the first from its prefill; at most `max_new_tokens`) with the drafter's blocks from the training
+    path, as the decode counts them: their mean is the replay's tau."""
     # dense masks: one short sequence at a time, each of its own length (FlexAttention would compile per shape)
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
                           embed_scale=target.embed_scale)
-    commits: list[int] = []
-    for prompt, out in zip(prompts, outputs, strict=True):
-        commits += decode_commits(len(out), accepted_runs(target, obj, prompt, out, max_new_tokens).__getitem__)
-    return sum(commits) / len(commits) if commits else 1.0
+    return [decode_commits(len(out), accepted_runs(target, obj, prompt, out, max_new_tokens).__getitem__)
+            for prompt, out in zip(prompts, outputs, strict=True)]
 
 
 def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int],
