@@ -117,12 +117,14 @@ def test_flex_kernel_options_from_the_environment(monkeypatch, capsys):
     assert knob.json_object() == {}
     monkeypatch.setenv(knob.name, '{"fwd_BLOCK_M": 64, "bwd_num_warps": 4}')
     assert knob.json_object() == {"fwd_BLOCK_M": 64, "bwd_num_warps": 4}
-    assert flex_kernel_options() == {"fwd_BLOCK_M": 64, "bwd_num_warps": 4}
+    assert flex_kernel_options() == {"FORCE_USE_FLEX_ATTENTION": True, "fwd_BLOCK_M": 64, "bwd_num_warps": 4}
+    monkeypatch.setenv(knob.name, '{"BACKEND": "TRITON"}')  # torch's newer selector replaces the older knob
+    assert flex_kernel_options() == {"BACKEND": "TRITON"}
     for bad in ("64", "[64]", "{fwd_BLOCK_M: 64}"):
         monkeypatch.setenv(knob.name, bad)
         with pytest.raises(UsageError, match="DFLASH_FLEX_KERNEL_OPTIONS must be a JSON object"):
             knob.json_object()
-        assert flex_kernel_options() is None  # at import: the command line refuses it instead
+        assert flex_kernel_options() == {"FORCE_USE_FLEX_ATTENTION": True}  # the command line refuses it instead
     assert main(["profile-report", "no-such-run"]) == 2
     assert "DFLASH_FLEX_KERNEL_OPTIONS must be a JSON object" in capsys.readouterr().err
 

@@ -88,14 +88,19 @@ def compiled_flex(backend: str = "inductor"):
     return compile_serialized(flex_attention, dynamic=True, backend=backend)
 
 
-def flex_kernel_options() -> dict | None:
-    """DFLASH_FLEX_KERNEL_OPTIONS (config.py): FlexAttention's tiles, stages and warps for the training
-    attention, or None for torch's defaults. On an H100, autotuning placed torch's default forward tile
-    for 64-wide heads (128 x 64) last of six for the recipe's drafter (2026-12-05)."""
+def flex_kernel_options() -> dict:
+    """FlexAttention's kernel options for the drafter's attention: always its standard kernel, with
+    DFLASH_FLEX_KERNEL_OPTIONS (config.py) on top (tiles, stages, warps; a BACKEND of its own replaces
+    the default). Left to choose, Inductor takes its decoding kernel for fewer than 128 query rows (a
+    few blocks: an eval's replay, train_serve_gap, a short last pack), which had no valid config for
+    Gemma 3's 256-wide heads (H100, torch 2.11: NoValidChoicesError), and guards every compiled graph
+    on the count. On an H100, autotuning placed torch's default forward tile for 64-wide heads
+    (128 x 64) last of six for the recipe's drafter (2026-12-05)."""
     try:
-        return FLEX_OPTIONS_ENV.json_object() or None
+        env = FLEX_OPTIONS_ENV.json_object()
     except UsageError:
-        return None  # cli.main refuses the value in one line before any command runs
+        env = {}  # cli.main refuses the value in one line before any command runs
+    return env if "BACKEND" in env else {"FORCE_USE_FLEX_ATTENTION": True, **env}
 
 
 # Read once, at import: a constant of every compiled graph (dynamo reads a global; a function call here
