@@ -4,8 +4,9 @@ A token counts as copy-predictable when the n tokens before it occurred earlier 
 reply followed by the same token: a drafter that copies the loop gets it right; "with the prompt"
 counts n-grams of the prompt too (a reply that repeats its prompt). Training anchors are spread
 over whole replies while the eval decodes the first 128 tokens of each, so a loop-heavy tail
-raises the train-time estimate of tau without raising the eval's. --temperature samples the
-replies as regeneration does (the training data) instead of the eval's greedy decode.
+raises the train-time estimate of tau without raising the eval's. "Far" copies reach back at least
+--far tokens (a reply repeating a long prompt). --temperature samples the replies as regeneration
+does (the training data) instead of the eval's greedy decode.
 
     python3 benchmarks/reply_loops.py --dataset sharegpt --limit 24 [--target gemma3-270m --temperature 0.7]
 """
@@ -25,19 +26,26 @@ from dflash_train.models.chat import render_chat, stop_token_ids
 from dflash_train.models.loading import load_target
 
 
+def copy_back(row: list[int], n: int, start: int = 0) -> list[int | None]:
+    """Per position i >= max(n, start): how far back the n-gram before i last occurred, if that occurrence was
+    followed by row[i] (None: never seen, or followed by another token); the n-grams of row[:start], a
+    prompt, count as seen."""
+    last: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+    for i in range(n, min(start, len(row))):
+        last[tuple(row[i - n:i])] = i
+    back = []
+    for i in range(max(n, start), len(row)):
+        key = tuple(row[i - n:i])
+        j = last.get(key)
+        back.append(i - j if j is not None and row[j] == row[i] else None)
+        last[key] = i
+    return back
+
+
 def copy_predictable(row: list[int], n: int, start: int = 0) -> list[bool]:
     """Per position i >= max(n, start): whether the n-gram before i was last followed by row[i] (the n-grams
     of row[:start], a prompt, count as seen)."""
-    last: dict[tuple[int, ...], int] = {}
-    for i in range(n, min(start, len(row))):
-        last[tuple(row[i - n:i])] = row[i]
-    hits = []
-    for i in range(max(n, start), len(row)):
-        key = tuple(row[i - n:i])
-        hits.append(last.get(key) == row[i])
-        last[key] = row[i]
-    return hits
-
+    return [d is not None for d in copy_back(row, n, start)]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--split", type=int, default=128, help="report positions before and after this one")
     ap.add_argument("--ngram", type=int, default=4)
+    ap.add_argument("--far", type=int, default=64, help="a copy from at least this many tokens back counts as far")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the eval's); > 0: sampled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=8, help="prompt lookup's block (its tau over the first --split)")
@@ -61,24 +70,26 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.target}: no StaticLM for this architecture")
     gen = torch.Generator(device=lm.device).manual_seed(args.seed)
     rows = generate(lm, prompts, args.new_tokens, sorted(stops), lambda x: pick(x, args.temperature, gen)).rows
-    capped, counts = 0, [[0, 0, 0], [0, 0, 0]]  # [before split, after]: [tokens, in-reply, with the prompt]
+    capped, counts = 0, [[0, 0, 0, 0], [0, 0, 0, 0]]  # [before split, after]: [tokens, in-reply, with the prompt, far]
     replies = []
     for prompt, row in zip(prompts, rows, strict=True):
         reply = until_stop(row, stops)
         capped += not reply or reply[-1] not in stops
         replies.append(reply)
-        both = copy_predictable(prompt + reply, args.ngram, len(prompt) + args.ngram)  # reply positions n..
-        for i, (hit, any_hit) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both, strict=True),
-                                           start=args.ngram):
+        both = copy_back(prompt + reply, args.ngram, len(prompt) + args.ngram)  # reply positions n..
+        for i, (hit, back) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both, strict=True),
+                                        start=args.ngram):
             part = counts[i >= args.split]
             part[0] += 1
             part[1] += hit
-            part[2] += any_hit
+            part[2] += back is not None
+            part[3] += back is not None and back >= args.far
     print(f"{args.target} {args.dataset} T={args.temperature:g}: {len(rows)} replies, {capped} reach "
           f"{args.new_tokens} tokens")
-    for name, (total, hits, any_hits) in zip((f"< {args.split}", f">= {args.split}"), counts, strict=True):
+    for name, (total, hits, any_hits, far) in zip((f"< {args.split}", f">= {args.split}"), counts, strict=True):
         print(f"  positions {name}: copy-predictable {hits}/{total} in the reply ({hits / max(total, 1):.2f}), "
-              f"{any_hits}/{total} with the prompt ({any_hits / max(total, 1):.2f})")
+              f"{any_hits}/{total} with the prompt ({any_hits / max(total, 1):.2f}), of which from >= {args.far} "
+              f"tokens back {far}/{total} ({far / max(total, 1):.2f})")
     tau = lookup_tau(prompts, [r[:args.split] for r in replies], args.block_size)
     print(f"  prompt lookup over positions < {args.split} (eval/lookup.py, B={args.block_size}): tau {tau:.3f}")
     return 0

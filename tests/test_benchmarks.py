@@ -212,7 +212,7 @@ def test_relabel_speed(tmp_path, prepared):
 def test_reply_loops(tmp_path):
     proc = _run(_py("reply_loops.py", "--device", "cpu", "--target", TINY, "--limit", "2", "--new-tokens", "8",
                     "--split", "4", "--ngram", "2"), tmp_path)
-    assert "sharegpt T=0: 2 replies" in proc.stdout and "with the prompt" in proc.stdout
+    assert "sharegpt T=0: 2 replies" in proc.stdout and "with the prompt" in proc.stdout and ">= 64 tokens back" in proc.stdout
 
 
 @pytest.mark.slow
@@ -272,6 +272,10 @@ def test_copy_predictable_counts_the_prompts_ngrams_when_asked():
     assert copy_predictable(reply, 2) == [False, False, False, False, True]  # the reply's own loop only
     # with the prompt's 2-grams seen first, reply[2] = 3 follows (1, 2) as in the prompt (and reply[6] again)
     assert copy_predictable(prompt + reply, 2, len(prompt)) == [False, False, True, False, False, False, True]
+    # how far back: reply[2] copies the prompt's 3, reply[6] the reply's own 3 (the latest occurrence, not the
+    # prompt's 8 back), each 4 back
+    copy_back = _load("reply_loops.py").copy_back
+    assert copy_back(prompt + reply, 2, len(prompt)) == [None, None, 4, None, None, None, 4]
 
 
 def test_train_serve_gap_finds_no_gap_in_float32(tmp_path):
