@@ -212,7 +212,8 @@ def test_relabel_speed(tmp_path, prepared):
 def test_reply_loops(tmp_path):
     proc = _run(_py("reply_loops.py", "--device", "cpu", "--target", TINY, "--limit", "2", "--new-tokens", "8",
                     "--split", "4", "--ngram", "2"), tmp_path)
-    assert "sharegpt T=0: 2 replies" in proc.stdout and "with the prompt" in proc.stdout and ">= 64 tokens back" in proc.stdout
+    assert "sharegpt T=0: 2 replies" in proc.stdout and "with the prompt" in proc.stdout
+    assert ">= 64 tokens back" in proc.stdout
 
 
 @pytest.mark.slow
@@ -264,6 +265,35 @@ def test_copy_distances_measure_back_to_the_last_occurrence_followed_by_the_same
     assert copy_distances(prompt + reply, len(prompt), n=1) == [3, 3, 3, 3, None]
     # a later occurrence followed by another token does not hide an earlier one followed by the same
     assert copy_distances([5, 6, 5, 8, 5, 6], 4, n=1) == [4]
+
+
+@pytest.mark.slow
+def test_accept_by_copy(tmp_path):
+    regenerated = tmp_path / "regenerated.jsonl"
+    records = [[{"role": "user", "content": "say abc abc abc"}, {"role": "assistant", "content": "abc abc abc abc"}],
+               [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there, hello there"}, {"role": "user", "content": "again"}]]
+    regenerated.write_text("".join(json.dumps({"id": str(i), "messages": m}) + "\n" for i, m in enumerate(records)))
+    out = tmp_path / "by_copy.json"
+    _run(_py("accept_by_copy.py", "--device", "cpu", "--target", TINY, "--block-size", "4", "--limit", "2",
+             "--new-tokens", "8", "--regenerated", str(regenerated), "--json", str(out)), tmp_path)
+    figures = _json(out, "humaneval greedy", "regenerated")
+    for text in ("humaneval greedy", "regenerated"):
+        bins = figures[text]
+        assert list(bins) == ["none", "< 32", "32-63", "64-127", ">= 128"]
+        assert sum(b["anchors"] for b in bins.values()) > 0
+        assert all(b["accepted"] is None or 0 <= b["accepted"] <= 3 for b in bins.values()), bins
+
+
+def test_accept_by_copy_bins_each_anchor_by_the_copy_after_it():
+    by_copy = _load("accept_by_copy.py").by_copy
+    prompt, reply = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 9]
+    # the reply repeats the prompt: its tokens 4..6 (after anchors 3..5) follow a 4-gram of the prompt, 7 back;
+    # tokens 1..3 have no 4 tokens of the repeat before them yet, and 9 follows (4, 5, 6, 7) otherwise
+    table = by_copy([(prompt, reply)], [[0, 0, 0, 3, 2, 1, 0, 0]], 4)
+    assert (table["none"]["anchors"], table["< 32"]["anchors"], table["32-63"]["anchors"]) == (4, 3, 0)
+    assert (table["< 32"]["accepted"], table["< 32"]["first_draft"]) == (2.0, 1.0)
+    assert table["none"]["accepted"] == 0 and table[">= 128"]["accepted"] is None
 
 
 def test_copy_predictable_counts_the_prompts_ngrams_when_asked():
