@@ -2,14 +2,17 @@
 the target's greedy replies to eval prompts (what the eval decodes) and the first replies of the
 regenerated training conversations (what the drafter learned from).
 
-Every reply token is a block's known token once; its drafts count up to the first wrong one, through the
-training path (training/replay.accepted_runs: the target's features of the whole sequence, the objective's
-blocks and dense masks, the drafter's training forward). Anchors are binned by where the token after them
+Every reply token whose block fits inside the reply is a block's known token once; its drafts count up to
+the first wrong one, through the training path (training/replay.accepted_runs: the target's features of
+the whole sequence, the objective's blocks and dense masks, the drafter's training forward), checked
+against the target's greedy tokens as training labels them (--labels target: while the text agrees with
+the target; a sampled reply's departures end a run). Anchors are binned by where the token after them
 copies from: the latest earlier occurrence of the 4 tokens before it, if that occurrence was followed by
-the same token (reply_loops.copy_back, prompt lookup's rule), none, or < 32, 32-63, 64-127, >= 128 tokens
-back. Low acceptance from far back on both texts says the drafter never learned long-range copies; low on
-the eval's replies only, that it learned them from its training data and meets another pattern in the eval
-(greedy replies repeating long prompts).
+the same token (reply_loops.copy_back, prompt lookup's rule; tau_by_prompt's copy distance takes the
+latest occurrence followed by the same token, so its bins are not these), none, or < 32, 32-63, 64-127,
+>= 128 tokens back. Low acceptance from far back on both texts says the drafter never learned long-range
+copies; low on the eval's replies only, that it meets a pattern there its training data lacks (greedy
+replies repeating long prompts).
 
     python3 benchmarks/accept_by_copy.py --target gemma3-270m --drafter RUN/drafter \
         --regenerated RUN/regenerated-KEY.jsonl [--dataset humaneval] [--limit 40] [--json OUT]
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling reply_lo
 
 from reply_loops import copy_back  # noqa: E402
 
+from dflash_train.data.conversations import BadRecord  # noqa: E402
 from dflash_train.data.tokenize import tokenize_conversation  # noqa: E402
 from dflash_train.decode import static_lm  # noqa: E402
 from dflash_train.decode.generate import generate, until_stop  # noqa: E402
@@ -56,12 +60,12 @@ def bin_of(back: int | None) -> str:
 
 def by_copy(pairs: list[tuple[list[int], list[int]]], runs: list[list[int]], block_size: int) -> dict:
     """Per bin: anchors, their mean accepted drafts and the share whose first draft is accepted. An anchor
-    is each reply token but the last (the token after it is the reply's)."""
+    is each reply token whose block's drafts all fall inside the reply (past its end no draft can count)."""
     accepted: dict[str, list[int]] = {name: [] for name, _, _ in BINS}
     for (prompt, reply), row in zip(pairs, runs, strict=True):
         first = max(NGRAM, len(prompt))  # copy_back's first position
         backs = copy_back(prompt + reply, NGRAM, len(prompt))
-        for j in range(len(reply) - 1):
+        for j in range(len(reply) - block_size + 1):
             pos = len(prompt) + j + 1  # the token after anchor j
             accepted[bin_of(backs[pos - first] if pos >= first else None)].append(row[j])
     return {name: {"anchors": len(a), "accepted": round(sum(a) / len(a), 3) if a else None,
@@ -80,7 +84,10 @@ def first_replies(target, path: str, limit: int) -> list[tuple[list[int], list[i
             turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
             if turn is None:
                 continue
-            ids, mask = tokenize_conversation(target.tokenizer, messages[:turn + 1], 1 << 16)
+            try:
+                ids, mask = tokenize_conversation(target.tokenizer, messages[:turn + 1], 1 << 16)
+            except BadRecord:  # training skips it too
+                continue
             start = list(mask).index(1)
             end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
             pairs.append((list(ids[:start]), list(ids[start:end])))
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
                "device": args.device, "dtype": str(target.dtype), "date": datetime.date.today().isoformat()}
     for name, pairs in texts.items():
         # every anchor a full block: the replay's cut blocks near a token limit are the eval's, not the drafter's
-        runs = [accepted_runs(target, obj, p, r, len(r) + B) for p, r in pairs]
+        runs = [accepted_runs(target, obj, p, r, len(r) + B, target_labels=True) for p, r in pairs]
         figures[name] = table = by_copy(pairs, runs, B)
         print(f"{name}: {len(pairs)} replies")
         for bin_name, row in table.items():

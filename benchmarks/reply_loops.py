@@ -47,6 +47,7 @@ def copy_predictable(row: list[int], n: int, start: int = 0) -> list[bool]:
     of row[:start], a prompt, count as seen)."""
     return [d is not None for d in copy_back(row, n, start)]
 
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")

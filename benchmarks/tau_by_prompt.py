@@ -53,6 +53,8 @@ def copy_distances(seq: list[int], start: int, n: int = NGRAM) -> list[int | Non
 def prompt_rows(taus: list[float], prompts: list[list[int]], replies: list[list[int]], block_size: int,
                 replays: list[float] | None = None) -> list[dict]:
     """One row per prompt; with `replays` (the record's per_prompt_tau_replay) each row's replayed tau too."""
+    if replays is not None and len(replays) != len(taus):
+        raise SystemExit(f"the record has {len(replays)} replayed taus for {len(taus)} prompts")
     rows = []
     for i, (tau, prompt, reply) in enumerate(zip(taus, prompts, replies, strict=True)):
         dists = copy_distances(prompt + reply, len(prompt))

@@ -288,12 +288,13 @@ def test_accept_by_copy(tmp_path):
 def test_accept_by_copy_bins_each_anchor_by_the_copy_after_it():
     by_copy = _load("accept_by_copy.py").by_copy
     prompt, reply = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 9]
-    # the reply repeats the prompt: its tokens 4..6 (after anchors 3..5) follow a 4-gram of the prompt, 7 back;
-    # tokens 1..3 have no 4 tokens of the repeat before them yet, and 9 follows (4, 5, 6, 7) otherwise
-    table = by_copy([(prompt, reply)], [[0, 0, 0, 3, 2, 1, 0, 0]], 4)
-    assert (table["none"]["anchors"], table["< 32"]["anchors"], table["32-63"]["anchors"]) == (4, 3, 0)
-    assert (table["< 32"]["accepted"], table["< 32"]["first_draft"]) == (2.0, 1.0)
-    assert table["none"]["accepted"] == 0 and table[">= 128"]["accepted"] is None
+    # the reply repeats the prompt: its tokens 4 and 5 (after anchors 3 and 4) follow a 4-gram of the prompt, 7
+    # back; tokens 1..3 have no 4 tokens of the repeat before them yet; anchors past 4 (8 - B) have drafts
+    # past the reply's end
+    table = by_copy([(prompt, reply)], [[0, 1, 0, 3, 2, 1, 0, 0]], 4)
+    assert (table["none"]["anchors"], table["< 32"]["anchors"], table["32-63"]["anchors"]) == (3, 2, 0)
+    assert (table["< 32"]["accepted"], table["< 32"]["first_draft"]) == (2.5, 1.0)
+    assert table["none"]["accepted"] == 0.333 and table[">= 128"]["accepted"] is None
 
 
 def test_copy_predictable_counts_the_prompts_ngrams_when_asked():

@@ -188,6 +188,8 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
             res = speculative_generate(tiny, drafter, p, limit)
             runs = accepted_runs(tiny, obj, p, res.tokens, limit)
             assert decode_commits(len(res.tokens), runs.__getitem__) == res.committed, (limit, p)
+            # the target's labels of its own greedy output are that output: the same runs checked against them
+            assert accepted_runs(tiny, obj, p, res.tokens, limit, target_labels=True) == runs
             decoded += res.accepted
     assert 0 < sum(decoded) < (B - 1) * len(decoded), decoded  # neither nothing nor everything accepted
     report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False,

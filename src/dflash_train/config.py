@@ -217,6 +217,7 @@ TOKENIZE_WORKERS_ENV = EnvKnob("DFLASH_TRAIN_TOKENIZE_WORKERS",
                                "processes preparing data tokenize in (default: cores - 1, at most 16; 1 = this one)")
 FLEX_OPTIONS_ENV = EnvKnob("DFLASH_FLEX_KERNEL_OPTIONS",
                           "the drafter's FlexAttention kernel options in training, a JSON object (e.g. "
-                          '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}; default: torch\'s own choice)')
+                          '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}; default: torch\'s own tiles, always its standard '
+                          'kernel; a "BACKEND" given here replaces that)')
 ENVIRONMENT = (PROFILE_INTERVAL_ENV, TRACEBACK_ENV, DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV, TOKENIZE_WORKERS_ENV,
                FLEX_OPTIONS_ENV)

@@ -92,10 +92,9 @@ def flex_kernel_options() -> dict:
     """FlexAttention's kernel options for the drafter's attention: always its standard kernel, with
     DFLASH_FLEX_KERNEL_OPTIONS (config.py) on top (tiles, stages, warps; a BACKEND of its own replaces
     the default). Left to choose, Inductor takes its decoding kernel for fewer than 128 query rows (a
-    few blocks: an eval's replay, train_serve_gap, a short last pack), which had no valid config for
-    Gemma 3's 256-wide heads (H100, torch 2.11: NoValidChoicesError), and guards every compiled graph
-    on the count. On an H100, autotuning placed torch's default forward tile for 64-wide heads
-    (128 x 64) last of six for the recipe's drafter (2026-12-05)."""
+    few blocks: train_serve_gap's, a short last pack's), which had no valid config for Gemma 3's
+    256-wide heads (H100, torch 2.11: NoValidChoicesError). On an H100, autotuning placed torch's
+    default forward tile for 64-wide heads (128 x 64) last of six for the recipe's drafter (2026-12-05)."""
     try:
         env = FLEX_OPTIONS_ENV.json_object()
     except UsageError:

@@ -12,6 +12,8 @@ decode path (features, masks, embedding, numerics); equal, a low tau is the draf
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dflash_train.data.packing import PackedBatch
@@ -20,7 +22,8 @@ from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
 from dflash_train.objective.blocks import IGNORE, Blocks, build_blocks
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
-from dflash_train.pipeline.features import packed_features
+from dflash_train.pipeline.features import target_features
+from dflash_train.pipeline.target_features import FeatureSpec
 
 _HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 GB
 _ANCHORS = 256  # blocks a forward: its dense mask is [256 B, context + 256 B], whatever the output's length
@@ -41,18 +44,22 @@ def replay_commits(target: Target, drafter: DFlashDrafter, prompts: list[list[in
 
 
 def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int],
-                  max_new_tokens: int) -> list[int]:
+                  max_new_tokens: int, target_labels: bool = False) -> list[int]:
     """For each output token j as a block's known token: how many of the drafts after it equal out[j+1:].
 
     Near the token limit the decode drafts a block cut to min(B, max_new_tokens - j) slots, which sees only
     its own slots (block attention is non-causal, so a narrower block drafts other tokens): those anchors
-    run as blocks of their own width."""
+    run as blocks of their own width. target_labels: the drafts are checked against the target's greedy
+    tokens instead, as training labels them (--labels target: while `out` agrees with the target), for
+    outputs that are not the target's greedy ones (sampled replies)."""
     dev, B = target.device, obj.drafter.block_size
     ids = prompt + out
     n, p = len(ids), len(prompt)
     positions = torch.arange(n, device=dev)
     batch = PackedBatch(torch.tensor(ids, device=dev), (positions >= p).long(), torch.zeros_like(positions), positions)
-    feats = packed_features(target, batch, list(obj.drafter.config.target_layer_ids))
+    spec = FeatureSpec(layers=tuple(obj.drafter.config.target_layer_ids), labels=target_labels)
+    found = target_features(target, batch, spec)
+    feats, batch = found.hidden, replace(batch, labels=found.labels)
     width = [min(B, max_new_tokens - j) for j in range(len(out))]
     runs: list[int] = []
     for w in sorted(set(width), reverse=True):  # B first: every anchor up to the last B - 1
