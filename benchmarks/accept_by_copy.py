@@ -31,18 +31,14 @@ import torch
 
 # Run from a checkout without installing: the working tree's sources come first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling reply_loops.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the siblings reply_loops.py, train_serve_gap.py
 
-from reply_loops import copy_back  # noqa: E402
+from reply_loops import copy_back, eval_replies  # noqa: E402
+from train_serve_gap import drafter_for  # noqa: E402
 
 from dflash_train.data.conversations import BadRecord  # noqa: E402
 from dflash_train.data.tokenize import tokenize_conversation  # noqa: E402
-from dflash_train.decode import static_lm  # noqa: E402
-from dflash_train.decode.generate import generate, until_stop  # noqa: E402
-from dflash_train.eval.prompts import load_prompts  # noqa: E402
-from dflash_train.models.chat import render_chat, stop_token_ids  # noqa: E402
-from dflash_train.models.checkpoint import load_drafter, parse_dtype  # noqa: E402
-from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter  # noqa: E402
+from dflash_train.models.checkpoint import parse_dtype  # noqa: E402
 from dflash_train.models.loading import load_target  # noqa: E402
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig  # noqa: E402
 from dflash_train.training.replay import accepted_runs  # noqa: E402
@@ -94,13 +90,6 @@ def first_replies(target, path: str, limit: int) -> list[tuple[list[int], list[i
     return pairs
 
 
-def greedy_replies(target, dataset: str, limit: int, new_tokens: int) -> list[tuple[list[int], list[int]]]:
-    prompts = [render_chat(target, m) for m in load_prompts(dataset, limit)]
-    stops = set(stop_token_ids(target))
-    rows = generate(static_lm.for_model(target.model), prompts, new_tokens, sorted(stops)).rows
-    return [(p, until_stop(r, stops)) for p, r in zip(prompts, rows, strict=True)]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -117,18 +106,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     target = load_target(args.target, device=args.device, dtype=parse_dtype(args.dtype) if args.dtype else None)
-    if args.drafter:
-        drafter = load_drafter(args.drafter, device=target.device, dtype=target.dtype)
-    else:
-        cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size,
-                                 dtype=str(target.dtype).removeprefix("torch."))
-        drafter = new_drafter(cfg, seed=0).to(target.device, target.dtype)
-        init_from_target(drafter, target)
-    drafter.eval()
+    drafter = drafter_for(target, args.drafter, args.num_layers, args.block_size)
     B = drafter.block_size
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
                           embed_scale=target.embed_scale)
-    texts = {f"{args.dataset} greedy": greedy_replies(target, args.dataset, args.limit, args.new_tokens)}
+    texts = {f"{args.dataset} greedy": list(zip(*eval_replies(target, args.dataset, args.limit, args.new_tokens),
+                                                strict=True))}
     if args.regenerated:
         texts["regenerated"] = first_replies(target, args.regenerated, args.limit)
     figures = {"target": args.target, "drafter": args.drafter or f"fresh, {args.num_layers} layers",

@@ -18,8 +18,8 @@ import argparse
 import torch
 
 from dflash_train.decode import static_lm
-from dflash_train.decode.generate import generate, until_stop
-from dflash_train.decode.sampling import pick
+from dflash_train.decode.generate import Picker, generate, until_stop
+from dflash_train.decode.sampling import greedy, pick
 from dflash_train.eval.lookup import lookup_tau
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat, stop_token_ids
@@ -48,6 +48,19 @@ def copy_predictable(row: list[int], n: int, start: int = 0) -> list[bool]:
     return [d is not None for d in copy_back(row, n, start)]
 
 
+def eval_replies(target, dataset: str, limit: int, new_tokens: int,
+                 picker: Picker = greedy) -> tuple[list[list[int]], list[list[int]]]:
+    """An eval set's first `limit` prompts rendered for the target, and the target's reply to each (at most
+    new_tokens, cut after its first stop token), decoded together on a StaticLM."""
+    lm = static_lm.for_model(target.model)
+    if lm is None:
+        raise SystemExit(f"{target.spec}: no StaticLM for this architecture")
+    prompts = [render_chat(target, m) for m in load_prompts(dataset, limit)]
+    stops = set(stop_token_ids(target))
+    rows = generate(lm, prompts, new_tokens, sorted(stops), picker).rows
+    return prompts, [until_stop(r, stops) for r in rows]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -64,19 +77,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     target = load_target(args.target, device=args.device)
-    prompts = [render_chat(target, m) for m in load_prompts(args.dataset, args.limit)]
+    gen = torch.Generator(device=target.device).manual_seed(args.seed)
+    prompts, replies = eval_replies(target, args.dataset, args.limit, args.new_tokens,
+                                    lambda x: pick(x, args.temperature, gen))
     stops = set(stop_token_ids(target))
-    lm = static_lm.for_model(target.model)
-    if lm is None:
-        raise SystemExit(f"{args.target}: no StaticLM for this architecture")
-    gen = torch.Generator(device=lm.device).manual_seed(args.seed)
-    rows = generate(lm, prompts, args.new_tokens, sorted(stops), lambda x: pick(x, args.temperature, gen)).rows
     capped, counts = 0, [[0, 0, 0, 0], [0, 0, 0, 0]]  # [before split, after]: [tokens, in-reply, with the prompt, far]
-    replies = []
-    for prompt, row in zip(prompts, rows, strict=True):
-        reply = until_stop(row, stops)
+    for prompt, reply in zip(prompts, replies, strict=True):
         capped += not reply or reply[-1] not in stops
-        replies.append(reply)
         both = copy_back(prompt + reply, args.ngram, len(prompt) + args.ngram)  # reply positions n..
         for i, (hit, back) in enumerate(zip(copy_predictable(reply, args.ngram, 0), both, strict=True),
                                         start=args.ngram):
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
             part[1] += hit
             part[2] += back is not None
             part[3] += back is not None and back >= args.far
-    print(f"{args.target} {args.dataset} T={args.temperature:g}: {len(rows)} replies, {capped} reach "
+    print(f"{args.target} {args.dataset} T={args.temperature:g}: {len(replies)} replies, {capped} reach "
           f"{args.new_tokens} tokens")
     for name, (total, hits, any_hits, far) in zip((f"< {args.split}", f">= {args.split}"), counts, strict=True):
         print(f"  positions {name}: copy-predictable {hits}/{total} in the reply ({hits / max(total, 1):.2f}), "

@@ -22,16 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from dflash_train.decode import static_lm
-from dflash_train.decode.generate import generate, until_stop
-from dflash_train.eval.lookup import lookup_tau
-from dflash_train.eval.prompts import load_prompts
-from dflash_train.models.chat import render_chat, stop_token_ids
-from dflash_train.models.checkpoint import parse_dtype
-from dflash_train.models.loading import load_target
+# Run from a checkout without installing: the working tree's sources come first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling reply_loops.py
+
+from reply_loops import eval_replies  # noqa: E402
+
+from dflash_train.eval.lookup import lookup_tau  # noqa: E402
+from dflash_train.models.checkpoint import parse_dtype  # noqa: E402
+from dflash_train.models.loading import load_target  # noqa: E402
 
 NGRAM = 4  # the n-gram whose continuation counts as a copy
 
@@ -121,12 +125,7 @@ def main(argv=None) -> int:
     if not taus:
         raise SystemExit(f"{args.record}: no per_prompt_tau")
     target = load_target(args.target, device=args.device, dtype=parse_dtype(args.dtype) if args.dtype else None)
-    lm = static_lm.for_model(target.model)
-    if lm is None:
-        raise SystemExit(f"{args.target}: no StaticLM for this architecture")
-    prompts = [render_chat(target, m) for m in load_prompts(args.dataset, len(taus))]
-    stops = set(stop_token_ids(target))
-    replies = [until_stop(r, stops) for r in generate(lm, prompts, args.new_tokens, sorted(stops)).rows]
+    prompts, replies = eval_replies(target, args.dataset, len(taus), args.new_tokens)
     rows = prompt_rows(taus, prompts, replies, record.get("block_size") or 8, record.get("per_prompt_tau_replay"))
     for i, r in enumerate(rows):
         replay = f"  replay {r['replay']:5.2f}" if "replay" in r else ""

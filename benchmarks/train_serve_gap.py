@@ -37,6 +37,7 @@ from dflash_train.decode.static_drafter import StaticDrafter
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_drafter, parse_dtype
+from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
 from dflash_train.models.loading import load_target
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
@@ -113,6 +114,19 @@ def training_drafts(target, drafter, batch: PackedBatch, feats: torch.Tensor, an
     return target.lm_head(rows.to(target.lm_head.weight.dtype)).float()
 
 
+def drafter_for(target, path: str | None, num_layers: int, block_size: int) -> DFlashDrafter:
+    """The drafter at `path` in the target's device and dtype, else a fresh one of `num_layers` and `block_size`
+    initialised from the target's layers; in eval mode."""
+    if path:
+        drafter = load_drafter(path, device=target.device, dtype=target.dtype)
+    else:
+        cfg = drafter_config_for(target, num_layers=num_layers, block_size=block_size,
+                                 dtype=str(target.dtype).removeprefix("torch."))
+        drafter = new_drafter(cfg, seed=0).to(target.device, target.dtype)
+        init_from_target(drafter, target)
+    return drafter.eval()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -130,13 +144,7 @@ def main(argv=None) -> int:
     dtype = parse_dtype(args.dtype)
     target = load_target(args.target, device=args.device, dtype=dtype)
     ref = target if dtype == torch.float32 else load_target(args.target, device=args.device, dtype=torch.float32)
-    if args.drafter:
-        drafter = load_drafter(args.drafter, device=target.device, dtype=dtype)
-    else:
-        cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size, dtype=args.dtype)
-        drafter = new_drafter(cfg, seed=0).to(target.device, dtype)
-        init_from_target(drafter, target)
-    drafter.eval()
+    drafter = drafter_for(target, args.drafter, args.num_layers, args.block_size)
     B, layers = drafter.block_size, tuple(drafter.config.target_layer_ids)
 
     prompts = [render_chat(target, m) for m in load_prompts(args.dataset, args.limit)]
