@@ -41,3 +41,23 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tiny_target):
     target = Target(model=tiny_target.model, tokenizer=tok, spec="random:tiny")
     with pytest.raises(UsageError, match="no chat template"):
         render_chat(target, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("spec", ["random:gemma3-270m", "random:tiny"])
+def test_the_tokenizer_alone_renders_as_the_loaded_target(spec):
+    """Regeneration through a server loads the tokenizer without weights (load_tokenizer); its prompts must
+    be the in-process target's, <bos> first for a Gemma-shaped target included."""
+    from dflash_train.models.loading import load_target, load_tokenizer
+
+    chat = [{"role": "user", "content": "Write a haiku."}]
+    target, alone = load_target(spec), load_tokenizer(spec)
+    assert alone.apply_chat_template(chat, tokenize=False) == target.tokenizer.apply_chat_template(chat, tokenize=False)
+    starts_with_bos = alone.apply_chat_template(chat, tokenize=False).startswith(alone.bos_token)
+    assert starts_with_bos == spec.startswith("random:gemma")
+
+
+def test_an_unknown_preset_names_the_flag():
+    from dflash_train.models.loading import load_tokenizer
+
+    with pytest.raises(UsageError, match="--target: unknown preset random:nope"):
+        load_tokenizer("random:nope")

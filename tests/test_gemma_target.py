@@ -213,7 +213,7 @@ def test_gemma3_270m_loads_renders_and_answers():
         ids = tok.encode(text, add_special_tokens=False)
         return tok.decode(target_generate(target, ids, 12, stop_ids=stop_token_ids(target)).tokens)
 
-    from dflash_train.data.regen_client import load_tokenizer
+    from dflash_train.models.loading import load_tokenizer
 
     assert load_tokenizer("gemma3-270m").chat_template == tok.chat_template  # regeneration through a server
 

@@ -164,7 +164,7 @@ def test_a_copy_of_another_conversion_format_is_not_loaded(tiny, cache, monkeypa
 
 def test_the_tokenizer_alone_comes_from_any_dtypes_copy_or_the_file(tiny, cache):
     """Regeneration through a server loads the tokenizer alone: from the file, then from a bf16-only copy."""
-    from dflash_train.data.regen_client import load_tokenizer
+    from dflash_train.models.loading import load_tokenizer
 
     before = tokenizer_fingerprint(load_tokenizer(str(tiny)))
     loading.load_target(str(tiny), dtype=torch.bfloat16)

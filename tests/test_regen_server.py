@@ -21,7 +21,7 @@ from dflash_train.data import regen_client as rc
 from dflash_train.data.regen_common import RegenConfig, check_same_run
 from dflash_train.data.sources import Conversation
 from dflash_train.errors import UsageError
-from dflash_train.models.loading import embedded_gguf_path
+from dflash_train.models.loading import embedded_gguf_path, load_tokenizer
 
 pytestmark = pytest.mark.slow  # starts a llama.cpp server process
 
@@ -129,7 +129,7 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    return rc.load_tokenizer(ALIAS)
+    return load_tokenizer(ALIAS)
 
 
 def test_regenerates_multi_turn_conversations(server, tmp_path, smol_tokenizer):

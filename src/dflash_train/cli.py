@@ -25,7 +25,7 @@ from dflash_train.bench.run import run_bench
 from dflash_train.config import FLEX_OPTIONS_ENV, TRACEBACK_ENV
 from dflash_train.data.dataset import prepare_dataset
 from dflash_train.data.parallel import default_workers
-from dflash_train.data.regen_client import load_tokenizer, regenerate_via_server, server_config
+from dflash_train.data.regen_client import regenerate_via_server, server_config
 from dflash_train.data.regenerate import regenerate
 from dflash_train.data.relabel import PACKED_TOKENS, PADDED_TOKENS, relabel
 from dflash_train.data.sources import SourceReport, default_split, iter_conversations
@@ -37,7 +37,7 @@ from dflash_train.eval.prompts import load_eval_set
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import check_replaceable, load_drafter, parse_dtype, save_drafter
 from dflash_train.models.factory import check_compatible, drafter_config_for, new_drafter, to_device
-from dflash_train.models.loading import load_target
+from dflash_train.models.loading import load_target, load_tokenizer
 from dflash_train.profiling.compare import compare as compare_profiles
 from dflash_train.profiling.report import report as profile_report
 from dflash_train.settings import subcommands as uses

@@ -80,7 +80,6 @@ from dflash_train.data.regen_common import (
 from dflash_train.data.sources import Conversation
 from dflash_train.data.tokenize import template_ids
 from dflash_train.errors import UsageError
-from dflash_train.models import loading
 
 REASONING = ("keep", "drop")
 MAX_BACKOFF_S = 30.0
@@ -508,27 +507,3 @@ def _server_message(resp) -> str:
     except (ValueError, AttributeError):
         pass
     return resp.text.strip().splitlines()[0][:300] if resp.text.strip() else "(empty body)"
-
-
-def load_tokenizer(spec: str, flag: str = "--target"):
-    """The target's tokenizer alone (no weights): re-tokenising replies must not load an 8B model."""
-    from transformers import AutoTokenizer
-
-    if spec.startswith("random:"):
-        return loading.byte_tokenizer()
-    if spec == "gemma3-270m":
-        return loading.gemma3_tokenizer(flag)
-    if spec == "smollm2-135m" or spec.endswith(".gguf"):
-        path = loading.embedded_gguf_path(flag) if spec == "smollm2-135m" else Path(spec)
-        if not path.is_file():
-            raise UsageError(f"{flag}: GGUF file {spec} not found")
-        cached = loading.cached_tokenizer_dir(path)  # in the HF copy load_target writes on first use
-        if cached is not None:
-            return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False)
-        return loading.load_gguf_tokenizer(path)
-    local = os.path.isdir(spec)
-    try:
-        cache_only = False if local else loading.hub_cache_only(spec, flag)
-        return AutoTokenizer.from_pretrained(spec, clean_up_tokenization_spaces=False, local_files_only=cache_only)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{flag}: cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}") from None

