@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -71,22 +70,24 @@ def by_copy(pairs: list[tuple[list[int], list[int]]], runs: list[list[int]], blo
 
 
 def first_replies(target, path: str, limit: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt, reply) token ids of each record's first assistant turn, tokenized as training tokenizes the
-    conversation (the reply: its loss-masked tokens, the end of turn included)."""
+    """(prompt, reply) token ids of the first assistant turn of `limit` records spread evenly over the file,
+    tokenized as training tokenizes the conversation (the reply: its loss-masked tokens, the end of turn
+    included). Spread, not the first ones: regeneration writes conversations by prompt length, shortest first."""
     pairs = []
     with open(path) as f:
-        for line in itertools.islice(f, limit):
-            messages = json.loads(line)["messages"]
-            turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-            if turn is None:
-                continue
-            try:
-                ids, mask = tokenize_conversation(target.tokenizer, messages[:turn + 1], 1 << 16)
-            except BadRecord:  # training skips it too
-                continue
-            start = list(mask).index(1)
-            end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
-            pairs.append((list(ids[:start]), list(ids[start:end])))
+        lines = f.readlines()
+    for line in lines[::max(1, len(lines) // limit)][:limit]:
+        messages = json.loads(line)["messages"]
+        turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if turn is None:
+            continue
+        try:
+            ids, mask = tokenize_conversation(target.tokenizer, messages[:turn + 1], 1 << 16)
+        except BadRecord:  # training skips it too
+            continue
+        start = list(mask).index(1)
+        end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
+        pairs.append((list(ids[:start]), list(ids[start:end])))
     return pairs
 
 
