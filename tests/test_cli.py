@@ -115,6 +115,8 @@ def test_bad_inputs_give_one_line_and_exit_2(tiny_drafter_dir, tmp_path, capsys)
         ["init-drafter", "--target", "random:tiny", "--target-layer-ids", "1,5", "--out", str(tmp_path / "x")], capsys)
     assert "--mask-token-id" in _error(["init-drafter", "--target", "random:tiny", "--mask-token-id", "65",
                                         "--out", str(tmp_path / "x")], capsys)
+    assert "--num-key-value-heads must divide the target's 4 attention heads, got 3" in _error(
+        ["init-drafter", "--target", "random:tiny", "--num-key-value-heads", "3", "--out", str(tmp_path / "x")], capsys)
     assert "config.json" in _error(ev + ["--drafter", str(tmp_path / "missing")], capsys)
     assert "--block-size" in _error(ev + ["--drafter", str(tiny_drafter_dir), "--block-size", "1"], capsys)
     assert "--max-new-tokens" in _error(ev + ["--drafter", str(tiny_drafter_dir), "--max-new-tokens", "0"], capsys)
@@ -304,3 +306,15 @@ def test_the_cli_leaves_the_tokenizer_on_every_core(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     cli._quiet_libraries()
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+
+
+def test_init_drafter_writes_the_kv_heads_it_was_given(tmp_path):
+    """--num-key-value-heads reaches config.json (what serving engines read) and the saved K/V projections."""
+    from dflash_train.models.checkpoint import load_drafter
+
+    out = tmp_path / "wide"
+    assert main(["init-drafter", "--target", "random:tiny", "--num-layers", "1", "--block-size", "4",
+                 "--num-key-value-heads", "4", "--out", str(out), "--save-dtype", "float32"]) == 0
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 4
+    drafter = load_drafter(str(out))
+    assert drafter.layers[0].self_attn.k_proj.weight.shape[0] == 4 * drafter.config.head_dim

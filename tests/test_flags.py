@@ -33,9 +33,10 @@ def _train(work, run, *extra):
 
 def test_shape_flags_that_differ_from_the_init_drafter_are_refused(work, tmp_path, capsys):
     init = str(work / "init")
-    err = cli_error(_train(work, tmp_path / "r", "--init-drafter", init, "--num-layers", "3"), capsys)
+    err = cli_error(_train(work, tmp_path / "r", "--init-drafter", init, "--num-layers", "3",
+                           "--num-key-value-heads", "4"), capsys)
     assert err.startswith(f"--init-drafter {init} fixes the drafter's shape")
-    assert "--num-layers 3 (the drafter's: 1)" in err
+    assert "--num-layers 3 (the drafter's: 1)" in err and "--num-key-value-heads 4 (the drafter's: 2)" in err
     err = cli_error(_train(work, tmp_path / "r", "--init-drafter", init, "--block-size", "8", "--sliding-layers", "0"),
                  capsys)
     assert "--block-size 8 (the drafter's: 4)" in err and "--sliding-layers" not in err  # 0 is the drafter's too

@@ -198,9 +198,10 @@ def test_resume_refuses_flags_that_would_shape_another_drafter(prepared, tmp_pat
     assert main([*argv, "--max-steps", "2"]) == 0
     saved = (run / "config.toml").read_text()
     err = _error([*argv, "--max-steps", "4", "--resume", "--num-layers", "2", "--block-size", "8",
-                  "--intermediate-size", "256"], capsys)
+                  "--intermediate-size", "256", "--num-key-value-heads", "4"], capsys)
     assert "--num-layers 2 (the checkpoint's: 1)" in err and "--block-size 8 (the checkpoint's: 4)" in err
     assert "--intermediate-size 256 (the checkpoint's: 128)" in err
+    assert "--num-key-value-heads 4 (the checkpoint's: 2)" in err
     assert (run / "config.toml").read_text() == saved  # nothing rewritten
     assert main([*argv, "--max-steps", "4", "--resume", "--lr", "1e-3"]) == 0  # other settings may change
 

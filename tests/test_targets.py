@@ -232,3 +232,51 @@ def test_an_unreachable_hub_fails_at_once_with_one_line(monkeypatch):
     with pytest.raises(UsageError, match=r"^--target: someone/no-such-model: the hub is unreachable and the model "
                                          r"is not in the local cache"):
         loading.load_target("someone/no-such-model")
+
+
+def test_more_kv_heads_start_as_the_targets_attention(tiny_target):
+    """--num-key-value-heads above the target's (tiny: 4 query heads, 2 KV heads): each target K/V head is
+    repeated for the query heads it served, so with every other weight equal the layers compute the same."""
+    from dflash_train.models.drafter import ContextCache
+    from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
+
+    def drafter(**kw):
+        d = new_drafter(drafter_config_for(tiny_target, num_layers=2, block_size=4, dtype="float32", **kw)).float()
+        init_from_target(d, tiny_target)
+        return d.eval()
+
+    base, wide = drafter(), drafter(num_key_value_heads=4)
+    assert (base.config.num_key_value_heads, wide.config.num_key_value_heads) == (2, 4)
+    assert wide.layers[0].self_attn.k_proj.weight.shape[0] == 2 * base.layers[0].self_attn.k_proj.weight.shape[0]
+    with torch.no_grad():
+        for name, p in wide.named_parameters():
+            if "k_proj" not in name and "v_proj" not in name:
+                p.copy_(base.get_parameter(name))
+    g = torch.Generator().manual_seed(0)
+    hidden = tiny_target.config.hidden_size
+    block = torch.randn(1, 4, hidden, generator=g)
+    feats = torch.randn(1, 9, hidden * len(base.config.target_layer_ids), generator=g)
+    pos = torch.arange(13)[None]
+    with torch.no_grad():
+        want = base(block, feats, pos, cache=ContextCache())
+        got = wide(block, feats, pos, cache=ContextCache())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_kv_heads_that_do_not_fit_are_refused_by_name(tiny_target):
+    from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter
+
+    with pytest.raises(UsageError, match="--num-key-value-heads must divide the target's 4 attention heads, got 3"):
+        drafter_config_for(tiny_target, num_layers=1, block_size=4, num_key_value_heads=3)
+    fewer = new_drafter(drafter_config_for(tiny_target, num_layers=1, block_size=4, num_key_value_heads=1))
+    with pytest.raises(UsageError, match="--num-key-value-heads 1 is not a multiple of the target's 2 KV heads"):
+        init_from_target(fewer, tiny_target)
+
+
+def test_a_drafter_with_more_kv_heads_decodes_losslessly_and_as_the_training_layers(tiny_target, monkeypatch):
+    """The decode's StaticDrafter reads the K/V head count from the drafter's config, as training's layers do."""
+    from static_lm_checks import check_hf_verifier, check_lossless, prompts, tiny_drafter
+
+    drafter = tiny_drafter(tiny_target, num_key_value_heads=4)
+    check_lossless(tiny_target, drafter, prompts(2, seed=3, base=8))
+    check_hf_verifier(tiny_target, drafter, prompts(1, seed=5, base=11)[0], monkeypatch)

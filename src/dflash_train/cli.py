@@ -91,6 +91,7 @@ def cmd_init_drafter(args) -> int:
                              num_features=shape.num_features, target_layer_ids=shape.target_layer_ids,
                              mask_token_id=shape.mask_token_id, sliding_window=shape.sliding_window,
                              num_sliding_layers=shape.sliding_layers, intermediate_size=shape.intermediate_size,
+                             num_key_value_heads=shape.num_key_value_heads,
                              dtype=args.save_dtype)
     model = new_drafter(cfg, run.seed)
     out = save_drafter(model, args.out, parse_dtype(args.save_dtype, "--save-dtype"), flag="--out")

@@ -21,7 +21,8 @@ from dflash_train.models.target import Target
 from dflash_train.settings.tree import TrainConfig
 
 # The flags that shape a fresh drafter; a starting drafter (--init-drafter, a checkpoint) has its own.
-SHAPE_FLAGS = ("num_layers", "block_size", "num_features", "sliding_layers", "sliding_window", "intermediate_size")
+SHAPE_FLAGS = ("num_layers", "block_size", "num_features", "sliding_layers", "sliding_window", "intermediate_size",
+               "num_key_value_heads")
 
 
 def drafter_side_target(cfg: TrainConfig, device: torch.device, *, fresh: bool, where: str | torch.device,
@@ -53,7 +54,8 @@ def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:
     return drafter_config_for(target, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
                               num_features=cfg.drafter.num_features, dtype=cfg.trainer.export_dtype,
                               num_sliding_layers=cfg.drafter.sliding_layers, sliding_window=cfg.drafter.sliding_window,
-                              intermediate_size=cfg.drafter.intermediate_size)
+                              intermediate_size=cfg.drafter.intermediate_size,
+                              num_key_value_heads=cfg.drafter.num_key_value_heads)
 
 
 def max_features(num_target_layers: int) -> int:
@@ -89,7 +91,7 @@ def shape(saved: DFlashConfig) -> dict:
     return {"num_layers": saved.num_hidden_layers, "block_size": saved.block_size,
             "num_features": len(saved.target_layer_ids), "sliding_layers": sliding,
             "sliding_window": saved.sliding_window if sliding else None,
-            "intermediate_size": saved.intermediate_size}
+            "intermediate_size": saved.intermediate_size, "num_key_value_heads": saved.num_key_value_heads}
 
 
 class _Saved(NamedTuple):

@@ -51,7 +51,7 @@ def drafter_parameters(config, cfg: TrainConfig) -> int:
     projection of the features into one hidden state; the embedding and LM head are the target's."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     d = head_dim(config)
-    kv = getattr(config, "num_key_value_heads", heads)
+    kv = cfg.drafter.num_key_value_heads or getattr(config, "num_key_value_heads", None) or heads
     inter = cfg.drafter.intermediate_size or getattr(config, "intermediate_size", 4 * hidden)
     layer = 2 * hidden * heads * d + 2 * hidden * kv * d + 3 * hidden * inter
     return cfg.drafter.num_layers * layer + (cfg.drafter.num_features or DEFAULT_FEATURES) * hidden * hidden

@@ -107,7 +107,7 @@ def check_resume_shape(cfg: TrainConfig, saved) -> None:
     if not theirs["sliding_layers"]:  # no sliding layer: the window shapes nothing
         del theirs["sliding_window"]
     ours = {k: getattr(cfg.drafter, k) for k in theirs}
-    for k in ("num_features", "intermediate_size"):
+    for k in ("num_features", "intermediate_size", "num_key_value_heads"):
         if ours[k] is None:  # unset: the default, whatever the checkpoint has
             ours[k] = theirs[k]
     bad = [f"--{k.replace('_', '-')} {ours[k]} (the checkpoint's: {v})" for k, v in theirs.items() if ours[k] != v]

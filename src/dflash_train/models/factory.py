@@ -23,9 +23,11 @@ DEFAULT_NUM_FEATURES = 5
 def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_features: int | None = None,
                        target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                        sliding_window: int | None = None, num_sliding_layers: int = 0,
-                       intermediate_size: int | None = None, dtype: str = "bfloat16") -> DFlashConfig:
+                       intermediate_size: int | None = None, num_key_value_heads: int | None = None,
+                       dtype: str = "bfloat16") -> DFlashConfig:
     """Drafter layers copy the target's layer shape (hidden, MLP, heads), as the released drafters do;
-    `intermediate_size` widens (or narrows) the MLP alone.
+    `intermediate_size` widens (or narrows) the MLP alone, `num_key_value_heads` sets the K/V heads (a
+    divisor of the target's attention heads).
 
     The number of target features is independent of `num_layers`: 5 by default, fewer for
     targets too shallow to give 5 distinct layers between 1 and N-3.
@@ -42,6 +44,9 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         mask_token_id = default_mask_token_id(target)
     check_mask_token(target, mask_token_id, "--mask-token-id")
     heads = c.num_attention_heads
+    kv_heads = num_key_value_heads or getattr(c, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise UsageError(f"--num-key-value-heads must divide the target's {heads} attention heads, got {kv_heads}")
     if num_layers > n:  # before it sizes layer_types (DFlashConfig holds a config.json to the same bound)
         raise UsageError(f"--num-layers must be <= the target's {n} layers, got {num_layers}")
     # Sliding-window layers come first, full-attention layers last (the deepest layers see everything).
@@ -51,7 +56,7 @@ def drafter_config_for(target: Target, *, num_layers: int, block_size: int, num_
         intermediate_size=intermediate_size or c.intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim(c),
         vocab_size=target.vocab_size,
         block_size=block_size,
@@ -121,6 +126,7 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
     gemma = is_gemma(target)
     layers = target.decoder.layers
     n = len(drafter.layers)
+    head_dim = drafter.config.head_dim
     if n > len(layers):
         raise UsageError(f"--init-from-target: the drafter has {n} layers, the target only {len(layers)}")
     # Gemma: RMSNorm scales by 1 + weight; the drafter's pre-MLP norm is Gemma's pre-feedforward one
@@ -140,7 +146,10 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
         for dst, src in zip(drafter.layers, list(layers)[-n:], strict=True):
             for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
                 if hasattr(src.self_attn, name):
-                    copy("attention", getattr(dst.self_attn, name), getattr(src.self_attn, name), name, offset)
+                    part = getattr(src.self_attn, name)
+                    if name in ("k_proj", "v_proj"):
+                        part = _kv_heads_as(part, getattr(dst.self_attn, name).weight.shape[0] // head_dim, head_dim)
+                    copy("attention", getattr(dst.self_attn, name), part, name, offset)
             if all(hasattr(src.mlp, name) for name in _MLP):  # a dense MLP (not a router and experts)
                 for name in _MLP:
                     copy("MLP", getattr(dst.mlp, name), getattr(src.mlp, name), name)
@@ -165,6 +174,24 @@ def _copy_module(dst: torch.nn.Module, src: torch.nn.Module, name: str, norm_off
             p.zero_()  # the extra units' outputs start at zero: the layer computes the target's
         p[tuple(slice(0, k) for k in q.shape)].copy_(q.to(p.dtype) + (norm_offset if "norm" in name else 0.0))
     return [f"{name}.{pname}" for pname, _ in src.named_parameters() if pname not in own]
+
+
+def _kv_heads_as(proj: torch.nn.Module, heads: int, head_dim: int) -> torch.nn.Module:
+    """The target's K or V projection with its heads repeated to the drafter's `heads`
+    (--num-key-value-heads): drafter head j serves the query heads the target's head j // r served, so the
+    layer starts computing the target's attention. The projection itself where the counts agree."""
+    have = proj.weight.shape[0] // head_dim
+    if heads == have:
+        return proj
+    if heads % have:
+        raise UsageError(f"--init-from-target: --num-key-value-heads {heads} is not a multiple of the target's "
+                         f"{have} KV heads; give a multiple, or --no-init-from-target")
+    out = torch.nn.Module()
+    for name, p in proj.named_parameters(recurse=False):  # weight [have*d, H], a bias [have*d]
+        out.register_parameter(name, torch.nn.Parameter(
+            p.detach().unflatten(0, (have, head_dim)).repeat_interleave(heads // have, 0).flatten(0, 1),
+            requires_grad=False))
+    return out
 
 
 def _fits_inside(q: torch.Tensor, p: torch.Tensor) -> bool:
