@@ -149,10 +149,11 @@ def test_a_recipe_shaped_bench_trains_that_drafter_on_packs_of_several_sequences
     from dflash_train.bench.config import BenchConfig, train_config
 
     cfg = BenchConfig(target="random:tiny", device="cpu", num_layers=2, block_size=4, num_anchors=8, seq_len=64,
-                      token_budget=256, steps=2, intermediate_size=96, sliding_layers=1, variants="drafter-only")
+                      token_budget=256, steps=2, intermediate_size=96, sliding_layers=1, variants="drafter-only",
+                      num_key_value_heads=4)
     tcfg = train_config(cfg, tmp_path, "drafter-only", 4)
     assert (tcfg.data.token_budget, tcfg.data.max_length) == (256, 64)
-    assert (tcfg.drafter.intermediate_size, tcfg.drafter.sliding_layers) == (96, 1)
+    assert (tcfg.drafter.intermediate_size, tcfg.drafter.sliding_layers, tcfg.drafter.num_key_value_heads) == (96, 1, 4)
     out = tmp_path / "bench.json"
     argv = ["bench", "--target", "random:tiny", "--device", "cpu", "--num-layers", "2", "--block-size", "4",
             "--num-anchors", "8", "--seq-len", "64", "--steps", "2", "--variants", "drafter-only"]

@@ -42,6 +42,7 @@ class BenchConfig:
     seq_len: int = setting(3072, "tokens per sequence (= --max-length of train)")
     token_budget: int | None = same_as(DataConfig, "token_budget")  # None: one sequence of --seq-len a pack
     intermediate_size: int | None = same_as(DrafterConfig, "intermediate_size")
+    num_key_value_heads: int | None = same_as(DrafterConfig, "num_key_value_heads")
     sliding_layers: int = same_as(DrafterConfig, "sliding_layers", default=0)
     sliding_window: int | None = same_as(DrafterConfig, "sliding_window")
     steps: int = setting(10, "measured optimizer steps per variant")
@@ -102,7 +103,8 @@ def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, expe
     """The `train` settings of one variant's run: the bench's shapes, no checkpoints, no eval."""
     base = dict(run_dir=str(run_dir), target=cfg.target, seed=cfg.seed, num_layers=cfg.num_layers,
                 block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.pack_tokens,
-                max_length=cfg.seq_len, intermediate_size=cfg.intermediate_size, sliding_layers=cfg.sliding_layers,
+                max_length=cfg.seq_len, intermediate_size=cfg.intermediate_size,
+                num_key_value_heads=cfg.num_key_value_heads, sliding_layers=cfg.sliding_layers,
                 sliding_window=cfg.sliding_window, compile_drafter=cfg.compile_drafter,
                 compile_masks=cfg.compile_masks, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
                 max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",

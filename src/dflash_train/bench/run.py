@@ -202,7 +202,7 @@ def _setup(cfg: BenchConfig, device_name: str):
     target = load_target(cfg.target, device=device, seed=cfg.seed)
     dcfg = drafter_config_for(target, num_layers=cfg.num_layers, block_size=cfg.block_size, dtype="bfloat16",
                               intermediate_size=cfg.intermediate_size, num_sliding_layers=cfg.sliding_layers,
-                              sliding_window=cfg.sliding_window)
+                              sliding_window=cfg.sliding_window, num_key_value_heads=cfg.num_key_value_heads)
     drafter = new_drafter(dcfg, cfg.seed, device)  # the device's generator: the same weights in every process
     dataset = _synthetic(cfg, target.vocab_size)
     total = 2 * cfg.steps
