@@ -1,6 +1,7 @@
 """A drafter's accepted drafts by how far back the token after each anchor copies from, on two texts:
-the target's greedy replies to eval prompts (what the eval decodes) and the first replies of the
-regenerated training conversations (what the drafter learned from).
+the target's greedy replies to eval prompts (what the eval decodes) and the first replies of --limit
+regenerated training conversations spread evenly over the file (what the drafter learned from; the file
+holds them shortest prompt first).
 
 Every reply token whose block fits inside the reply is a block's known token once; its drafts count up to
 the first wrong one, through the training path (training/replay.accepted_runs: the target's features of
@@ -76,7 +77,7 @@ def first_replies(target, path: str, limit: int) -> list[tuple[list[int], list[i
     pairs = []
     with open(path) as f:
         lines = f.readlines()
-    for line in lines[::max(1, len(lines) // limit)][:limit]:
+    for line in (lines[i * len(lines) // limit] for i in range(min(limit, len(lines)))):
         messages = json.loads(line)["messages"]
         turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
         if turn is None:
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128, help="the eval's --eval-max-new-tokens")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.limit < 1:
+        ap.error(f"--limit must be >= 1, got {args.limit}")
 
     target = load_target(args.target, device=args.device, dtype=parse_dtype(args.dtype) if args.dtype else None)
     drafter = drafter_for(target, args.drafter, args.num_layers, args.block_size)

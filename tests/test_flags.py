@@ -80,6 +80,17 @@ def test_more_features_than_usable_target_layers_are_refused(work, tmp_path, cap
     assert "--num-features and --target-layer-ids" in err
 
 
+def test_kv_heads_that_do_not_fit_the_target_are_refused_before_the_data_work(work, tmp_path, capsys):
+    """random:tiny: 4 attention heads, 2 K/V heads."""
+    run = tmp_path / "r"
+    err = cli_error(_train(work, run, "--num-key-value-heads", "3"), capsys)
+    assert err == "--num-key-value-heads must divide the target's 4 attention heads, got 3"
+    err = cli_error(_train(work, run, "--num-key-value-heads", "1"), capsys)
+    assert err.startswith("--init-from-target: --num-key-value-heads 1 is not a multiple of the target's 2 KV heads")
+    assert not list(run.glob("data-*"))  # nothing prepared
+    assert main(_train(work, tmp_path / "ok", "--num-key-value-heads", "1", "--no-init-from-target")) == 0
+
+
 def test_an_unknown_eval_dataset_names_eval_dataset(work, tmp_path, capsys):
     argv = [a for a in _train(work, tmp_path / "r") if a not in ("--eval-limit", "0")]
     assert cli_error([*argv, "--eval-limit", "2", "--eval-dataset", "nope"], capsys).startswith(

@@ -216,6 +216,11 @@ def test_gemma3_270m_loads_renders_and_answers():
     from dflash_train.models.loading import load_tokenizer
 
     assert load_tokenizer("gemma3-270m").chat_template == tok.chat_template  # regeneration through a server
+    from dflash_train.models.gguf_chunks import GEMMA3_270M
+    from dflash_train.models.loading import cache_root
+
+    gguf = cache_root() / "gguf" / GEMMA3_270M.name  # assembled on first use: Gemma's rules by the GGUF's architecture
+    assert load_tokenizer(str(gguf)).chat_template == tok.chat_template
 
     question = "Question: What is the capital of France?\nAnswer:"
     assert "Paris" in reply(tok.bos_token + question)

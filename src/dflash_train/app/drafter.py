@@ -14,7 +14,13 @@ from dflash_train.models.checkpoint import load_config, load_drafter
 from dflash_train.models.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.experts import use_experts
-from dflash_train.models.factory import check_compatible, drafter_config_for, init_from_target, new_drafter
+from dflash_train.models.factory import (
+    check_compatible,
+    check_kv_repeat,
+    drafter_config_for,
+    init_from_target,
+    new_drafter,
+)
 from dflash_train.models.loading import default_dtype, load_target
 from dflash_train.models.sharded_loading import load_target_head
 from dflash_train.models.target import Target
@@ -56,6 +62,16 @@ def drafter_config(cfg: TrainConfig, target: Target) -> DFlashConfig:
                               num_sliding_layers=cfg.drafter.sliding_layers, sliding_window=cfg.drafter.sliding_window,
                               intermediate_size=cfg.drafter.intermediate_size,
                               num_key_value_heads=cfg.drafter.num_key_value_heads)
+
+
+def check_fresh_drafter(cfg: TrainConfig, target: Target) -> None:
+    """A fresh drafter's shape against the target before the data work: its config's checks, and with
+    --init-from-target its K/V heads as whole copies of the target's (a target split by --target-tp
+    reports its repeated K/V heads here: init_from_target checks it against the layers it copies)."""
+    dcfg = drafter_config(cfg, target)
+    kv = getattr(target.config, "num_key_value_heads", None)
+    if cfg.drafter.init_from_target and kv and cfg.pipeline.target_tp == 1:
+        check_kv_repeat(dcfg.num_key_value_heads, kv)
 
 
 def max_features(num_target_layers: int) -> int:

@@ -22,8 +22,8 @@ import torch
 from dflash_train.app import precompile
 from dflash_train.app.dataset import build_dataset
 from dflash_train.app.drafter import (
+    check_fresh_drafter,
     check_mask_token_absent,
-    check_num_features,
     drafter_side_target,
     make_drafter,
     planned_config,
@@ -112,8 +112,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     with phases.time("load target"):
         target = job_target(cfg, device, ckpt)
     say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
-    if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes the features itself
-        check_num_features(target, cfg.drafter.num_features)  # before the data work
+    if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes its shape itself
+        check_fresh_drafter(cfg, target)  # before the data work
     prompts = ([render_chat(target, m) for m in load_prompts(cfg.eval.dataset, cfg.eval.limit)]
                if cfg.eval.limit else [])
     if prompts:  # a too-long eval fails now, not after the data work and the training

@@ -126,7 +126,7 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
     gemma = is_gemma(target)
     layers = target.decoder.layers
     n = len(drafter.layers)
-    head_dim = drafter.config.head_dim
+    d = drafter.config.head_dim
     if n > len(layers):
         raise UsageError(f"--init-from-target: the drafter has {n} layers, the target only {len(layers)}")
     # Gemma: RMSNorm scales by 1 + weight; the drafter's pre-MLP norm is Gemma's pre-feedforward one
@@ -148,7 +148,7 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
                 if hasattr(src.self_attn, name):
                     part = getattr(src.self_attn, name)
                     if name in ("k_proj", "v_proj"):
-                        part = _kv_heads_as(part, getattr(dst.self_attn, name).weight.shape[0] // head_dim, head_dim)
+                        part = _kv_heads_as(part, getattr(dst.self_attn, name).weight.shape[0] // d, d)
                     copy("attention", getattr(dst.self_attn, name), part, name, offset)
             if all(hasattr(src.mlp, name) for name in _MLP):  # a dense MLP (not a router and experts)
                 for name in _MLP:
@@ -183,15 +183,20 @@ def _kv_heads_as(proj: torch.nn.Module, heads: int, head_dim: int) -> torch.nn.M
     have = proj.weight.shape[0] // head_dim
     if heads == have:
         return proj
-    if heads % have:
-        raise UsageError(f"--init-from-target: --num-key-value-heads {heads} is not a multiple of the target's "
-                         f"{have} KV heads; give a multiple, or --no-init-from-target")
+    check_kv_repeat(heads, have)
     out = torch.nn.Module()
     for name, p in proj.named_parameters(recurse=False):  # weight [have*d, H], a bias [have*d]
         out.register_parameter(name, torch.nn.Parameter(
             p.detach().unflatten(0, (have, head_dim)).repeat_interleave(heads // have, 0).flatten(0, 1),
             requires_grad=False))
     return out
+
+
+def check_kv_repeat(heads: int, target_heads: int) -> None:
+    """--init-from-target starts each drafter K/V head as one of the target's: a whole number of copies each."""
+    if heads % target_heads:
+        raise UsageError(f"--init-from-target: --num-key-value-heads {heads} is not a multiple of the target's "
+                         f"{target_heads} KV heads; give a multiple, or --no-init-from-target")
 
 
 def _fits_inside(q: torch.Tensor, p: torch.Tensor) -> bool:

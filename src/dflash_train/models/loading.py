@@ -122,10 +122,7 @@ def load_tokenizer(spec: str, flag: str = "--target"):
         path = embedded_gguf_path(flag) if spec == "smollm2-135m" else Path(spec)
         if not path.is_file():
             raise UsageError(f"{flag}: GGUF file {spec} not found")
-        cached = cached_tokenizer_dir(path)  # in the HF copy load_target writes on first use
-        tok = (AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False) if cached is not None
-               else load_gguf_tokenizer(path))
-        model_type = read_header(path).architecture  # GGUF's name: "gemma3" where HF says "gemma3_text"
+        tok, model_type = _gguf_tokenizer(path, flag)
     else:
         try:
             cache_only = False if os.path.isdir(spec) else hub_cache_only(spec, flag)
@@ -135,6 +132,21 @@ def load_tokenizer(spec: str, flag: str = "--target"):
             raise UsageError(f"{flag}: cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}") from None
     prepare_tokenizer(tok, str(model_type), spec)
     return tok
+
+
+def _gguf_tokenizer(path: Path, flag: str):
+    """(tokenizer, model type) of a GGUF: from the HF copy load_target writes on first use, else the file."""
+    from transformers import AutoTokenizer
+
+    cached = cached_tokenizer_dir(path)
+    if cached is not None:
+        config = cached / "config.json"
+        model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
+        return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False), model_type
+    try:  # GGUF's architecture name: "gemma3" where HF says "gemma3_text"
+        return load_gguf_tokenizer(path), read_header(path).architecture
+    except (ValueError, OSError, KeyError, NotImplementedError) as e:
+        raise UsageError(f"{flag}: cannot load GGUF {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
 
 
 def _looks_like_hub_id(spec: str) -> bool:

@@ -77,7 +77,8 @@ class DrafterConfig:
                                                   "training FLOPs, while at batch-1 decode its small matmuls are "
                                                   "latency-bound", at_least(1))
     num_key_value_heads: int | None = setting(None, "the draft layers' key/value heads (default: the target's; a "
-                                                    "divisor of its attention heads): more let the query heads of a "
+                                                    "divisor of its attention heads, and with --init-from-target a "
+                                                    "multiple of its key/value heads): more let the query heads of a "
                                                     "layer read keys of their own, where a target with one KV head "
                                                     "(Gemma 3 270M) gives every head the same", at_least(1))
     sliding_layers: int = setting(1, "draft layers (the first ones) with sliding-window attention", at_least(0))
