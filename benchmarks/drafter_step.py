@@ -3,7 +3,8 @@
     python3 benchmarks/drafter_step.py --json OUT.json                # the SmolLM2 recipe's step, one H200, ~1 min
     python3 benchmarks/drafter_step.py --compile-masks                # the same with compiled mask tiles
     python3 benchmarks/drafter_step.py --target random:tiny --device cpu --num-layers 2 --block-size 4 \\
-        --num-anchors 8 --seq-len 64 --token-budget 256 --intermediate-size 128 --steps 2   # the CPU plumbing
+        --num-anchors 8 --seq-len 64 --token-budget 256 --intermediate-size 128 --num-key-value-heads 4 \\
+        --steps 2   # the CPU plumbing
 
 The step is training's (objective/objective.py DFlashObjective and training/update.py Update: blocks
 and FlexAttention masks, the draft layers, the LM head + loss chunks, backward, clipping, fused AdamW
@@ -82,7 +83,7 @@ def build(args, device: torch.device):
     target = load_target(args.target, device=device, seed=args.seed)
     dcfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size, dtype="bfloat16",
                               intermediate_size=args.intermediate_size, num_sliding_layers=args.sliding_layers,
-                              sliding_window=args.sliding_window)
+                              sliding_window=args.sliding_window, num_key_value_heads=args.num_key_value_heads)
     drafter = new_drafter(dcfg, args.seed, device).float()
     cuda = device.type == "cuda"
     prof = PhaseTimer(device)
@@ -109,6 +110,7 @@ def main() -> int:
     p.add_argument("--num-layers", type=int, default=12)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--intermediate-size", type=int, default=3072)
+    p.add_argument("--num-key-value-heads", type=int, help="the draft layers' K/V heads (default: the target's)")
     p.add_argument("--sliding-layers", type=int, default=1)
     p.add_argument("--sliding-window", type=int, default=16)
     p.add_argument("--num-anchors", type=int, default=128)

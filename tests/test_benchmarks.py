@@ -371,7 +371,7 @@ def test_drafter_step(tmp_path):
     out = tmp_path / "step.json"
     _run(_py("drafter_step.py", "--device", "cpu", "--target", TINY, "--num-layers", "2", "--block-size", "4",
              "--num-anchors", "8", "--seq-len", "64", "--token-budget", "256", "--intermediate-size", "128",
-             "--steps", "1", "--warmup", "1", "--json", str(out)), tmp_path)
+             "--num-key-value-heads", "4", "--steps", "1", "--warmup", "1", "--json", str(out)), tmp_path)
     res = _json(out, "ms_per_step", "kinds", "top", "tflop_per_step")
     assert res["target_tokens"] == 256 and res["block_tokens"] == 4 * 8 * 4  # four sequences, 8 anchors each
     assert res["kinds"]["GEMM"]["ms"] > 0
