@@ -268,6 +268,16 @@ def test_copy_distances_measure_back_to_the_last_occurrence_followed_by_the_same
 
 
 @pytest.mark.slow
+def test_init_loss(tmp_path):
+    out = tmp_path / "init.json"
+    _run(_py("init_loss.py", "--device", "cpu", "--target", TINY, "--num-layers", "2", "--block-size", "4",
+             "--intermediate-size", "128", "--limit", "2", "--new-tokens", "16", "--json", str(out)), tmp_path)
+    figures = _json(out, "from-target", "fresh", "from-target+final-norm")
+    assert figures["anchors"] > 0 and all(figures[s]["loss"] > 0 for s in ("from-target", "fresh"))
+    assert figures["from-target"] == figures["from-target+final-norm"]  # a Llama-style target: the norm is copied
+
+
+@pytest.mark.slow
 def test_accept_by_copy(tmp_path):
     regenerated = tmp_path / "regenerated.jsonl"
     records = [[{"role": "user", "content": "say abc abc abc"}, {"role": "assistant", "content": "abc abc abc abc"}],

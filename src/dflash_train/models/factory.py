@@ -155,7 +155,12 @@ def init_from_target(drafter: DFlashDrafter, target: Target) -> list[str]:
                     copy("MLP", getattr(dst.mlp, name), getattr(src.mlp, name), name)
             for dst_name, src_name in norms:
                 copy("norms", getattr(dst, dst_name), getattr(src, src_name), dst_name, offset)
-        copy("norms", drafter.norm, target.decoder.norm, "norm", offset)
+        if not gemma:
+            copy("norms", drafter.norm, target.decoder.norm, "norm", offset)
+        # Gemma's final norm stays the drafter's own (ones): its 1 + weight is sized for Gemma's final hidden
+        # state, which the drafter's residual (no post-norms) does not resemble. Copied, it put a fresh
+        # 12-layer drafter's first logits at +-488 on real Gemma 3 270M (loss 368 against ln V = 12.5; left
+        # at ones: 12.6; benchmarks/init_loss.py), and the first steps went to undoing it.
     return [f"the {group}'s {', '.join(names)}" for group, names in left_out.items() if names]
 
 
