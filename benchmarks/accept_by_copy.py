@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the siblings reply_loops.py, train_serve_gap.py
 
+from record_json import write_json  # noqa: E402
 from reply_loops import copy_back, eval_replies  # noqa: E402
 from train_serve_gap import drafter_for  # noqa: E402
 
@@ -128,9 +129,7 @@ def main(argv=None) -> int:
         for bin_name, row in table.items():
             print(f"  copies from {bin_name:>7}: {row['anchors']:6d} anchors, accepted {row['accepted']}, "
                   f"first draft {row['first_draft']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_json(args.json, figures)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import sys
 from pathlib import Path
@@ -29,11 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the siblings reply_loops.py, train_serve_gap.py
 
+from record_json import write_json  # noqa: E402
 from reply_loops import eval_replies  # noqa: E402
-from train_serve_gap import packed, training_drafts  # noqa: E402
+from train_serve_gap import drafter_for, packed, training_drafts  # noqa: E402
 
 from dflash_train.models.chat import is_gemma  # noqa: E402
-from dflash_train.models.factory import drafter_config_for, init_from_target, new_drafter  # noqa: E402
+from dflash_train.models.factory import drafter_config_for  # noqa: E402
 from dflash_train.models.loading import load_target  # noqa: E402
 from dflash_train.pipeline.features import target_features  # noqa: E402
 from dflash_train.pipeline.target_features import FeatureSpec  # noqa: E402
@@ -42,15 +42,12 @@ STARTS = ("from-target", "fresh", "from-target+final-norm")
 
 
 def drafter(target, start: str, args):
-    cfg = drafter_config_for(target, num_layers=args.num_layers, block_size=args.block_size,
-                             intermediate_size=args.intermediate_size, dtype="float32")
-    d = new_drafter(cfg, seed=0).to(target.device, target.dtype)
-    if start != "fresh":
-        init_from_target(d, target)
+    d = drafter_for(target, None, args.num_layers, args.block_size, intermediate_size=args.intermediate_size,
+                    init=start != "fresh")
     if start == "from-target+final-norm":
         with torch.no_grad():
             d.norm.weight.copy_(target.decoder.norm.weight + (1.0 if is_gemma(target) else 0.0))
-    return d.eval()
+    return d
 
 
 def main(argv=None) -> int:
@@ -72,7 +69,7 @@ def main(argv=None) -> int:
     seqs = [p + r for p, r in zip(prompts, replies, strict=True)]
     batch = packed(seqs, [len(p) for p in prompts], target.device)
     B = args.block_size
-    layers = tuple(drafter(target, "fresh", args).config.target_layer_ids)
+    layers = tuple(drafter_config_for(target, num_layers=args.num_layers, block_size=B).target_layer_ids)
     feats = target_features(target, batch, FeatureSpec(layers=layers, labels=True))
     offsets = torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0).tolist()
     anchors = [o + a for o, p, s in zip(offsets, prompts, seqs, strict=False)
@@ -90,9 +87,7 @@ def main(argv=None) -> int:
                                 "slot1_acc": round((logits[:, 0].argmax(-1) == want[:, 0]).float().mean().item(), 3)}
         print(f"  {start:22s} loss {row['loss']:8.2f}  max |logit| {row['max_abs_logit']:8.1f}  "
               f"slot-1 accuracy {row['slot1_acc']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_json(args.json, figures)
     return 0
 
 

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling reply_loops.py
 
+from record_json import write_json  # noqa: E402
 from reply_loops import eval_replies  # noqa: E402
 
 from dflash_train.eval.lookup import lookup_tau  # noqa: E402
@@ -136,9 +137,7 @@ def main(argv=None) -> int:
                "device": args.device, "reply_tokens": sum(len(r) for r in replies),
                "record_generated_tokens": record.get("generated_tokens"), **summary(rows), "prompts": rows}
     print(json.dumps({k: v for k, v in figures.items() if k != "prompts"}, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_json(args.json, figures)
     return 0
 
 

@@ -29,6 +29,7 @@ import datetime
 import json
 
 import torch
+from record_json import write_json  # the sibling module: benchmarks/ is on the path of a script run
 
 from dflash_train.data.packing import PackedBatch
 from dflash_train.decode import static_lm
@@ -114,16 +115,18 @@ def training_drafts(target, drafter, batch: PackedBatch, feats: torch.Tensor, an
     return target.lm_head(rows.to(target.lm_head.weight.dtype)).float()
 
 
-def drafter_for(target, path: str | None, num_layers: int, block_size: int) -> DFlashDrafter:
-    """The drafter at `path` in the target's device and dtype, else a fresh one of `num_layers` and `block_size`
-    initialised from the target's layers; in eval mode."""
+def drafter_for(target, path: str | None, num_layers: int, block_size: int, intermediate_size: int | None = None,
+                init: bool = True) -> DFlashDrafter:
+    """The drafter at `path` in the target's device and dtype, else a fresh one of `num_layers`, `block_size` and
+    `intermediate_size`, initialised from the target's layers when `init`; in eval mode."""
     if path:
         drafter = load_drafter(path, device=target.device, dtype=target.dtype)
     else:
         cfg = drafter_config_for(target, num_layers=num_layers, block_size=block_size,
-                                 dtype=str(target.dtype).removeprefix("torch."))
+                                 intermediate_size=intermediate_size, dtype=str(target.dtype).removeprefix("torch."))
         drafter = new_drafter(cfg, seed=0).to(target.device, target.dtype)
-        init_from_target(drafter, target)
+        if init:
+            init_from_target(drafter, target)
     return drafter.eval()
 
 
@@ -191,9 +194,7 @@ def main(argv=None) -> int:
                "cuda" else "cpu", "dtype": args.dtype, "drafter": args.drafter or f"fresh, {args.num_layers} layers",
                "prompts": len(prompts), "date": datetime.date.today().isoformat(), **out}
     print(json.dumps(figures, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    write_json(args.json, figures)
     return 0
 
 

@@ -267,6 +267,15 @@ def test_copy_distances_measure_back_to_the_last_occurrence_followed_by_the_same
     assert copy_distances([5, 6, 5, 8, 5, 6], 4, n=1) == [4]
 
 
+def test_record_json_writes_the_figures_and_nothing_without_a_path(tmp_path):
+    write_json = _load("record_json.py").write_json
+    out = tmp_path / "figures.json"
+    write_json(str(out), {"tau": 1.5, "rows": [1, 2]})
+    assert json.loads(out.read_text()) == {"tau": 1.5, "rows": [1, 2]}
+    write_json(None, {"tau": 2.0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.json"]  # no temporaries left
+
+
 @pytest.mark.slow
 def test_init_loss(tmp_path):
     out = tmp_path / "init.json"

@@ -112,10 +112,7 @@ def load_tokenizer(spec: str, flag: str = "--target"):
     from transformers import AutoConfig, AutoTokenizer
 
     if spec.startswith("random:"):
-        preset = spec.removeprefix("random:")
-        if preset not in presets.PRESETS:
-            raise UsageError(f"{flag}: unknown preset {spec} (choose from {', '.join(sorted(presets.PRESETS))})")
-        tok, model_type = byte_tokenizer(), presets.PRESETS[preset][0]
+        tok, model_type = byte_tokenizer(), presets.PRESETS[_known_preset(spec.removeprefix("random:"), flag)][0]
     elif spec == "gemma3-270m":
         return gemma3_tokenizer(flag)
     elif spec == "smollm2-135m" or spec.endswith(".gguf"):
@@ -145,8 +142,16 @@ def _gguf_tokenizer(path: Path, flag: str):
         return AutoTokenizer.from_pretrained(str(cached), clean_up_tokenization_spaces=False), model_type
     try:  # GGUF's architecture name: "gemma3" where HF says "gemma3_text"
         return load_gguf_tokenizer(path), read_header(path).architecture
-    except (ValueError, OSError, KeyError, NotImplementedError) as e:
-        raise UsageError(f"{flag}: cannot load GGUF {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    except _GGUF_ERRORS as e:
+        raise _gguf_error(path, flag, e) from None
+
+
+# What reading a bad GGUF raises; NotImplementedError: an architecture transformers lacks.
+_GGUF_ERRORS = (ValueError, OSError, KeyError, NotImplementedError)
+
+
+def _gguf_error(path: Path, flag: str, e: BaseException) -> UsageError:
+    return UsageError(f"{flag}: cannot load GGUF {path}: {(str(e).splitlines() or [type(e).__name__])[0]}")
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -154,12 +159,16 @@ def _looks_like_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/"))
 
 
+def _known_preset(preset: str, flag: str) -> str:
+    if preset not in presets.PRESETS:
+        raise UsageError(f"{flag}: unknown preset random:{preset} (choose from {', '.join(sorted(presets.PRESETS))})")
+    return preset
+
+
 def _load_random(preset: str, device: torch.device, dtype: torch.dtype, seed: int, flag: str):
     from transformers import AutoModelForCausalLM
 
-    if preset not in presets.PRESETS:
-        raise UsageError(f"{flag}: unknown preset random:{preset} (choose from {', '.join(sorted(presets.PRESETS))})")
-    cfg = presets.hf_config(preset)
+    cfg = presets.hf_config(_known_preset(preset, flag))
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -180,8 +189,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, flag: str, sha256: str | None = N
         raise UsageError(f"{flag}: loading {path.name} needs the `gguf` package (pip install gguf)")
     try:
         model, tok = load_gguf(path)
-    except (ValueError, OSError, KeyError, NotImplementedError) as e:  # the last: an architecture transformers lacks
-        raise UsageError(f"{flag}: cannot load GGUF {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    except _GGUF_ERRORS as e:
+        raise _gguf_error(path, flag, e) from None
     model = model.to(dtype)
     _write_hf_copy(model, tok, gguf_cache_dir(path, sha256, dtype))
     return model, tok
