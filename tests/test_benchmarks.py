@@ -287,6 +287,18 @@ def test_init_loss(tmp_path):
 
 
 @pytest.mark.slow
+def test_feature_columns(tmp_path):
+    out = tmp_path / "columns.json"
+    _run(_py("feature_columns.py", "--device", "cpu", "--target", TINY, "--limit", "2", "--new-tokens", "16",
+             "--json", str(out)), tmp_path)
+    layers = _json(out, "layers")["layers"]
+    assert len(layers) >= 2 and all(0 < v["median_column_rms"] <= v["rms"] for v in layers.values())
+    for share in ("share_raw", "share_rms"):
+        assert sum(v[share] for v in layers.values()) == pytest.approx(1.0)
+    assert all(abs(v["share_rms"] - 1 / len(layers)) < 0.2 for v in layers.values())  # unit columns: even shares
+
+
+@pytest.mark.slow
 def test_accept_by_copy(tmp_path):
     regenerated = tmp_path / "regenerated.jsonl"
     records = [[{"role": "user", "content": "say abc abc abc"}, {"role": "assistant", "content": "abc abc abc abc"}],

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from dflash_train.cli import main
+from dflash_train.models.checkpoint import load_drafter
+from dflash_train.training.checkpoint import latest_checkpoint, load_state
 
 BASE = ["train", "--target", "random:tiny", "--max-length", "96", "--token-budget", "192", "--num-anchors", "16",
         "--block-size", "4", "--eval-limit", "0", "--log-every", "1", "--quiet", "--seed", "3"]
@@ -45,6 +47,18 @@ def test_three_processes_reproduce_the_single_device_losses(prepared, tmp_path, 
     depths = [g["max"] for p in profiles for loop in p["loops"].values() for k, g in loop["gauges"].items()
               if k.endswith("_depth")]
     assert depths and max(depths) <= 2
+
+
+@pytest.mark.slow
+def test_feature_scale_through_three_processes(prepared, tmp_path):
+    """--feature-scale rms with two drafter workers: one scale from both workers' first packs (an all-reduce),
+    kept in the trainer state; the checkpoint's fc has it folded in."""
+    assert main([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "2",
+                 "--feature-scale", "rms"]) == 0
+    ckpt = latest_checkpoint(tmp_path)
+    scale = load_state(ckpt)["feature_scale"]
+    exported = load_drafter(ckpt / "drafter", dtype=torch.float32)
+    assert scale.shape == exported.fc.weight.shape[1:] and bool((scale > 0).all()) and scale.std() > 0
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from dflash_train.data.dataset import PreparedDataset, prepare_dataset
 from dflash_train.data.regenerate import RegenConfig, regenerate
 from dflash_train.data.sources import Conversation
 from dflash_train.decode.speculative import target_generate
+from dflash_train.errors import UsageError
 from dflash_train.eval.evaluate import EvalConfig, evaluate
 from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_drafter
@@ -51,9 +52,10 @@ def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_path):
+@pytest.mark.parametrize("feature_scale", ["none", "rms"])
+def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_path, feature_scale):
     _, data = regenerated
-    cfg_a = _cfg(tmp_path / "a")
+    cfg_a = _cfg(tmp_path / "a", feature_scale=feature_scale)
     train_local(cfg_a, tiny_target, _drafter(tiny_target, cfg_a), data, tmp_path / "a", progress=False)
     full = _losses(tmp_path / "a")
     assert len(full) == 6
@@ -65,15 +67,67 @@ def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_pa
     (tmp_path / "b" / "metrics.jsonl").write_text("".join(
         line + "\n" for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[:3]))
     ckpt = latest_checkpoint(tmp_path / "b")
-    cfg_b = _cfg(tmp_path / "b")
+    cfg_b = _cfg(tmp_path / "b", feature_scale=feature_scale)
     drafter = load_drafter(ckpt / "drafter", dtype=torch.float32)
     state = load_state(ckpt)
     assert state["step"] == 3
+    assert ("feature_scale" in state) == (feature_scale == "rms")
     result = train_local(cfg_b, tiny_target, drafter, data, tmp_path / "b", state, progress=False)
     assert result.steps == 6
     resumed = _losses(tmp_path / "b")
     assert resumed[:3] == full[:3]
     torch.testing.assert_close(torch.tensor(resumed[3:]), torch.tensor(full[3:]), rtol=1e-6, atol=1e-6)
+
+
+def test_feature_scale_trains_fc_in_unit_columns_and_exports_it_folded(tiny_target, regenerated, tmp_path):
+    """--feature-scale rms: the first pack sets the scale; the trained drafter in memory (scaled features, fc in
+    their units) and its export (reference format: the scale folded into fc) compute the same context."""
+    _, data = regenerated
+    cfg = _cfg(tmp_path, feature_scale="rms", checkpoint_every=0)
+    drafter = _drafter(tiny_target, cfg)
+    train_local(cfg, tiny_target, drafter, data, tmp_path, progress=False)
+    assert drafter.feature_scale is not None and drafter.feature_scale.shape == drafter.fc.weight.shape[1:]
+    exported = load_drafter(latest_checkpoint(tmp_path) / "drafter", dtype=torch.float32)
+    assert exported.feature_scale is None
+    assert torch.equal(exported.fc.weight, drafter.fc.weight * drafter.feature_scale)  # powers of two: exact
+    features = torch.randn(1, 7, drafter.fc.weight.shape[1]) / drafter.feature_scale  # the target's column scales
+    torch.testing.assert_close(exported.fuse(features), drafter.fuse(features), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(exported.fc.weight, drafter.fc.weight)
+
+
+def test_feature_scale_with_distillation_and_a_resume_that_disagrees(tiny_target, regenerated, tmp_path):
+    """The scale covers the drafter's features only (distillation sends the target's final layer after them); a
+    resume must train as the run did: a flag that disagrees with the checkpoint is refused, naming it."""
+    _, data = regenerated
+    cfg = _cfg(tmp_path, feature_scale="rms", kd_weight=0.5, max_steps=2, checkpoint_every=0)
+    drafter = _drafter(tiny_target, cfg)
+    train_local(cfg, tiny_target, drafter, data, tmp_path, progress=False)
+    assert drafter.feature_scale.shape == drafter.fc.weight.shape[1:]
+    ckpt = latest_checkpoint(tmp_path)
+    for flag in ("none", "rms"):
+        state = load_state(ckpt)
+        if flag == "rms":
+            del state["feature_scale"]  # a run trained unscaled, resumed with rms
+        with pytest.raises(UsageError, match=f"--feature-scale {flag}: the run resumed from step 2"):
+            train_local(_cfg(tmp_path, feature_scale=flag, kd_weight=0.5, max_steps=4), tiny_target,
+                        load_drafter(ckpt / "drafter", dtype=torch.float32), data, tmp_path, state, progress=False)
+
+
+def test_feature_rms_scale_sets_unit_columns_without_first_tokens():
+    from dflash_train.training.drafter_loop import feature_rms_scale
+
+    torch.manual_seed(0)
+    widths = torch.tensor([1e-2, 1.0, 30.0, 1e4])
+    hidden = torch.randn(4000, 4) * widths
+    positions = torch.arange(4000) % 100
+    hidden[positions == 0] = 1e6  # each sequence's first token (Gemma's <bos>: ~100x the rest) is left out
+    scale = feature_rms_scale(hidden.bfloat16(), positions)
+    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two: folding it in is exact
+    rms = (hidden[positions > 0] * scale).square().mean(0).sqrt()
+    assert bool(((rms > 2**-0.5 * 0.98) & (rms < 2**0.5 * 1.02)).all()), rms  # unit RMS, to the nearest power of 2
+    quiet = torch.ones(50, 5)
+    quiet[:, 3], quiet[:, 4] = 1e-9, 0.0  # near-dead columns are scaled at most ~1000x
+    assert feature_rms_scale(quiet, torch.arange(50) + 1).tolist() == [1.0, 1, 1, 1024, 1024]
 
 
 def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, in_memory_dataset, tmp_path):

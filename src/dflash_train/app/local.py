@@ -136,10 +136,13 @@ def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, featu
 
 def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir: Path, steps: int,
                **trainer_args: Any) -> DrafterTrainLoop:
-    """The drafter's train loop on the target's frozen embedding and LM head: one device's or one rank's."""
+    """The drafter's train loop on the target's frozen embedding and LM head: one device's or one rank's.
+    --feature-scale applies to a fresh drafter's random fc; an --init-drafter's fc was trained unscaled."""
+    feature_scale = cfg.optimizer.feature_scale == "rms" and not cfg.drafter.init_drafter
     return DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, drafter, target.embedding_weight,
                             target.lm_head, run_dir, steps, compile_drafter=cfg.trainer.compile_drafter,
-                            compile_masks=cfg.trainer.compile_masks, embed_scale=target.embed_scale, **trainer_args)
+                            compile_masks=cfg.trainer.compile_masks, embed_scale=target.embed_scale,
+                            feature_scale=feature_scale, **trainer_args)
 
 
 def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,

@@ -39,8 +39,11 @@ def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
 
 
 def drafter_state_dict(model: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Reference parameter names -> contiguous CPU tensors (buffers such as RoPE excluded)."""
-    return {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
+    """Reference parameter names -> contiguous CPU tensors (buffers such as RoPE excluded); fc's weight with a
+    training feature scale folded in (DFlashDrafter.set_feature_scale)."""
+    state = {name: p.detach() for name, p in model.named_parameters()}
+    state["fc.weight"] = model.exported_fc_weight()
+    return {name: t.to("cpu", dtype).contiguous() for name, t in state.items()}
 
 
 def save_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,

@@ -8,7 +8,9 @@ embedding and no LM head: callers embed the block with the target's embedding an
 the output with the target's LM head.
 
 Module names match the reference parameter names (`layers.{i}.self_attn.q_proj`, `fc`,
-`hidden_norm`, `norm`, ...), so `state_dict()` is the reference checkpoint layout.
+`hidden_norm`, `norm`, ...), so `state_dict()` is the reference checkpoint layout, except while
+training with a feature scale: then fc's weight is in the scaled units, and checkpoint.drafter_state_dict
+(what every checkpoint and export writes) folds the scale in.
 """
 
 from __future__ import annotations
@@ -183,6 +185,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)  # no parameters: not part of the checkpoint
+        # [n*H] float32 column scale of the features inside `fuse` while training (set_feature_scale); not part of
+        # the checkpoint, whose fc.weight has it folded in (checkpoint.drafter_state_dict)
+        self.register_buffer("feature_scale", None, persistent=False)
 
     @property
     def block_size(self) -> int:
@@ -209,7 +214,24 @@ class DFlashDrafter(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[b, c, n*H] concatenated target features -> [b, c, H] context."""
+        if self.feature_scale is not None:
+            features = features * self.feature_scale.to(features.dtype)
         return self.hidden_norm(self.fc(features))
+
+    def set_feature_scale(self, scale: torch.Tensor) -> None:
+        """Train fc on the features multiplied column by column by `scale` [n*H] (--feature-scale): fc's weights
+        are then in those columns' units, and AdamW, whose steps are about lr whatever a weight's gradient, moves
+        each column's share of the context alike. Unscaled, a column ~900x its layer's median (Gemma 3's) needs
+        weights ~900x smaller than the rest, so small that AdamW's steps on them are noise that drowns the other
+        columns. fc keeps its weights: a fresh drafter's random fc starts in the scaled units."""
+        if tuple(scale.shape) != (self.fc.in_features,):
+            raise ValueError(f"feature scale of shape {tuple(scale.shape)} for fc's {self.fc.in_features} columns")
+        self.feature_scale = scale.to(self.fc.weight.device, torch.float32)
+
+    def exported_fc_weight(self) -> torch.Tensor:
+        """fc's weight in the checkpoint's (unscaled) units: the scale folded into its columns."""
+        w = self.fc.weight.detach()
+        return w if self.feature_scale is None else w * self.feature_scale.to(w.dtype)
 
     def forward(
         self,

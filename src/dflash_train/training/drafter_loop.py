@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dflash_train.errors import UsageError
 from dflash_train.models.drafter import DFlashDrafter
@@ -29,9 +31,13 @@ class DrafterStep:
     def __init__(self, objective: DFlashObjective) -> None:
         self.objective = objective
         self.metric_width = objective.metric_width
+        self.on_first: Callable[[Features], None] | None = None  # called with the first pack's features, once
 
     def inputs(self, features: Features, device: torch.device) -> tuple[Any, ...]:
         """(batch, anchors, hidden states, target labels or None) on `device`."""
+        if self.on_first is not None:
+            self.on_first(features)
+            self.on_first = None
         pack = features.pack
         # non_blocking: a blocking copy from host memory synchronizes the stream, so the host would wait
         # for the previous step's backward instead of queueing this step behind it
@@ -49,14 +55,16 @@ class DrafterTrainLoop(Trainer):
     """Trains `drafter` against the target's frozen embedding and LM head (trainer.py has the loop).
 
     compile_drafter: torch.compile each draft layer's training forward (--compile-drafter);
-    compile_masks: build the FlexAttention masks with a compiled function (--compile-masks).
+    compile_masks: build the FlexAttention masks with a compiled function (--compile-masks);
+    feature_scale: fc trains on unit-RMS feature columns, the scale measured on the first pack (--feature-scale
+    rms; a fresh drafter's run). A resumed run takes its scale from the state.
     """
 
     def __init__(self, optim: OptimizerConfig, cfg: TrainerConfig, objective_cfg: ObjectiveConfig,
                  drafter: DFlashDrafter,
                  embed_weight: torch.Tensor, lm_head: torch.nn.Module, run_dir: Path, total_steps: int, *,
                  compile_drafter: bool = False, compile_masks: bool = False, embed_scale: float = 1.0,
-                 hooks: Hooks | None = None, **trainer_args: Any) -> None:
+                 feature_scale: bool = False, hooks: Hooks | None = None, **trainer_args: Any) -> None:
         hooks = hooks or Hooks()
         device = next(drafter.parameters()).device
         check_backend_device(objective_cfg.attention, device)
@@ -65,8 +73,35 @@ class DrafterTrainLoop(Trainer):
         if compile_drafter and not uses_flex(objective.backend(device)):  # the backend the step will run
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
                              f"{objective.backend(device)} attention on {device.type}")
-        super().__init__(DrafterStep(objective), optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
-        self.drafter, self.compile_drafter = drafter, compile_drafter
+        self.drafter, self.compile_drafter = drafter, compile_drafter  # before the Trainer restores a state
+        step = DrafterStep(objective)
+        super().__init__(step, optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
+        if feature_scale and self.step == 0 and drafter.feature_scale is None:  # a new run (or one stopped before
+            step.on_first = self._measure_feature_scale                       # its first step, and resumed)
+        elif feature_scale != (drafter.feature_scale is not None):
+            flag, was = ("rms", "without") if feature_scale else ("none", "with")
+            raise UsageError(f"--feature-scale {flag}: the run resumed from step {self.step} trained {was} a "
+                             "feature scale; resume it as it was trained")
+
+    def _measure_feature_scale(self, features: Features) -> None:
+        # with distillation the target's final layer follows the drafter's features (objective.forward)
+        hidden = features.features.hidden[:, :self.drafter.fc.in_features]
+        self.drafter.set_feature_scale(feature_rms_scale(hidden, features.pack.batch.positions, self.dp.group))
+
+    def state(self) -> dict[str, Any]:
+        """The Trainer's state, and the feature scale when there is one (the checkpoint's fc has it folded in)."""
+        state = super().state()
+        if self.drafter.feature_scale is not None:
+            state["feature_scale"] = self.drafter.feature_scale.cpu()
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        super()._restore(state)
+        if "feature_scale" in state:  # the checkpoint's fc back into the scale's units: exact, powers of two
+            scale = state["feature_scale"].to(self.drafter.fc.weight.device)
+            with torch.no_grad():
+                self.drafter.fc.weight.div_(scale)
+            self.drafter.set_feature_scale(scale)
 
     def _validation_mode(self) -> contextlib.AbstractContextManager[None]:
         """Compiled layers validate in the grad mode, on training's graphs: torch.compile guards on the grad
@@ -81,3 +116,21 @@ class DrafterTrainLoop(Trainer):
         # its fusion, attention and MLP into this loop's view (whole layers when compiled: their insides are one graph)
         with self.drafter.compiled_layers(compiled), drafter_spans(self.drafter, self.prof, whole_layers=compiled):
             return super().train(source)
+
+
+def feature_rms_scale(hidden: torch.Tensor, positions: torch.Tensor,
+                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """1 / RMS of each feature column [n*H] over a pack's tokens (every training rank's first pack with `group`),
+    rounded to a power of two, so scaling a bf16 feature, folding the scale into fc and unfolding it on resume are
+    all exact; each sequence's first token left out: Gemma 3's <bos> runs ~100x the other tokens in its early
+    layers and would set the scale alone. A column quieter than 1/1000 of the median one is scaled as if it were
+    that: a dead column is not blown up into noise."""
+    keep = (positions.to(hidden.device) > 0).nonzero().squeeze(1)  # host sync: once a run
+    sums = torch.cat([torch.linalg.vector_norm(hidden.index_select(0, keep), dim=0, dtype=torch.float32).square(),
+                      torch.tensor([float(keep.numel())], device=hidden.device)])
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    rms = (sums[:-1] / sums[-1].clamp_min(1)).sqrt()
+    rms = torch.maximum(rms, rms.median() * 1e-3)
+    scale = torch.where(rms > 0, rms.reciprocal(), torch.ones_like(rms))  # a median of zeros: nothing to scale
+    return torch.exp2(torch.round(torch.log2(scale)))
