@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the siblings reply_l
 
 from record_json import write_json  # noqa: E402
 from reply_loops import eval_replies  # noqa: E402
-from train_serve_gap import packed  # noqa: E402
+from train_serve_gap import packed_replies  # noqa: E402
 
 from dflash_train.models.factory import drafter_config_for  # noqa: E402
 from dflash_train.models.loading import load_target  # noqa: E402
@@ -70,8 +70,7 @@ def main(argv=None) -> int:
 
     target = load_target(args.target, device=args.device)
     prompts, replies = eval_replies(target, args.dataset, args.limit, args.new_tokens)
-    seqs = [p + r for p, r in zip(prompts, replies, strict=True)]
-    batch = packed(seqs, [len(p) for p in prompts], target.device)
+    _, batch = packed_replies(prompts, replies, target.device)
     layers = tuple(drafter_config_for(target, num_layers=1, block_size=2).target_layer_ids)
     hidden = target_features(target, batch, FeatureSpec(layers=layers)).hidden
     scale = feature_rms_scale(hidden, batch.positions).cpu()

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the siblings reply_l
 
 from record_json import write_json  # noqa: E402
 from reply_loops import eval_replies  # noqa: E402
-from train_serve_gap import drafter_for, packed, training_drafts  # noqa: E402
+from train_serve_gap import drafter_for, packed_replies, training_drafts  # noqa: E402
 
 from dflash_train.models.chat import is_gemma  # noqa: E402
 from dflash_train.models.factory import drafter_config_for  # noqa: E402
@@ -66,8 +66,7 @@ def main(argv=None) -> int:
     target = load_target(args.target, device=args.device)
     args.intermediate_size = args.intermediate_size or 2 * target.config.intermediate_size
     prompts, replies = eval_replies(target, args.dataset, args.limit, args.new_tokens)
-    seqs = [p + r for p, r in zip(prompts, replies, strict=True)]
-    batch = packed(seqs, [len(p) for p in prompts], target.device)
+    seqs, batch = packed_replies(prompts, replies, target.device)
     B = args.block_size
     layers = tuple(drafter_config_for(target, num_layers=args.num_layers, block_size=B).target_layer_ids)
     feats = target_features(target, batch, FeatureSpec(layers=layers, labels=True))

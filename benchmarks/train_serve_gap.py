@@ -62,6 +62,13 @@ def packed(seqs: list[list[int]], starts: list[int], device: torch.device) -> Pa
     return PackedBatch(ids, loss, seq, pos).to(device)
 
 
+def packed_replies(prompts: list[list[int]], replies: list[list[int]],
+                   device: torch.device) -> tuple[list[list[int]], PackedBatch]:
+    """Each prompt followed by its reply, packed with the loss on the replies: (the sequences, the pack)."""
+    seqs = [p + r for p, r in zip(prompts, replies, strict=True)]
+    return seqs, packed(seqs, [len(p) for p in prompts], device)
+
+
 @torch.no_grad()
 def decode_features(target, ids: list[int], prompt_len: int, layers: tuple[int, ...], B: int) -> torch.Tensor:
     """[n, k*H]: the prompt's prefill, then verify-sized steps of B tokens, as the decode loop feeds them."""
@@ -151,8 +158,8 @@ def main(argv=None) -> int:
     B, layers = drafter.block_size, tuple(drafter.config.target_layer_ids)
 
     prompts = [render_chat(target, m) for m in load_prompts(args.dataset, args.limit)]
-    seqs = [p + target_generate(ref, p, args.new_tokens).tokens for p in prompts]  # float32 greedy: the truth
-    batch = packed(seqs, [len(p) for p in prompts], target.device)
+    replies = [target_generate(ref, p, args.new_tokens).tokens for p in prompts]  # float32 greedy: the truth
+    seqs, batch = packed_replies(prompts, replies, target.device)
     spec = FeatureSpec(layers=layers, labels=True)
     train = target_features(target, batch, spec)  # as a target loop computes them for a pack
     truth = target_features(ref, batch, FeatureSpec(layers=layers)).hidden
