@@ -51,17 +51,24 @@ def _sync() -> None:
         torch.cuda.synchronize()  # host sync: honest wall time
 
 
-def _kernels(fn) -> int:
+def _kernels(fn, top: int = 0) -> tuple[int, list[tuple[str, int, float]]]:
+    """The kernels one eager call of fn launches, and the `top` kernel names by their summed GPU time:
+    (name, launches, microseconds)."""
     from torch.profiler import ProfilerActivity, profile
 
     if DEVICE.type != "cuda":
-        return 0
+        return 0, []
     fn(None)
     _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn(None)
         _sync()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time_total)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return len(kernels), [(name, len(us), round(sum(us), 1)) for name, us in ranked]
 
 
 def _step_in_place(loop, prompt: list[int], max_new_tokens: int):
@@ -89,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--top", type=int, default=0, help="also list each part's N costliest kernels (an eager call)")
     ap.add_argument("--device", default="cuda", help="cpu: a check of the script (no graphs, no kernel counts)")
     args = ap.parse_args(argv)
     global DEVICE
@@ -124,8 +132,12 @@ def main(argv=None) -> int:
         }
         out = {}
         for name, fn in fns.items():
-            out[name] = {"ms": _time(fn, args.reps), "kernels": _kernels(fn)}
-            print(("compiled " if compiled else "eager ") + name, out[name], flush=True)
+            count, ranked = _kernels(fn, args.top)
+            out[name] = {"ms": _time(fn, args.reps), "kernels": count} | ({"top_kernels": ranked} if ranked else {})
+            print(("compiled " if compiled else "eager ") + name, {k: out[name][k] for k in ("ms", "kernels")},
+                  flush=True)
+            for kname, n, us in ranked:
+                print(f"    {us:9.1f} us  {n:4d}x  {kname}")
             if args.json:  # after every part: a later failure keeps what was measured
                 _write(args.json, res | {("graphed_compiled" if compiled else "graphed"): out})
         out["step_over_token"] = round(out["dflash_step"]["ms"] / out["target_token"]["ms"], 3)

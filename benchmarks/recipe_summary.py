@@ -58,8 +58,9 @@ def label(r: dict) -> str:
     samples = (f", {rec['regen_samples']} replies at T={rec.get('regen_temperature')}"
                if rec.get("regen_samples", 1) > 1 else "")
     labels = ", target labels" if rec.get("labels") == "target" else ""
+    scale = ", unit-RMS features" if rec.get("feature_scale") == "rms" else ""
     return (f"{r['name']}: {rec.get('num_layers')} layers{mlp}, B={rec.get('block_size', 16)}, "
-            f"{rec.get('num_anchors')} anchors, {length}, lr {rec.get('lr')}{turns}{samples}{labels}")
+            f"{rec.get('num_anchors')} anchors, {length}, lr {rec.get('lr')}{turns}{samples}{labels}{scale}")
 
 
 def run_config(path: Path) -> dict:
@@ -91,7 +92,7 @@ def variant_summary(d: Path) -> dict:
         "recipe": {k: cfg.get(k) for k in ("num_layers", "block_size", "num_anchors", "token_budget", "lr",
                                            "epochs", "max_steps", "gamma", "labels", "sliding_layers",
                                            "regen_max_turns", "intermediate_size", "regen_samples",
-                                           "regen_temperature") if k in cfg},
+                                           "regen_temperature", "feature_scale") if k in cfg},
         "steps": steps, "train_s": int(m.group(2)) if m else None,
         "train_tokens": round(seen[-1]) if seen else round(tokens * cfg.get("epochs", 0)) if tokens else None,
         "train_tau_estimate": records[-1]["expected_tau"] if records else None,

@@ -79,14 +79,18 @@ def test_resume_reproduces_uninterrupted_losses(tiny_target, regenerated, tmp_pa
     torch.testing.assert_close(torch.tensor(resumed[3:]), torch.tensor(full[3:]), rtol=1e-6, atol=1e-6)
 
 
-def test_feature_scale_trains_fc_in_unit_columns_and_exports_it_folded(tiny_target, regenerated, tmp_path):
-    """--feature-scale rms: the first pack sets the scale; the trained drafter in memory (scaled features, fc in
-    their units) and its export (reference format: the scale folded into fc) compute the same context."""
+def test_feature_scale_trains_fc_in_unit_columns_and_exports_it_folded(tiny_target, regenerated, tmp_path,
+                                                                          capsys):
+    """--feature-scale rms: the first pack sets the scale, and the run says its range; the trained drafter in
+    memory (scaled features, fc in their units) and its export (reference format: the scale folded into fc)
+    compute the same context."""
     _, data = regenerated
     cfg = _cfg(tmp_path, feature_scale="rms", checkpoint_every=0)
     drafter = _drafter(tiny_target, cfg)
     train_local(cfg, tiny_target, drafter, data, tmp_path, progress=False)
     assert drafter.feature_scale is not None and drafter.feature_scale.shape == drafter.fc.weight.shape[1:]
+    low, high = torch.log2(drafter.feature_scale).aminmax()
+    assert f"times 2^{int(low)} to 2^{int(high)} a column" in capsys.readouterr().err
     exported = load_drafter(latest_checkpoint(tmp_path) / "drafter", dtype=torch.float32)
     assert exported.feature_scale is None
     assert torch.equal(exported.fc.weight, drafter.fc.weight * drafter.feature_scale)  # powers of two: exact

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_train.errors import UsageError
+from dflash_train.errors import UsageError, say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.loss import LossOutput
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device, uses_flex
@@ -86,7 +86,12 @@ class DrafterTrainLoop(Trainer):
     def _measure_feature_scale(self, features: Features) -> None:
         # with distillation the target's final layer follows the drafter's features (objective.forward)
         hidden = features.features.hidden[:, :self.drafter.fc.in_features]
-        self.drafter.set_feature_scale(feature_rms_scale(hidden, features.pack.batch.positions, self.dp.group))
+        scale = feature_rms_scale(hidden, features.pack.batch.positions, self.dp.group)
+        self.drafter.set_feature_scale(scale)
+        if self.writer:
+            low, high = torch.log2(scale).aminmax()  # host sync: once a run
+            say(f"--feature-scale rms: fc trains on the target features times 2^{int(low)} to 2^{int(high)} a "
+                f"column (the median 2^{int(torch.log2(scale).median())}; measured on the first pack)")
 
     def state(self) -> dict[str, Any]:
         """The Trainer's state, and the feature scale when there is one (the checkpoint's fc has it folded in)."""
