@@ -35,7 +35,7 @@ import torch
 
 from dflash_train.decode import attention_kernel as da
 from dflash_train.decode import static_lm
-from dflash_train.decode.static_lm import bucket, cached_attention
+from dflash_train.decode.static_lm import Mask, bucket, cached_attention
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_speed import _prompts, regen_rate  # noqa: E402  (benchmarks/ is not a package)
@@ -71,9 +71,10 @@ def attention_layer(rows: int, lo: int, hi: int, heads: int = 9, kv_heads: int =
     k, v = (torch.randn(rows, kv_heads, cap, d, device=dev, dtype=dtype) for _ in range(2))
     pos = (lens - 1)[:, None]
 
-    def batched():  # what StaticLM.forward did per layer: the mask, then the two GEMVs and softmax
-        visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]
-        return cached_attention(q, k[:, :, :kv_len], v[:, :, :kv_len], visible, 0.125)
+    mask = Mask.of(torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None], heads // kv_heads)
+
+    def batched():  # what StaticLM.forward does per layer: the two GEMVs and softmax (the mask made once a forward)
+        return cached_attention(q, k[:, :, :kv_len], v[:, :, :kv_len], mask, 0.125)
 
     own_bytes = int(lens.sum()) * kv_heads * d * 2 * q.element_size()  # K and V
     read_bytes = rows * kv_len * kv_heads * d * 2 * q.element_size()

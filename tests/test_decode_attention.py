@@ -25,7 +25,7 @@ def test_kernel_equals_the_batched_matmul_attention():
     run_interpreted("""
         import torch
         from dflash_train.decode import attention_kernel as da
-        from dflash_train.decode.static_lm import cached_attention
+        from dflash_train.decode.static_lm import Mask, cached_attention
 
         torch.manual_seed(0)
         b, H, hkv, d, C = 5, 9, 3, 64, 160
@@ -34,7 +34,7 @@ def test_kernel_equals_the_batched_matmul_attention():
             q = torch.randn(b, H, 1, d, dtype=dtype)
             k, v = (torch.randn(b + 2, hkv, C + 40, d, dtype=dtype)[:b, :, :C] for _ in range(2))
             visible = torch.arange(C)[None, None, :] < lens[:, None, None]
-            want = cached_attention(q.float(), k.float(), v.float(), visible, 0.125)
+            want = cached_attention(q.float(), k.float(), v.float(), Mask.of(visible, H // hkv), 0.125)
             got = da.decode_attention(q, k, v, lens, 0.125)
             assert got.shape == want.shape and got.dtype == dtype
             err = (got.float() - want).abs().max().item()
@@ -89,7 +89,7 @@ def test_a_windowed_kernel_reads_only_the_last_window_slots():
     run_interpreted("""
         import torch
         from dflash_train.decode import attention_kernel as da
-        from dflash_train.decode.static_lm import cached_attention
+        from dflash_train.decode.static_lm import Mask, cached_attention
 
         torch.manual_seed(0)
         b, H, hkv, d, C = 5, 4, 2, 16, 160
@@ -99,7 +99,7 @@ def test_a_windowed_kernel_reads_only_the_last_window_slots():
             q = torch.randn(b, H, 1, d)
             k, v = torch.randn(b, hkv, C, d), torch.randn(b, hkv, C, d)
             visible = (slots < lens[:, None, None]) & (slots >= lens[:, None, None] - (window or C))
-            want = cached_attention(q, k, v, visible, 0.25, sinks)
+            want = cached_attention(q, k, v, Mask.of(visible, H // hkv, sinks is not None), 0.25, sinks)
             got = da.decode_attention(q, k, v, lens, 0.25, window=window, sinks=sinks)
             assert (got - want).abs().max().item() < 1e-5, window
             for i, n in enumerate(lens.tolist()):
@@ -154,7 +154,7 @@ def test_the_kernel_takes_one_token_steps_of_wide_half_precision_batches_on_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
     """SmolLM2's attention shape at a regeneration batch's width, compiled for the GPU (not interpreted)."""
-    from dflash_train.decode.static_lm import cached_attention
+    from dflash_train.decode.static_lm import Mask, cached_attention
 
     torch.manual_seed(0)
     b, H, hkv, d, C = 512, 9, 3, 64, 1024
@@ -163,9 +163,41 @@ def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
     q = torch.randn(b, H, 1, d, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, C, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     visible = torch.arange(C, device=dev)[None, None, :] < lens[:, None, None]
-    want = cached_attention(q.float(), k.float(), v.float(), visible, 0.125)
+    want = cached_attention(q.float(), k.float(), v.float(), Mask.of(visible, H // hkv), 0.125)
     got = da.decode_attention(q, k, v, lens, 0.125)
     assert (got.float() - want).abs().max().item() < 2e-2
+
+
+@pytest.mark.slow
+@interpreted
+def test_fused_drafter_step_equals_the_eager_step():
+    """The drafter's decode step with each residual add and the norm after it as one Triton kernel gives the
+    eager step's draft logits: a prompt's context, then a step that commits part of the last block."""
+    run_interpreted("""
+        import torch
+        from dflash_train.decode.static_drafter import StaticDrafter
+        from dflash_train.models.factory import drafter_config_for, new_drafter
+        from dflash_train.models.loading import load_target
+
+        for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 0.0)):  # half: the norm's roundings too
+            target = load_target("random:tiny", device="cpu", dtype=dtype, seed=0)
+            cfg = drafter_config_for(target, num_layers=2, block_size=4, num_sliding_layers=1, sliding_window=6)
+            drafter = new_drafter(cfg, 0, torch.device("cpu")).to(dtype)
+            embed, head = target.model.get_input_embeddings(), target.lm_head
+            g = torch.Generator().manual_seed(3)
+            n_feat = len(drafter.config.target_layer_ids) * target.hidden_size
+            steps = [(torch.randn(1, 9, n_feat, generator=g), torch.tensor([0, 9, 4])),
+                     (torch.randn(1, 4, n_feat, generator=g), torch.tensor([9, 2, 4]))]
+            block = torch.randint(0, 200, (1, 4), generator=g)
+            outs = []
+            for fused in (False, True):
+                engine = StaticDrafter(drafter, embed, head, fused=fused)
+                assert engine._fused == fused
+                cache = engine.cache_for(64)
+                outs.append([engine.forward(feats, block, meta, cache, 128) for feats, meta in steps])
+            for a, b in zip(*outs):
+                torch.testing.assert_close(a, b, rtol=0, atol=atol)
+        """)
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The target's elementwise chains in its decode forward (StaticLM) as one Triton kernel each, on CUDA.
+"""The target's elementwise chains in its decode forward (StaticLM) as one Triton kernel each, on CUDA; the
+drafter's decode step (StaticDrafter) runs its residual adds and norms through `add_rms_norm` too.
 
 Eager PyTorch runs each chain as a string of kernels, each a full pass over the activations: the
 residual add and HF's float32 RMSNorm are ~8 (add, cast, square, mean, add, rsqrt, multiply, cast,
@@ -49,6 +50,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, f
         if delta is not None:
             x = x + delta
         return x, norm(x)
+    if not x.is_contiguous() or (delta is not None and (delta.shape != x.shape or not delta.is_contiguous())):
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and delta must be contiguous and of one shape")
     width = x.shape[-1]
     rows = x.numel() // width
     out_x = torch.empty_like(x) if delta is not None else x

@@ -15,8 +15,9 @@ always written B wide; one cut short to q slots by the token limit masks its slo
 computes what a q-wide block would. A query sees slots < start + q (the committed context and
 the block, non-causally); sliding-window layers also keep their causal window over positions,
 as the eager drafter does. The math is the
-eager drafter's own modules; only the cache and the masks are ours. On CPU the same function
-runs eagerly: one path, the same math.
+eager drafter's own modules; only the cache and the masks are ours, and on CUDA each residual add
+runs fused with the norm after it (fused_target.add_rms_norm: the same math up to the order of the
+norm's sum). On CPU the same function runs eagerly: one path, the same math.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import weakref
 import torch
 from torch import nn
 
-from dflash_train.decode import graphs
+from dflash_train.decode import fused_target, graphs
 from dflash_train.decode.compiled_steps import CompiledSteps
-from dflash_train.decode.static_lm import StaticCache, cached_attention
+from dflash_train.decode.static_lm import Mask, StaticCache, cached_attention
 from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 
@@ -56,13 +57,17 @@ class StaticDrafter(CompiledSteps):
     token ids to draft logits, so one graph holds the whole draft.
     """
 
-    def __init__(self, drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, graphs: bool | None = None) -> None:
+    def __init__(self, drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, graphs: bool | None = None,
+                 fused: bool = True) -> None:
         self.drafter, self.embed, self.head = drafter, embed, head
         cfg = drafter.config
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device
         self._graphs = graphs
+        # each residual add and the norm after it as one Triton kernel (fused_target) where it runs: the
+        # drafter's own math (its RMSNorm rounds as Llama's), up to the order of the norm's sum
+        self._fused = fused and fused_target.applies(self.device, self.dtype)
         self._cache: StaticCache | None = None
 
     @property
@@ -104,29 +109,33 @@ class StaticDrafter(CompiledSteps):
         x = self.embed(block).to(self.dtype)
         cos, sin = d.rotary(x, positions)
         masks = self._masks(block_slots, start + meta[2], kv_len)
+        fused = self._fused and not torch.compiler.is_compiling()  # compiled: inductor fuses them itself
+        h = d.layers[0].input_layernorm(x)
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            qs, ks, vs = attn.qkv(layer.input_layernorm(x), ctx, cos, sin)
+            qs, ks, vs = attn.qkv(h, ctx, cos, sin)
             for buf, new in ((cache.keys[i], ks), (cache.values[i], vs)):
                 buf.index_copy_(2, ctx_slots, new[:, :, :c])  # then the block over the rejected rows
                 buf.index_copy_(2, block_slots, new[:, :, c:])
             out = cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len],
                                    masks[layer.layer_type], attn.head_dim**-0.5)
-            x = x + attn.out(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = d.norm(x)[:, 1:]
-        return self.head(hidden.to(self.head.weight.dtype))[0]
+            x, h = fused_target.add_rms_norm(x, attn.out(out), layer.post_attention_layernorm, fused)
+            next_norm = d.layers[i + 1].input_layernorm if i + 1 < len(d.layers) else d.norm
+            x, h = fused_target.add_rms_norm(x, layer.mlp(h), next_norm, fused)
+        return self.head(h[:, 1:].to(self.head.weight.dtype))[0]
 
-    def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
-        """Per layer type, [1, w, kv_len]: which slots each block query sees (`end`: one past the block's q slots)."""
+    def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, Mask]:
+        """Per layer type, over [1, w, kv_len]: which slots each block query sees (`end`: one past the block's
+        q slots)."""
+        cfg = self.drafter.config
         slots = torch.arange(kv_len, device=block_slots.device)
         diff = block_slots[:, None] - slots[None, :]
         seen = slots[None, :] < end  # written by this decode: the context and the block's q slots
-        masks = {t: seen.expand(len(block_slots), -1)[None] for t in set(self.drafter.config.layer_types)}
-        if SLIDING_ATTENTION in masks:
-            window = self.drafter.config.sliding_window
-            masks[SLIDING_ATTENTION] = ((diff >= 0) & (diff < window))[None]
-        return masks
+        visible = {t: seen.expand(len(block_slots), -1)[None] for t in set(cfg.layer_types)}
+        if SLIDING_ATTENTION in visible:
+            visible[SLIDING_ATTENTION] = ((diff >= 0) & (diff < cfg.sliding_window))[None]
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        return {t: Mask.of(v, groups) for t, v in visible.items()}
 
     def step(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: StaticCache,
              kv_len: int) -> torch.Tensor:

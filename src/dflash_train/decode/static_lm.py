@@ -122,6 +122,24 @@ class Lengths:
 
 
 @dataclass
+class Mask:
+    """Which slots each query sees, visible [b, q, T], and `blocked` [b, 1, g*q, T]: its complement laid out as
+    the folded decode path (cached_attention) reads it, for g query heads a K/V head; None where that path
+    does not run. Made once a forward for every layer that shares it: per layer it cost two kernels (a
+    negation and an expanding copy), each as long as its work at batch 1."""
+
+    visible: torch.Tensor
+    blocked: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, visible: torch.Tensor, groups: int, sinks: bool = False) -> Mask:
+        b, n, t = visible.shape
+        if groups * n > _FOLD_ROWS and not sinks:
+            return cls(visible)
+        return cls(visible, (~visible)[:, None, None].expand(b, 1, groups, n, t).reshape(b, 1, groups * n, t))
+
+
+@dataclass
 class StepOut:
     logits: torch.Tensor | None  # [b, q, V] (or [b, 1, V] for last_only)
     features: torch.Tensor | None  # [b, q, n * H] hidden states of the requested layers
@@ -143,6 +161,7 @@ class StaticLM(CompiledSteps):
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.n_layers = cfg.num_hidden_layers
         self.kv_heads = cfg.num_key_value_heads
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads a K/V head
         self.head_dim = head_dim(cfg)
         self._graphs = graphs
         self._cache: StaticCache | None = None
@@ -252,11 +271,11 @@ class StaticLM(CompiledSteps):
         return out
 
     def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
-                 prefill: bool) -> dict[str, torch.Tensor | Lengths | None]:
+                 prefill: bool) -> dict[str, Mask | Lengths | None]:
         """Per layer type, what each query may see: slots 0..pos, of which a sliding layer sees the last
         `window`. None: plain causal over a prefill's slots (no longer than the layer's window, and no
         sink logits, which SDPA does not take). A one-token step of a wide batch on CUDA gets each row's
-        key count (Lengths: the decode kernel reads only those slots); others a mask [b, q, kv_len]."""
+        key count (Lengths: the decode kernel reads only those slots); others a Mask over [b, q, kv_len]."""
         kernel = self._kernel_applies(ids) and not torch.compiler.is_compiling()  # compiled: batched matmuls
         slots = torch.arange(kv_len, device=ids.device)[None, None, :]
         out = {}
@@ -266,9 +285,10 @@ class StaticLM(CompiledSteps):
             elif kernel:
                 out[kind] = Lengths(pos[:, 0] + 1, window)
             elif window is None:
-                out[kind] = slots <= pos[:, :, None]
+                out[kind] = Mask.of(slots <= pos[:, :, None], self.groups, self.family.sinks)
             else:
-                out[kind] = (slots <= pos[:, :, None]) & (slots > pos[:, :, None] - window)
+                seen = (slots <= pos[:, :, None]) & (slots > pos[:, :, None] - window)
+                out[kind] = Mask.of(seen, self.groups, self.family.sinks)
         return out
 
     def _kernel_applies(self, ids: torch.Tensor) -> bool:
@@ -277,7 +297,7 @@ class StaticLM(CompiledSteps):
                                                                    self.dtype, ids.device)
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                   visible: torch.Tensor | Lengths | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   visible: Mask | Lengths | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kv_len: int, fused: bool) -> torch.Tensor:
         b, q, _ = h.shape
         d = self.head_dim
@@ -345,15 +365,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [b, H, q, d], k/v [b, Hkv, T, d], visible [b, q, T] -> [b, H, q, d]. sinks [H]: a logit per head
-    that joins each softmax's denominator and no key (gpt_oss): always the folded path below, whose
-    scores SDPA would not expose."""
+    """q [b, H, q, d], k/v [b, Hkv, T, d], mask over [b, q, T] (Mask.of with H // Hkv groups) -> [b, H, q, d].
+    sinks [H]: a logit per head that joins each softmax's denominator and no key (gpt_oss): always the
+    folded path below, whose scores SDPA would not expose."""
     b, H, n, d = q.shape
-    g = H // k.shape[1]
-    if g * n > _FOLD_ROWS and sinks is None:
-        return attend(q, k, v, visible[:, None], scale)  # prefill: compute-bound, the drafter's SDPA path
+    hkv = k.shape[1]
+    g = H // hkv
+    if sinks is not None and mask.blocked is None:
+        raise ValueError("cached_attention: sinks need the folded path: build the mask with Mask.of(..., sinks=True)")
+    if mask.blocked is None:
+        return attend(q, k, v, mask.visible[:, None], scale)  # prefill: compute-bound, the drafter's SDPA path
     # Decode: query head h uses K/V head h // g, so a group's g heads become g*n query rows against
     # one K/V head, and the work is reading K and V once (two batched GEMVs; measured faster than
     # SDPA's memory-efficient kernel with a mask on the H200). The scores stay in the cache's dtype,
@@ -362,9 +385,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     # ~0.5 GB a layer beside K/V's 1.6 GB. The scale goes on the few query rows instead (exact for
     # head_dim 64: 1/8), the mask is one in-place pass, and softmax accumulates in float32 whatever
     # its dtype (so its bf16 output is HF's float32 softmax cast to bf16).
-    qf = (q * scale).reshape(b, k.shape[1], g * n, d)
-    blocked = (~visible)[:, None, None].expand(b, 1, g, n, visible.shape[-1]).reshape(b, 1, g * n, -1)
-    scores = torch.matmul(qf, k.transpose(-1, -2)).masked_fill_(blocked, float("-inf"))
+    # The scaled query rows land in the folded layout in one pass (q of several tokens is transposed: a
+    # product, then a reshape, would be two). Compiled, inductor fuses the two itself (and out= would not
+    # keep its layout there).
+    if torch.compiler.is_compiling():
+        qf = (q * scale).reshape(b, hkv, g * n, d)
+    else:
+        qf = torch.mul(q.view(b, hkv, g, n, d), scale, out=q.new_empty(b, hkv, g, n, d)).view(b, hkv, g * n, d)
+    scores = torch.matmul(qf, k.transpose(-1, -2)).masked_fill_(mask.blocked, float("-inf"))
     if sinks is not None:
         return torch.matmul(_sink_softmax(scores, sinks, n), v).view(b, H, n, d)
     return torch.matmul(scores.softmax(-1), v).view(b, H, n, d)
