@@ -318,3 +318,18 @@ def test_init_drafter_writes_the_kv_heads_it_was_given(tmp_path):
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 4
     drafter = load_drafter(str(out))
     assert drafter.layers[0].self_attn.k_proj.weight.shape[0] == 4 * drafter.config.head_dim
+
+
+def test_a_progress_line_during_a_bar_gets_a_line_of_its_own(capsys):
+    """say() while a tqdm bar is drawn clears the bar, writes its line and redraws the bar: printed plainly, the
+    line would continue the bar's (a train log's first lines did)."""
+    from tqdm import tqdm
+
+    from dflash_train.errors import say
+
+    with tqdm(total=3, desc="train", file=sys.stderr) as bar:
+        bar.update(1)
+        say("a progress line")
+    say("no bar")
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert "[dflash-train] a progress line" in lines and "[dflash-train] no bar" in lines
