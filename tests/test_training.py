@@ -134,6 +134,30 @@ def test_feature_rms_scale_sets_unit_columns_without_first_tokens():
     assert feature_rms_scale(quiet, torch.arange(50) + 1).tolist() == [1.0, 1, 1, 1024, 1024]
 
 
+def test_column_spread_is_each_layers_largest_column_over_its_median():
+    from dflash_train.training.drafter_loop import column_spread
+
+    rms = torch.tensor([1.0, 2.0, 3.0, 900.0,  # layer 0: median 2 (the lower middle of four), largest 900
+                        5.0, 5.0, 5.0, 5.0])
+    assert column_spread(rms, 2).tolist() == [450.0, 1.0]
+
+
+@pytest.mark.parametrize("flag,threshold,hinted", [("none", 1.0, True), ("none", 1e9, False), ("rms", 1.0, False)])
+def test_a_fresh_run_on_uneven_features_suggests_the_scale(tiny_target, regenerated, tmp_path, capsys, monkeypatch,
+                                                           flag, threshold, hinted):
+    """A fresh drafter's run without --feature-scale rms says so when a feature column runs SPREAD_HINT times its
+    layer's median (the tiny target's features do not: the threshold is lowered to show the line), once; a run
+    with the scale says nothing of it."""
+    from dflash_train.training import drafter_loop
+
+    monkeypatch.setattr(drafter_loop, "SPREAD_HINT", threshold)
+    _, data = regenerated
+    cfg = _cfg(tmp_path, feature_scale=flag, max_steps=2, checkpoint_every=0)
+    train_local(cfg, tiny_target, _drafter(tiny_target, cfg), data, tmp_path, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("consider --feature-scale rms") == (1 if hinted else 0), err
+
+
 def test_overfit_tiny_set_loss_falls_and_tau_rises(tiny_target, in_memory_dataset, tmp_path):
     """Train on the target's own greedy continuations of six prompts, then decode those prompts."""
     prompts = [render_chat(tiny_target, [{"role": "user", "content": p}]) for p in PROMPTS]

@@ -137,12 +137,13 @@ def flop_counter(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, featu
 def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir: Path, steps: int,
                **trainer_args: Any) -> DrafterTrainLoop:
     """The drafter's train loop on the target's frozen embedding and LM head: one device's or one rank's.
-    --feature-scale applies to a fresh drafter's random fc; an --init-drafter's fc was trained unscaled."""
-    feature_scale = cfg.optimizer.feature_scale == "rms" and not cfg.drafter.init_drafter
+    --feature-scale applies to a fresh drafter's random fc (and without it, such a run says when the target's
+    features call for it); an --init-drafter's fc was trained unscaled."""
+    fresh, rms = not cfg.drafter.init_drafter, cfg.optimizer.feature_scale == "rms"
     return DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, drafter, target.embedding_weight,
                             target.lm_head, run_dir, steps, compile_drafter=cfg.trainer.compile_drafter,
                             compile_masks=cfg.trainer.compile_masks, embed_scale=target.embed_scale,
-                            feature_scale=feature_scale, **trainer_args)
+                            feature_scale=fresh and rms, hint_feature_scale=fresh and not rms, **trainer_args)
 
 
 def train_local(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, dataset, run_dir: Path,

@@ -57,14 +57,17 @@ class DrafterTrainLoop(Trainer):
     compile_drafter: torch.compile each draft layer's training forward (--compile-drafter);
     compile_masks: build the FlexAttention masks with a compiled function (--compile-masks);
     feature_scale: fc trains on unit-RMS feature columns, the scale measured on the first pack (--feature-scale
-    rms; a fresh drafter's run). A resumed run takes its scale from the state.
+    rms; a fresh drafter's run). A resumed run takes its scale from the state. hint_feature_scale: a fresh
+    drafter's run without the scale says so when the first pack's features hold a column SPREAD_HINT times
+    their layer's median or more.
     """
 
     def __init__(self, optim: OptimizerConfig, cfg: TrainerConfig, objective_cfg: ObjectiveConfig,
                  drafter: DFlashDrafter,
                  embed_weight: torch.Tensor, lm_head: torch.nn.Module, run_dir: Path, total_steps: int, *,
                  compile_drafter: bool = False, compile_masks: bool = False, embed_scale: float = 1.0,
-                 feature_scale: bool = False, hooks: Hooks | None = None, **trainer_args: Any) -> None:
+                 feature_scale: bool = False, hint_feature_scale: bool = False, hooks: Hooks | None = None,
+                 **trainer_args: Any) -> None:
         hooks = hooks or Hooks()
         device = next(drafter.parameters()).device
         check_backend_device(objective_cfg.attention, device)
@@ -82,16 +85,30 @@ class DrafterTrainLoop(Trainer):
             flag, was = ("rms", "without") if feature_scale else ("none", "with")
             raise UsageError(f"--feature-scale {flag}: the run resumed from step {self.step} trained {was} a "
                              "feature scale; resume it as it was trained")
+        elif hint_feature_scale and self.step == 0:
+            step.on_first = self._hint_feature_scale
+
+    def _fc_features(self, features: Features) -> torch.Tensor:
+        # with distillation the target's final layer follows the drafter's features (objective.forward)
+        return features.features.hidden[:, :self.drafter.fc.in_features]
 
     def _measure_feature_scale(self, features: Features) -> None:
-        # with distillation the target's final layer follows the drafter's features (objective.forward)
-        hidden = features.features.hidden[:, :self.drafter.fc.in_features]
-        scale = feature_rms_scale(hidden, features.pack.batch.positions, self.dp.group)
+        scale = feature_rms_scale(self._fc_features(features), features.pack.batch.positions, self.dp.group)
         self.drafter.set_feature_scale(scale)
         if self.writer:
             low, high = torch.log2(scale).aminmax()  # host sync: once a run
             say(f"--feature-scale rms: fc trains on the target features times 2^{int(low)} to 2^{int(high)} a "
                 f"column (the median 2^{int(torch.log2(scale).median())}; measured on the first pack)")
+
+    def _hint_feature_scale(self, features: Features) -> None:
+        rms = feature_column_rms(self._fc_features(features), features.pack.batch.positions, self.dp.group)
+        layers = self.drafter.config.target_layer_ids
+        spread = column_spread(rms, len(layers)).tolist()  # host sync: once a run
+        worst = max(range(len(layers)), key=spread.__getitem__)
+        if self.writer and spread[worst] >= SPREAD_HINT:
+            say(f"the target's layer-{layers[worst]} features hold a column {spread[worst]:,.0f}x their median RMS: "
+                "consider --feature-scale rms (docs/training.md: on Gemma 3's features, ~880x, it took the "
+                "drafter's HumanEval tau from 1.78 to 3.21)")
 
     def state(self) -> dict[str, Any]:
         """The Trainer's state, and the feature scale when there is one (the checkpoint's fc has it folded in)."""
@@ -123,19 +140,38 @@ class DrafterTrainLoop(Trainer):
             return super().train(source)
 
 
-def feature_rms_scale(hidden: torch.Tensor, positions: torch.Tensor,
-                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """1 / RMS of each feature column [n*H] over a pack's tokens (every training rank's first pack with `group`),
-    rounded to a power of two, so scaling a bf16 feature, folding the scale into fc and unfolding it on resume are
-    all exact; each sequence's first token left out: Gemma 3's <bos> runs ~100x the other tokens in its early
-    layers and would set the scale alone. A column quieter than 1/1000 of the median one is scaled as if it were
-    that: a dead column is not blown up into noise."""
+# A feature column this many times its layer's median RMS makes a fresh drafter's run suggest --feature-scale rms.
+# Gemma 3 270M's features reach ~880x, and the scale took its drafter's HumanEval tau from 1.78 to 3.21; SmolLM2's
+# reach ~35x (benchmarks/feature_columns.py, docs/quality.md). Two targets: a first guess between them.
+SPREAD_HINT = 100.0
+
+
+def feature_column_rms(hidden: torch.Tensor, positions: torch.Tensor,
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The RMS of each feature column [n*H] over a pack's tokens (every training rank's first pack with `group`),
+    each sequence's first token left out: Gemma 3's <bos> runs ~100x the other tokens in its early layers and
+    would set the figure alone."""
     keep = (positions.to(hidden.device) > 0).nonzero().squeeze(1)  # host sync: once a run
     sums = torch.cat([torch.linalg.vector_norm(hidden.index_select(0, keep), dim=0, dtype=torch.float32).square(),
                       torch.tensor([float(keep.numel())], device=hidden.device)])
     if group is not None:
         dist.all_reduce(sums, group=group)
-    rms = (sums[:-1] / sums[-1].clamp_min(1)).sqrt()
+    return (sums[:-1] / sums[-1].clamp_min(1)).sqrt()
+
+
+def column_spread(rms: torch.Tensor, layers: int) -> torch.Tensor:
+    """Per feature layer [layers]: its largest column's RMS over its median column's (rms [layers*H], layer-major
+    as the features are concatenated)."""
+    per_layer = rms.view(layers, -1)
+    return per_layer.max(1).values / per_layer.median(1).values.clamp_min(torch.finfo(rms.dtype).tiny)
+
+
+def feature_rms_scale(hidden: torch.Tensor, positions: torch.Tensor,
+                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """1 / RMS of each feature column [n*H] (feature_column_rms), rounded to a power of two, so scaling a bf16
+    feature, folding the scale into fc and unfolding it on resume are all exact. A column quieter than 1/1000 of
+    the median one is scaled as if it were that: a dead column is not blown up into noise."""
+    rms = feature_column_rms(hidden, positions, group)
     rms = torch.maximum(rms, rms.median() * 1e-3)
     scale = torch.where(rms > 0, rms.reciprocal(), torch.ones_like(rms))  # a median of zeros: nothing to scale
     return torch.exp2(torch.round(torch.log2(scale)))
