@@ -140,6 +140,24 @@ def test_decode_parts(tmp_path):
 
 
 @pytest.mark.slow
+def test_ab_runs_a_benchmark_in_both_trees(tmp_path):
+    """"ab.sh": the command in the base tree, then in this one, each importing its own sources, {} per run."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(REPO / "src", base / "src")
+    shutil.copytree(BENCH, base / "benchmarks")
+    proc = _run(["bash", str(BENCH / "ab.sh"), str(base), "1", sys.executable, "benchmarks/decode_parts.py",
+                 "--device", "cpu", "--target", TINY, "--draft-layers", "1", "--block-size", "4", "--context", "32",
+                 "--reps", "1", "--json", str(tmp_path / "parts-{}.json")], tmp_path, timeout=300)
+    for tag in ("base1", "new1"):
+        assert f"{tag} | eager dflash_step" in proc.stdout and (tmp_path / f"parts-{tag}.json").is_file()
+    bad = subprocess.run(["bash", str(BENCH / "ab.sh"), str(tmp_path / "nowhere"), "1", "true"],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "has no src/" in bad.stderr
+
+
+@pytest.mark.slow
 def test_decode_speed(tmp_path):
     out = tmp_path / "decode.json"
     _run(_py("decode_speed.py", "--device", "cpu", "--target", TINY, "--regen-rows", "4", "--regen-hf-rows", "2",
