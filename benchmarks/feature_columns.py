@@ -26,14 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the siblings reply_loops.py, train_serve_gap.py
 
 from record_json import write_json  # noqa: E402
-from reply_loops import eval_replies  # noqa: E402
+from reply_loops import add_reply_args, eval_replies  # noqa: E402
 from train_serve_gap import packed_replies  # noqa: E402
 
 from dflash_train.models.factory import drafter_config_for  # noqa: E402
 from dflash_train.models.loading import load_target  # noqa: E402
 from dflash_train.pipeline.features import target_features  # noqa: E402
 from dflash_train.pipeline.target_features import FeatureSpec  # noqa: E402
-from dflash_train.training.drafter_loop import feature_rms_scale  # noqa: E402
+from dflash_train.training.drafter_loop import feature_column_rms, feature_rms_scale  # noqa: E402
 
 
 def mean_cosine(x: torch.Tensor, n: int = 512) -> float:
@@ -59,11 +59,7 @@ def _num(v: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dataset", default="sharegpt")
-    ap.add_argument("--limit", type=int, default=24)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    add_reply_args(ap, limit=24, new_tokens=128)
     ap.add_argument("--top", type=int, default=3, help="the largest columns listed per layer")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -73,6 +69,7 @@ def main(argv=None) -> int:
     _, batch = packed_replies(prompts, replies, target.device)
     layers = tuple(drafter_config_for(target, num_layers=1, block_size=2).target_layer_ids)
     hidden = target_features(target, batch, FeatureSpec(layers=layers)).hidden
+    column_rms = feature_column_rms(hidden, batch.positions).cpu()
     scale = feature_rms_scale(hidden, batch.positions).cpu()
     x = hidden[batch.positions > 0].float().cpu()
     H = target.hidden_size
@@ -85,7 +82,7 @@ def main(argv=None) -> int:
           f"{'share raw':>9} {'share rms':>9}")
     for i, layer in enumerate(layers):
         cols = x[:, i * H:(i + 1) * H]
-        col_rms = cols.square().mean(0).sqrt()
+        col_rms = column_rms[i * H:(i + 1) * H]
         top = col_rms.topk(min(args.top, H))
         row = {"rms": cols.square().mean().sqrt().item(), "median_column_rms": col_rms.median().item(),
                "largest_columns": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)),

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the siblings reply_loops.py, train_serve_gap.py
 
 from record_json import write_json  # noqa: E402
-from reply_loops import eval_replies  # noqa: E402
+from reply_loops import add_reply_args, eval_replies  # noqa: E402
 from train_serve_gap import drafter_for, packed_replies, training_drafts  # noqa: E402
 
 from dflash_train.models.chat import is_gemma  # noqa: E402
@@ -52,11 +52,7 @@ def drafter(target, start: str, args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dataset", default="sharegpt")
-    ap.add_argument("--limit", type=int, default=6)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    add_reply_args(ap, limit=6, new_tokens=64)
     ap.add_argument("--num-layers", type=int, default=12, help="the recipes' depth")
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--intermediate-size", type=int, help="the draft MLP's width (default: 2x the target's)")

@@ -48,6 +48,15 @@ def copy_predictable(row: list[int], n: int, start: int = 0) -> list[bool]:
     return [d is not None for d in copy_back(row, n, start)]
 
 
+def add_reply_args(ap: argparse.ArgumentParser, limit: int, new_tokens: int) -> None:
+    """The flags of a script that reads an eval set's prompts and the target's replies (eval_replies)."""
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dataset", default="sharegpt")
+    ap.add_argument("--limit", type=int, default=limit)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens)
+
+
 def eval_replies(target, dataset: str, limit: int, new_tokens: int,
                  picker: Picker = greedy) -> tuple[list[list[int]], list[list[int]]]:
     """An eval set's first `limit` prompts rendered for the target, and the target's reply to each (at most
@@ -63,11 +72,7 @@ def eval_replies(target, dataset: str, limit: int, new_tokens: int,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dataset", default="sharegpt")
-    ap.add_argument("--limit", type=int, default=24)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    add_reply_args(ap, limit=24, new_tokens=256)
     ap.add_argument("--split", type=int, default=128, help="report positions before and after this one")
     ap.add_argument("--ngram", type=int, default=4)
     ap.add_argument("--far", type=int, default=64, help="a copy from at least this many tokens back counts as far")

@@ -96,9 +96,10 @@ class DrafterTrainLoop(Trainer):
         scale = feature_rms_scale(self._fc_features(features), features.pack.batch.positions, self.dp.group)
         self.drafter.set_feature_scale(scale)
         if self.writer:
-            low, high = torch.log2(scale).aminmax()  # host sync: once a run
+            powers = torch.log2(scale)
+            low, high = powers.aminmax()  # host sync: once a run
             say(f"--feature-scale rms: fc trains on the target features times 2^{int(low)} to 2^{int(high)} a "
-                f"column (the median 2^{int(torch.log2(scale).median())}; measured on the first pack)")
+                f"column (the median 2^{int(powers.median())}; measured on the first pack)")
 
     def _hint_feature_scale(self, features: Features) -> None:
         rms = feature_column_rms(self._fc_features(features), features.pack.batch.positions, self.dp.group)
