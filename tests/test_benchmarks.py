@@ -120,6 +120,17 @@ def _triton_interprets_the_kernel() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _triton_interprets_the_kernel(), reason="triton's interpreter runs this kernel from 3.8")
+def test_span_attention_under_the_triton_interpreter(tmp_path):
+    out = tmp_path / "span.json"
+    _run(_py("span_attention.py", "--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+             "--contexts", "40", "--layers", "1", "--reps", "1", "--json", str(out)), tmp_path, TRITON_INTERPRET="1")
+    data = _json(out, "us_per_call", "device", "date", "command")
+    assert sorted(data["us_per_call"]) == ["draft8@40", "token@40", "verify8@40"]
+    assert all(set(row) == {"batched", "span_b32_w4_s2"} for row in data["us_per_call"].values()), data
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _triton_interprets_the_kernel(), reason="triton's interpreter runs this kernel from 3.8")
 def test_decode_attention_under_the_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "attention.json"

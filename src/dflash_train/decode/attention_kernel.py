@@ -14,9 +14,9 @@ Math: softmax(q k^T * scale) v over the visible slots, float32 scores and accumu
 probabilities rounded to the cache's dtype for the P.V product (as flash attention does). The
 batched-matmul path rounds its scores to the cache's dtype first, so the two agree to bf16 rounding,
 not bit for bit: at T=0 a near-tie of the target's logits can pick another token (either is the
-target's greedy choice up to its own rounding). The CPU, and batches too small to fill the GPU
-(`applies`), keep the batched-matmul path: batch-1 eval decoding is unchanged. A StaticLM built with
-attention_kernel=False keeps it everywhere (the reference the kernel is tested and timed against).
+target's greedy choice up to its own rounding). Batches too small to fill the GPU (`applies`: eval's
+batch 1) go through `span_attention`, the CPU through the batched-matmul path. A StaticLM built with
+attention_kernel=False keeps that path everywhere (the reference the kernels are tested and timed against).
 
 Triton is optional: without it (the CPU build of torch ships none) `applies` is False. Under
 TRITON_INTERPRET=1 the kernel runs on CPU tensors (how the tests check it on a machine without a GPU).
@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
     triton = None
 
 # Below this many (row, KV head) programs the GPU is not full and a row's serial walk over its keys is
-# latency-bound; the batched-matmul path (two GEMVs, eval's batch 1) stays there. 2x the H200's 132 SMs.
+# latency-bound; span_attention (eval's batch 1, several query tokens a row) takes those. 2x the H200's 132 SMs.
 MIN_PROGRAMS = 264
 BLOCK_N = 64  # key slots per tile: 8 KB of K and 8 KB of V at head_dim 64 in bf16
 

@@ -1,5 +1,7 @@
-"""The target's elementwise chains in its decode forward (StaticLM) as one Triton kernel each, on CUDA; the
-drafter's decode step (StaticDrafter) runs its residual adds and norms through `add_rms_norm` too.
+"""The target's elementwise chains in its decode forward (StaticLM) as one Triton kernel each, on CUDA, with
+the K/V writes folded in (`rope_store_`: RoPE on q and k, and k and v into the cache); the drafter's decode
+step (StaticDrafter) runs its residual adds and norms through `add_rms_norm` and its K/V writes through
+`store_kv_`.
 
 Eager PyTorch runs each chain as a string of kernels, each a full pass over the activations: the
 residual add and HF's float32 RMSNorm are ~8 (add, cast, square, mean, add, rsqrt, multiply, cast,
@@ -64,18 +66,43 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, f
     return out_x, out_h
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
-    """HF's rotary embedding of x [b, q, heads, d] with cos, sin [b, q, d]; in place when fused (x is a
-    fresh projection output), else a new tensor."""
-    if not fused:
-        c, s = cos[:, :, None], sin[:, :, None]
-        half = x.shape[-1] // 2
-        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-    b, q, heads, d = x.shape
-    if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError("rope_: x, cos and sin must be contiguous")
-    _rope_kernel[(b * q,)](x, cos, sin, heads, HEADS=triton.next_power_of_2(heads), HALF=d // 2, num_warps=4)
-    return x
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding of x [b, q, heads, d] with cos, sin [b, q, d]: the eager math rope_store_ fuses."""
+    c, s = cos[:, :, None], sin[:, :, None]
+    half = x.shape[-1] // 2
+    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+
+def rope_store_(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor) -> None:
+    """`rope` on qs [b, q, heads, d] in place, and ks, vs [b, q, kv_heads, d] rotated and copied into the KV
+    cache [b, kv_heads, C, d] at slots pos [b, q]: one kernel where RoPE twice and the two scatters were four
+    (ks itself is left as it was). All contiguous but the cache, whose last dimension must be."""
+    b, q, heads, d = qs.shape
+    kv_heads = ks.shape[2]
+    if not all(t.is_contiguous() for t in (qs, ks, vs, cos, sin)) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("rope_store_: q, k, v, cos and sin must be contiguous, and the cache's last dimension")
+    pos = pos.to(torch.int32).contiguous()
+    _rope_store_kernel[(b * q,)](qs, ks, vs, cos, sin, k_cache, v_cache, pos, q, heads, kv_heads,
+                                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                                 HEADS=triton.next_power_of_2(max(heads, kv_heads)), HALF=d // 2, num_warps=4)
+
+
+def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+              slots: torch.Tensor) -> None:
+    """K/V rows ks, vs [b, m, kv_heads, d] (any strides, last dim contiguous) into the cache [b, kv_heads, C, d]
+    at slots [b, m]; a row whose slot is negative is skipped. One kernel for what index_copy_ does per tensor
+    and per run of slots."""
+    b, m, kv_heads, d = ks.shape
+    if any(t.stride(-1) != 1 for t in (ks, vs, k_cache, v_cache)):
+        raise ValueError("store_kv_: the rows' and the cache's last dimension must be contiguous")
+    slots = slots.to(torch.int32).contiguous()
+    _store_kv_kernel[(b * m,)](ks, vs, k_cache, v_cache, slots, m, kv_heads, ks.stride(0), ks.stride(1),
+                               ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+                               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                               HEADS=triton.next_power_of_2(kv_heads), D=d, num_warps=1)
 
 
 def swiglu_mlp(mlp: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -119,24 +146,58 @@ if triton is not None:
         tl.store(OutH + row * width + col, h.to(OutH.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _rope_kernel(X, Cos, Sin, heads, HEADS: tl.constexpr, HALF: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)
-        head = tl.arange(0, HEADS)[:, None]
+    def _rotated(base, Cos, Sin, tok, head, live, HALF: tl.constexpr):
+        """The rotated halves of the heads at base (x1, x2: [heads, HALF] each), in their dtype: eager's
+        x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype."""
         i = tl.arange(0, HALF)[None, :]
-        live = head < heads
-        base = X + tok * heads * 2 * HALF + head * 2 * HALF
-        dt = X.dtype.element_ty
+        dt = base.dtype.element_ty
         x1 = tl.load(base + i, mask=live, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + i, mask=live, other=0.0).to(tl.float32)
         c1 = tl.load(Cos + tok * 2 * HALF + i).to(tl.float32)
         c2 = tl.load(Cos + tok * 2 * HALF + HALF + i).to(tl.float32)
         s1 = tl.load(Sin + tok * 2 * HALF + i).to(tl.float32)
         s2 = tl.load(Sin + tok * 2 * HALF + HALF + i).to(tl.float32)
-        # eager: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
         o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
         o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        tl.store(base + i, o1.to(dt), mask=live)
-        tl.store(base + HALF + i, o2.to(dt), mask=live)
+        return o1.to(dt), o2.to(dt)
+
+    @triton.jit
+    def _rope_store_kernel(Q, K, V, Cos, Sin, KC, VC, Pos, q_len, heads, kv_heads,
+                           skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, HALF: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)  # row tok // q_len, query tok % q_len
+        row = tok // q_len
+        slot = tl.load(Pos + tok).to(tl.int64)
+        head = tl.arange(0, HEADS)[:, None]
+        i = tl.arange(0, HALF)[None, :]
+        live = head < heads
+        base = Q + tok * heads * 2 * HALF + head * 2 * HALF
+        o1, o2 = _rotated(base, Cos, Sin, tok, head, live, HALF)
+        tl.store(base + i, o1, mask=live)
+        tl.store(base + HALF + i, o2, mask=live)
+        live = head < kv_heads
+        o1, o2 = _rotated(K + tok * kv_heads * 2 * HALF + head * 2 * HALF, Cos, Sin, tok, head, live, HALF)
+        dst = KC + row * skc_b + head * skc_h + slot * skc_n
+        tl.store(dst + i, o1, mask=live)
+        tl.store(dst + HALF + i, o2, mask=live)
+        src = V + tok * kv_heads * 2 * HALF + head * 2 * HALF
+        dst = VC + row * svc_b + head * svc_h + slot * svc_n
+        tl.store(dst + i, tl.load(src + i, mask=live), mask=live)
+        tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=live), mask=live)
+
+    @triton.jit
+    def _store_kv_kernel(Ks, Vs, KC, VC, Slots, m, kv_heads, sk_b, sk_m, sk_h, sv_b, sv_m, sv_h,
+                         skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, D: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)  # row tok // m, K/V row tok % m
+        row, j = tok // m, tok % m
+        slot = tl.load(Slots + tok).to(tl.int64)
+        if slot >= 0:
+            head = tl.arange(0, HEADS)[:, None]
+            dim = tl.arange(0, D)[None, :]
+            live = head < kv_heads
+            k = tl.load(Ks + row * sk_b + j * sk_m + head * sk_h + dim, mask=live)
+            tl.store(KC + row * skc_b + head * skc_h + slot * skc_n + dim, k, mask=live)
+            v = tl.load(Vs + row * sv_b + j * sv_m + head * sv_h + dim, mask=live)
+            tl.store(VC + row * svc_b + head * svc_h + slot * svc_n + dim, v, mask=live)
 
     @triton.jit
     def _silu_mul_kernel(Gate, Up, Out, n, BLOCK: tl.constexpr):

@@ -15,9 +15,12 @@ always written B wide; one cut short to q slots by the token limit masks its slo
 computes what a q-wide block would. A query sees slots < start + q (the committed context and
 the block, non-causally); sliding-window layers also keep their causal window over positions,
 as the eager drafter does. The math is the
-eager drafter's own modules; only the cache and the masks are ours, and on CUDA each residual add
-runs fused with the norm after it (fused_target.add_rms_norm: the same math up to the order of the
-norm's sum). On CPU the same function runs eagerly: one path, the same math.
+eager drafter's own modules; only the cache and the masks are ours. On CUDA in half precision each
+residual add runs fused with the norm after it (fused_target.add_rms_norm: the same math up to the order
+of the norm's sum), a layer's K/V go into the cache as one write (fused_target.store_kv_: the committed
+context rows and the block; the rejected rows, which the block would overwrite, are skipped), and
+attention is one kernel reading each query's span of slots (span_attention). On CPU the same function
+runs eagerly: one path, the same math.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import weakref
 import torch
 from torch import nn
 
-from dflash_train.decode import fused_target, graphs
+from dflash_train.decode import fused_target, graphs, span_attention
 from dflash_train.decode.compiled_steps import CompiledSteps
-from dflash_train.decode.static_lm import Mask, StaticCache, cached_attention
+from dflash_train.decode.static_lm import Mask, Spans, StaticCache, cached_attention
 from dflash_train.models.config import SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 
@@ -58,7 +61,7 @@ class StaticDrafter(CompiledSteps):
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, graphs: bool | None = None,
-                 fused: bool = True) -> None:
+                 fused: bool = True, spans: bool = True) -> None:
         self.drafter, self.embed, self.head = drafter, embed, head
         cfg = drafter.config
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
@@ -68,6 +71,7 @@ class StaticDrafter(CompiledSteps):
         # each residual add and the norm after it as one Triton kernel (fused_target) where it runs: the
         # drafter's own math (its RMSNorm rounds as Llama's), up to the order of the norm's sum
         self._fused = fused and fused_target.applies(self.device, self.dtype)
+        self._spans = spans
         self._cache: StaticCache | None = None
 
     @property
@@ -110,24 +114,40 @@ class StaticDrafter(CompiledSteps):
         cos, sin = d.rotary(x, positions)
         masks = self._masks(block_slots, start + meta[2], kv_len)
         fused = self._fused and not torch.compiler.is_compiling()  # compiled: inductor fuses them itself
+        if fused:  # one write a layer: the committed context rows, then the block (rejected rows skipped)
+            slots = torch.cat([torch.where(torch.arange(c, device=dev) < meta[1], ctx_slots, -1), block_slots])
+            slots = slots.to(torch.int32)[None]  # once, not in every layer's write
         h = d.layers[0].input_layernorm(x)
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             qs, ks, vs = attn.qkv(h, ctx, cos, sin)
-            for buf, new in ((cache.keys[i], ks), (cache.values[i], vs)):
-                buf.index_copy_(2, ctx_slots, new[:, :, :c])  # then the block over the rejected rows
-                buf.index_copy_(2, block_slots, new[:, :, c:])
-            out = cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len],
-                                   masks[layer.layer_type], attn.head_dim**-0.5)
+            if fused:
+                fused_target.store_kv_(cache.keys[i], cache.values[i], ks.transpose(1, 2), vs.transpose(1, 2), slots)
+            else:
+                for buf, new in ((cache.keys[i], ks), (cache.values[i], vs)):
+                    buf.index_copy_(2, ctx_slots, new[:, :, :c])  # then the block over the rejected rows
+                    buf.index_copy_(2, block_slots, new[:, :, c:])
+            seen, scale = masks[layer.layer_type], attn.head_dim**-0.5
+            if isinstance(seen, Spans):  # writes [1, q, heads, d]: attn.out's reshape copies nothing
+                out = span_attention.span_attention(qs, cache.keys[i], cache.values[i], seen.lo, seen.hi, scale)
+            else:
+                out = cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len], seen, scale)
             x, h = fused_target.add_rms_norm(x, attn.out(out), layer.post_attention_layernorm, fused)
             next_norm = d.layers[i + 1].input_layernorm if i + 1 < len(d.layers) else d.norm
             x, h = fused_target.add_rms_norm(x, layer.mlp(h), next_norm, fused)
         return self.head(h[:, 1:].to(self.head.weight.dtype))[0]
 
-    def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, Mask]:
+    def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, Mask | Spans]:
         """Per layer type, over [1, w, kv_len]: which slots each block query sees (`end`: one past the block's
-        q slots)."""
+        q slots). As spans where span_attention runs: the whole written context and block, or in a sliding
+        layer the query's own slot and the window before it."""
         cfg = self.drafter.config
+        if self._spans_apply(len(block_slots)):
+            hi = (block_slots + 1).to(torch.int32)[None]
+            spans = {t: Spans(torch.zeros_like(hi), torch.zeros_like(hi) + end) for t in set(cfg.layer_types)}
+            if SLIDING_ATTENTION in spans:
+                spans[SLIDING_ATTENTION] = Spans((hi - cfg.sliding_window).clamp_(min=0), hi)
+            return spans
         slots = torch.arange(kv_len, device=block_slots.device)
         diff = block_slots[:, None] - slots[None, :]
         seen = slots[None, :] < end  # written by this decode: the context and the block's q slots
@@ -136,6 +156,12 @@ class StaticDrafter(CompiledSteps):
             visible[SLIDING_ATTENTION] = ((diff >= 0) & (diff < cfg.sliding_window))[None]
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         return {t: Mask.of(v, groups) for t, v in visible.items()}
+
+    def _spans_apply(self, queries: int) -> bool:
+        cfg = self.drafter.config
+        return (self._spans and not torch.compiler.is_compiling()  # compiled: batched matmuls, inductor fuses them
+                and span_attention.applies(1, queries, self.kv_heads, cfg.num_attention_heads // self.kv_heads,
+                                           self.head_dim, self.dtype, self.device))
 
     def step(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: StaticCache,
              kv_len: int) -> torch.Tensor:

@@ -23,7 +23,9 @@ forward without host reads (`architectures.capturable`: experts under transforme
 experts implementation have one); such a model runs its steps eagerly on CUDA too.
 
 On CUDA in half precision, Triton kernels take the parts eager PyTorch runs as many small passes:
-one-token attention of wide batches (`attention_kernel`) and the elementwise chains (`fused_target`).
+one-token attention of wide batches (`attention_kernel`), the attention of small batches' steps
+(`span_attention`: eval's token, verify and draft steps at batch 1), and the elementwise chains with the
+K/V writes (`fused_target`).
 `StaticLM(model, attention_kernel=False, fused=False)` runs the PyTorch math instead: the CPU's path,
 and the reference the kernels are tested and timed against.
 """
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.decode import architectures, attention_kernel, fused_target, graphs
+from dflash_train.decode import architectures, attention_kernel, fused_target, graphs, span_attention
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.graphs import GraphStore
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
@@ -119,6 +121,21 @@ class Lengths:
 
     keys: torch.Tensor
     window: int | None = None
+
+
+@dataclass
+class Spans:
+    """Small-batch visibility as a span of slots per query, lo <= slot < hi, each [b, q] int32: what
+    span_attention reads instead of a mask."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+    @classmethod
+    def causal(cls, pos: torch.Tensor, window: int | None) -> Spans:
+        """Queries at positions pos [b, q] seeing slots 0..pos, or the last `window` of them."""
+        hi = (pos + 1).to(torch.int32)
+        return cls(torch.zeros_like(hi) if window is None else (hi - window).clamp_(min=0), hi)
 
 
 @dataclass
@@ -218,11 +235,12 @@ class StaticLM(CompiledSteps):
         ropes = self._ropes(x, pos)
         visible = self._visible(ids, pos, kv_len, prefill)
         fused = self._fused and not torch.compiler.is_compiling()  # a compiled step: inductor fuses them itself
+        slots = pos.to(torch.int32) if fused else pos  # where the K/V go: converted once, not in every layer
         feats = {}
         x, h = self._add_norm(x, None, self.base.layers[0].input_layernorm, fused)
         for i, layer in enumerate(self.base.layers):
             kind = self.layer_types[i]
-            a = self._attention(layer.self_attn, h, *ropes[kind], pos, visible[kind], cache.keys[i], cache.values[i],
+            a = self._attention(layer.self_attn, h, *ropes[kind], slots, visible[kind], cache.keys[i], cache.values[i],
                                 kv_len, fused)
             last_layer = i + 1 == self.n_layers
             next_norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
@@ -271,33 +289,47 @@ class StaticLM(CompiledSteps):
         return out
 
     def _visible(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
-                 prefill: bool) -> dict[str, Mask | Lengths | None]:
+                 prefill: bool) -> dict[str, Mask | Lengths | Spans | None]:
         """Per layer type, what each query may see: slots 0..pos, of which a sliding layer sees the last
         `window`. None: plain causal over a prefill's slots (no longer than the layer's window, and no
         sink logits, which SDPA does not take). A one-token step of a wide batch on CUDA gets each row's
-        key count (Lengths: the decode kernel reads only those slots); others a Mask over [b, q, kv_len]."""
-        kernel = self._kernel_applies(ids) and not torch.compiler.is_compiling()  # compiled: batched matmuls
-        slots = torch.arange(kv_len, device=ids.device)[None, None, :]
+        key count (Lengths: the decode kernel reads only those slots), a small batch's step each query's
+        span (Spans: span_attention); others a Mask over [b, q, kv_len]."""
+        compiling = torch.compiler.is_compiling()  # compiled: batched matmuls, which inductor fuses
+        kernel = self._kernel_applies(ids) and not compiling
+        spans = not kernel and not prefill and not compiling and self._spans_apply(ids)
         out = {}
         for kind, window in self.windows.items():
             if prefill and (window is None or ids.shape[1] <= window) and not self.family.sinks:
                 out[kind] = None
             elif kernel:
                 out[kind] = Lengths(pos[:, 0] + 1, window)
-            elif window is None:
-                out[kind] = Mask.of(slots <= pos[:, :, None], self.groups, self.family.sinks)
+            elif spans:
+                out[kind] = Spans.causal(pos, window)
             else:
-                seen = (slots <= pos[:, :, None]) & (slots > pos[:, :, None] - window)
-                out[kind] = Mask.of(seen, self.groups, self.family.sinks)
+                out[kind] = self._mask(pos, kv_len, window)
         return out
+
+    def _mask(self, pos: torch.Tensor, kv_len: int, window: int | None) -> Mask:
+        """Queries at pos [b, q] seeing slots 0..pos (the last `window` of them), over [b, q, kv_len]."""
+        slots = torch.arange(kv_len, device=pos.device)[None, None, :]
+        seen = slots <= pos[:, :, None]
+        if window is not None:
+            seen &= slots > pos[:, :, None] - window
+        return Mask.of(seen, self.groups, self.family.sinks)
 
     def _kernel_applies(self, ids: torch.Tensor) -> bool:
         """Whether a step of these ids [b, q] attends through the Triton kernel (attention_kernel.applies)."""
         return self._attention_kernel and attention_kernel.applies(*ids.shape, self.kv_heads, self.head_dim,
                                                                    self.dtype, ids.device)
 
+    def _spans_apply(self, ids: torch.Tensor) -> bool:
+        """Whether a step of these ids [b, q] attends through span_attention (span_attention.applies)."""
+        return self._attention_kernel and span_attention.applies(*ids.shape, self.kv_heads, self.groups,
+                                                                 self.head_dim, self.dtype, ids.device)
+
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                   visible: Mask | Lengths | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   visible: Mask | Lengths | Spans | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kv_len: int, fused: bool) -> torch.Tensor:
         b, q, _ = h.shape
         d = self.head_dim
@@ -306,17 +338,24 @@ class StaticLM(CompiledSteps):
         vs = attn.v_proj(h).view(b, q, -1, d)
         if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-        qs, ks = fused_target.rope_(qs, cos, sin, fused), fused_target.rope_(ks, cos, sin, fused)
-        qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)  # [b, heads, q, d]
-        slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
-        k_cache.scatter_(2, slots, ks)  # the new K/V first: a query at pos p sees slot p
-        v_cache.scatter_(2, slots, vs)
+        # the new K/V first: a query at pos p sees slot p
+        if fused:  # RoPE on q and k, and k and v into the cache, as one kernel
+            fused_target.rope_store_(qs, ks, vs, cos, sin, k_cache, v_cache, pos)
+            qs = qs.transpose(1, 2)  # [b, heads, q, d]
+        else:
+            qs, ks = fused_target.rope(qs, cos, sin), fused_target.rope(ks, cos, sin)
+            qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)  # [b, heads, q, d]
+            slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
+            k_cache.scatter_(2, slots, ks)
+            v_cache.scatter_(2, slots, vs)
         sinks = attn.sinks if self.family.sinks else None  # [heads]
         if visible is None:  # a prefill from position 0: causal over the q slots just written
             out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
         elif isinstance(visible, Lengths):  # each row up to its own length, whatever kv_len the batch has
             out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling,
                                                     window=visible.window, sinks=sinks)
+        elif isinstance(visible, Spans):  # writes [b, q, heads, d]: the reshape below copies nothing
+            out = span_attention.span_attention(qs, k_cache, v_cache, visible.lo, visible.hi, attn.scaling, sinks)
         else:
             out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling,
                                    sinks)

@@ -1,0 +1,119 @@
+"""Attention of a step's few query rows over a static KV cache as one Triton kernel: eval's batch-1 steps.
+
+At batch 1 a decode step does almost no work: every kernel is a few microseconds of launch and ramp. The
+batched-matmul path (`static_lm.cached_attention`) runs each layer's attention as five kernels (the scaled
+query rows, Q.K^T, the mask, the softmax, P.V) and, for a step of several query tokens (an 8-token verify,
+a draft block), a sixth: the output's transposed copy before o_proj. On an H100 (decode_parts, SmolLM2-135M,
+512 slots of context) they took ~16 us of a target layer's ~55 and ~20 us of a drafter layer's ~74.
+
+Here one program takes one (row, KV head): the group's query heads times the step's query tokens as one tile
+of rows, loaded once; it walks the slots the rows see in tiles with an online softmax in float32, and writes
+the output where o_proj reads it ([b, q, heads, d]). Which slots a query sees is a span [lo, hi) per query
+token, so no mask tensor exists: the target's causal steps (hi = pos + 1, lo = hi - window in sliding
+layers), the drafter's non-causal block (hi = the block's end) and its sliding layers all are spans. Tiles
+start at multiples of the tile size whatever the other rows need, so a query's sums group the same way in a
+one-token step and in an 8-token verify: on an H100 the two gave the same bits (bf16, SmolLM2's 3-head
+groups; a 16-token block's 48 rows, padded to 64, did not: the GPU multiplies taller tiles another way).
+
+Math: softmax(q k^T * scale) v over each query's span, float32 scores and accumulation, the probabilities
+rounded to the cache's dtype for P.V (as `attention_kernel` and flash attention do); the batched-matmul path
+rounds its scores to the cache's dtype first, so the two agree to that rounding, not bit for bit. It runs
+where `attention_kernel._dtypes` says (half precision on CUDA; under TRITON_INTERPRET=1 on the CPU, for the
+tests); float32 and the CPU keep the batched-matmul path, so the lossless float32 checks see no change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_train.decode import attention_kernel
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
+    triton = None
+
+MAX_ROWS = 128  # query heads a K/V head x query tokens in one program's tile (a 16-token block of 8 groups)
+BLOCK_N = 128  # key slots per tile (benchmarks/span_attention.py: 128 the fastest of 32-128 on an H100)
+
+
+def applies(rows: int, queries: int, kv_heads: int, groups: int, head_dim: int, dtype: torch.dtype,
+            device: torch.device) -> bool:
+    """Whether a step of `rows` sequences x `queries` query tokens goes through the kernel: batches too
+    small for `attention_kernel`'s one-token path (eval's batch 1), whose group x query rows fit one tile."""
+    return (triton is not None and dtype in attention_kernel._dtypes(device) and head_dim & (head_dim - 1) == 0
+            and head_dim >= 16 and groups * queries <= MAX_ROWS
+            and rows * kv_heads < attention_kernel.MIN_PROGRAMS)
+
+
+def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor, scale: float, sinks: torch.Tensor | None = None, block: int = BLOCK_N,
+                   warps: int = 4, stages: int = 2) -> torch.Tensor:
+    """q [b, H, n, d] (any strides); k/v_cache [b, Hkv, C, d] (last dim contiguous); lo, hi [b, n]: query j
+    of row i sees slots lo[i, j] <= s < hi[i, j] (0 <= lo < hi <= C). sinks [H]: a logit per head that joins
+    the softmax's denominator and no key (gpt_oss). -> [b, H, n, d] in q's dtype: a view of [b, n, H, d]
+    storage, so `.transpose(1, 2).reshape(b, n, H * d)` (o_proj's input) copies nothing."""
+    b, H, n, d = q.shape
+    hkv = k_cache.shape[1]
+    group = H // hkv
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("span_attention: q's and the KV cache's last dimension must be contiguous")
+    lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    out = torch.empty(b, n, H, d, dtype=q.dtype, device=q.device)
+    _span_kernel[(b, hkv)](
+        q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, scale,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lo.stride(0), C=k_cache.shape[2],
+        HAS_SINKS=sinks is not None, N=n, GROUP=group, ROWS=max(16, triton.next_power_of_2(group * n)), D=d,
+        BLOCK=block, num_warps=warps, num_stages=stages,
+    )
+    return out.transpose(1, 2)
+
+
+if triton is not None:
+    @triton.jit
+    def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, scale,
+                     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_n, so_h, ss_b, C,
+                     HAS_SINKS: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                     D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.arange(0, ROWS)  # tile row r: query token r // GROUP, head kvh * GROUP + r % GROUP
+        live = r < N * GROUP
+        tok = tl.where(live, r // GROUP, 0)
+        head = kvh * GROUP + r % GROUP
+        dim = tl.arange(0, D)
+        q = tl.load(Q + row * sq_b + head[:, None] * sq_h + tok[:, None] * sq_n + dim[None, :], mask=live[:, None],
+                    other=0.0)
+        lo = tl.load(Lo + row * ss_b + tok, mask=live, other=C)  # padding rows: an empty span past the cache
+        hi = tl.load(Hi + row * ss_b + tok, mask=live, other=0)
+        k_base = K + row * sk_b + kvh * sk_h
+        v_base = V + row * sv_b + kvh * sv_h
+        if HAS_SINKS:  # the sink as a first score: exp(sink - m) in the sum, nothing in the output
+            m = tl.load(Sinks + head, mask=live, other=0.0).to(tl.float32)
+            s_sum = tl.full([ROWS], 1.0, tl.float32)
+        else:
+            m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of each row's scores
+            s_sum = tl.zeros([ROWS], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        end = tl.max(hi, 0)
+        for start in range(tl.min(lo, 0) // BLOCK * BLOCK, end, BLOCK):  # tiles at multiples of BLOCK
+            slot = start + tl.arange(0, BLOCK)
+            inside = slot < end
+            k = tl.load(k_base + slot[:, None] * sk_n + dim[None, :], mask=inside[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK], float32
+            seen = (slot[None, :] >= lo[:, None]) & (slot[None, :] < hi[:, None])
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slot[:, None] * sv_n + dim[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        o = acc / tl.where(live, s_sum, 1.0)[:, None]  # padding rows saw nothing: no 0/0
+        tl.store(Out + row * so_b + tok[:, None] * so_n + head[:, None] * so_h + dim[None, :],
+                 o.to(Out.dtype.element_ty), mask=live[:, None])

@@ -1,0 +1,126 @@
+"""The span-attention kernel (decode/span_attention.py) computes the batched-matmul path's attention, a query's
+output does not depend on the step's other queries, and DFlash decoding through it (the target's token and
+verify steps, the drafter's block) gives the PyTorch math's tokens. Triton's interpreter runs the kernel on the
+CPU in a child process (conftest.run_interpreted)."""
+
+import pytest
+import torch
+from conftest import run_interpreted
+
+from dflash_train.decode import span_attention as sa
+
+triton = pytest.importorskip("triton")
+interpreted = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8),
+                                 reason="triton's interpreter runs this kernel from 3.8")
+
+
+@pytest.mark.slow
+@interpreted
+def test_kernel_equals_the_batched_matmul_attention():
+    """Causal spans (a token step, an 8-token verify, a 16-token block of 4 groups), windows shorter and longer
+    than a tile, sink logits, float32 and float16, queries in the transposed layout the projections give;
+    slots before the first span's tile and past the last span are never read (NaN there changes nothing)."""
+    run_interpreted("""
+        import torch
+        from dflash_train.decode import span_attention as sa
+        from dflash_train.decode.static_lm import Mask, cached_attention
+
+        torch.manual_seed(0)
+        for b, H, hkv, d, C, n in ((1, 9, 3, 64, 200, 8), (1, 9, 3, 64, 200, 1), (2, 4, 1, 16, 100, 5),
+                                   (1, 8, 2, 32, 300, 16)):
+            for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+                for window, sinks in ((None, None), (7, None), (70, None), (None, 2 * torch.randn(H))):
+                    q = torch.randn(b, n, H, d, dtype=dtype).transpose(1, 2)
+                    k, v = (torch.randn(b, hkv, C, d, dtype=dtype) for _ in range(2))
+                    hi = torch.stack([torch.arange(n) + 60 + 17 * i for i in range(b)]) + 1
+                    lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
+                    slots = torch.arange(C)[None, None]
+                    seen = (slots >= lo[..., None]) & (slots < hi[..., None])
+                    mask = Mask.of(seen, H // hkv, sinks is not None)
+                    want = cached_attention(q.float(), k.float(), v.float(), mask, 0.125, sinks)
+                    got = sa.span_attention(q, k, v, lo, hi, 0.125, sinks)
+                    assert got.shape == want.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
+                    err = (got.float() - want).abs().max().item()
+                    assert err < atol, (b, n, dtype, window, err)
+                    first = int(lo.min()) // sa.BLOCK_N * sa.BLOCK_N  # the first tile read
+                    k[:, :, :first], v[:, :, :first] = float("nan"), float("nan")
+                    k[:, :, int(hi.max()):], v[:, :, int(hi.max()):] = float("nan"), float("nan")
+                    assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, sinks), got)
+        """)
+
+
+@pytest.mark.slow
+@interpreted
+def test_a_query_reads_the_same_tiles_whatever_the_other_queries_see():
+    """A step's last query gets the same output, bit for bit in float16, whether the step's first query reaches
+    back into an earlier tile or not: tiles start at multiples of the tile size, and a tile a query does not see
+    leaves its sums exactly as they were."""
+    run_interpreted("""
+        import torch
+        from dflash_train.decode import span_attention as sa
+
+        torch.manual_seed(1)
+        H, hkv, d, C = 9, 3, 64, 300
+        k, v = (torch.randn(1, hkv, C, d, dtype=torch.float16) for _ in range(2))
+        q = torch.randn(1, H, 5, d, dtype=torch.float16)
+        hi = torch.arange(128, 133)[None] + 1
+        lo = torch.full_like(hi, 67)  # tile 1 on
+        near = sa.span_attention(q, k, v, lo, hi, 0.125)
+        lo[0, 0] = 63  # the first query reaches into tile 0
+        far = sa.span_attention(q, k, v, lo, hi, 0.125)
+        assert not torch.equal(near[:, :, 0], far[:, :, 0])
+        assert torch.equal(near[:, :, 1:], far[:, :, 1:])
+        """)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_verify_query_gets_what_a_token_step_gets():
+    """On the GPU a query's rows do not mix with the others' in the tile products: the last query of an 8-token
+    verify (24 rows) gets, bit for bit in bf16, what it gets alone (3 rows), windowed or not."""
+    torch.manual_seed(1)
+    dev, H, hkv, d, C = torch.device("cuda"), 9, 3, 64, 1024
+    k, v = (torch.randn(1, hkv, C, d, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    q = torch.randn(1, 8, H, d, dtype=torch.bfloat16, device=dev).transpose(1, 2)
+    hi = torch.arange(600, 608, device=dev)[None] + 1
+    for window in (None, 70):
+        lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
+        step = sa.span_attention(q, k, v, lo, hi, 0.125)
+        alone = sa.span_attention(q[:, :, -1:], k, v, lo[:, -1:], hi[:, -1:], 0.125)
+        assert torch.equal(step[:, :, -1:], alone), window
+
+
+@pytest.mark.slow
+@interpreted
+def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
+    """A T=0 DFlash decode of the tiny target with a sliding-layer drafter: through the span kernel and the fused
+    K/V writes (the target's prefill stays on SDPA) and through the PyTorch math, the same tokens and
+    acceptances in float32, and the kernel ran in both the target's and the drafter's steps."""
+    out = run_interpreted("""
+        import torch
+        from dflash_train.decode import greedy_loop, span_attention as sa, static_drafter, static_lm
+        from dflash_train.decode.speculative import speculative_generate
+        from dflash_train.models.factory import drafter_config_for, new_drafter
+        from dflash_train.models.loading import load_target
+
+        target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+        cfg = drafter_config_for(target, num_layers=2, block_size=4, num_sliding_layers=1, sliding_window=6,
+                                 dtype="float32")
+        drafter = new_drafter(cfg, 1).float().eval()
+        embed, head = target.model.get_input_embeddings(), target.lm_head
+        prompt = torch.randint(0, 200, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+        runs = []
+        calls = []
+        kernel = sa.span_attention
+        sa.span_attention = lambda *a, **k: calls.append(a[0].shape[2]) or kernel(*a, **k)
+        for fast in (False, True):
+            greedy_loop.release(drafter)
+            static_lm.use(static_lm.StaticLM(target.model, attention_kernel=fast, fused=fast))
+            static_drafter._INSTANCES[drafter] = static_drafter.StaticDrafter(drafter, embed, head, fused=fast,
+                                                                              spans=fast)
+            runs.append(speculative_generate(target, drafter, prompt, 24))
+        assert runs[0].tokens == runs[1].tokens, runs
+        assert runs[0].accepted == runs[1].accepted
+        print(len(calls), sorted(set(calls)))
+        """)
+    count, widths = out.split(maxsplit=1)
+    assert int(count) > 0 and "1" in widths and "4" in widths  # token-wide (drafter prefix) and block-wide steps
