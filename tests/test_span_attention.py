@@ -17,9 +17,10 @@ interpreted = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(
 @pytest.mark.slow
 @interpreted
 def test_kernel_equals_the_batched_matmul_attention():
-    """Causal spans (a token step, an 8-token verify, a 16-token block of 4 groups), windows shorter and longer
-    than a tile, sink logits, float32 and float16, queries in the transposed layout the projections give;
-    slots before the first span's tile and past the last span are never read (NaN there changes nothing)."""
+    """Causal spans (a token step, an 8-token verify, a 16-token block of 4 groups; Gemma 3's 256-wide heads,
+    whose tiles hold fewer slots, and Qwen3's 128-wide ones), windows within a tile and across tiles, sink logits,
+    float32 and float16, queries in the transposed layout the projections give; slots before the first span's
+    tile and past the last span are never read (NaN there changes nothing)."""
     run_interpreted("""
         import torch
         from dflash_train.decode import span_attention as sa
@@ -27,7 +28,7 @@ def test_kernel_equals_the_batched_matmul_attention():
 
         torch.manual_seed(0)
         for b, H, hkv, d, C, n in ((1, 9, 3, 64, 200, 8), (1, 9, 3, 64, 200, 1), (2, 4, 1, 16, 100, 5),
-                                   (1, 8, 2, 32, 300, 16)):
+                                   (1, 8, 2, 32, 300, 16), (1, 4, 1, 256, 150, 8), (1, 8, 2, 128, 150, 4)):
             for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
                 for window, sinks in ((None, None), (7, None), (70, None), (None, 2 * torch.randn(H))):
                     q = torch.randn(b, n, H, d, dtype=dtype).transpose(1, 2)

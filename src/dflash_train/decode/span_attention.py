@@ -34,26 +34,30 @@ try:
 except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
     triton = None
 
-MAX_ROWS = 128  # query heads a K/V head x query tokens in one program's tile (a 16-token block of 8 groups)
-BLOCK_N = 128  # key slots per tile (benchmarks/span_attention.py: 128 the fastest of 32-128 on an H100)
+# query heads a K/V head x query tokens x head_dim in one program: its float32 accumulator, 32 KB of registers
+# over 4 warps (SmolLM2's 16-token block: 48 rows x 64; Qwen3-8B's: 64 x 128; Gemma 3's 8-token verify: 32 x 256)
+MAX_TILE = 8192
+BLOCK_N = 128  # key slots per tile at head_dim <= 128 (benchmarks/span_attention.py: the fastest of 32-128 on an H100)
 
 
 def applies(rows: int, queries: int, kv_heads: int, groups: int, head_dim: int, dtype: torch.dtype,
             device: torch.device) -> bool:
     """Whether a step of `rows` sequences x `queries` query tokens goes through the kernel: batches too
-    small for `attention_kernel`'s one-token path (eval's batch 1), whose group x query rows fit one tile."""
+    small for `attention_kernel`'s one-token path (eval's batch 1), whose rows x head_dim fit MAX_TILE."""
     return (triton is not None and dtype in attention_kernel._dtypes(device) and head_dim & (head_dim - 1) == 0
-            and head_dim >= 16 and groups * queries <= MAX_ROWS
+            and head_dim >= 16 and groups * queries * head_dim <= MAX_TILE
             and rows * kv_heads < attention_kernel.MIN_PROGRAMS)
 
 
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lo: torch.Tensor,
-                   hi: torch.Tensor, scale: float, sinks: torch.Tensor | None = None, block: int = BLOCK_N,
+                   hi: torch.Tensor, scale: float, sinks: torch.Tensor | None = None, block: int | None = None,
                    warps: int = 4, stages: int = 2) -> torch.Tensor:
     """q [b, H, n, d] (any strides); k/v_cache [b, Hkv, C, d] (last dim contiguous); lo, hi [b, n]: query j
     of row i sees slots lo[i, j] <= s < hi[i, j] (0 <= lo < hi <= C). sinks [H]: a logit per head that joins
     the softmax's denominator and no key (gpt_oss). -> [b, H, n, d] in q's dtype: a view of [b, n, H, d]
-    storage, so `.transpose(1, 2).reshape(b, n, H * d)` (o_proj's input) copies nothing."""
+    storage, so `.transpose(1, 2).reshape(b, n, H * d)` (o_proj's input) copies nothing. block: key slots a
+    tile, by default BLOCK_N, fewer for wider heads (K and V tiles in flight stay within shared memory: Gemma 3's
+    256-wide heads at 128 slots and 2 stages would need 256 KB, the H100 has 228)."""
     b, H, n, d = q.shape
     hkv = k_cache.shape[1]
     group = H // hkv
@@ -61,6 +65,7 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError("span_attention: q's and the KV cache's last dimension must be contiguous")
     lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
     out = torch.empty(b, n, H, d, dtype=q.dtype, device=q.device)
+    block = block or BLOCK_N * 128 // max(d, 128)
     _span_kernel[(b, hkv)](
         q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
