@@ -51,14 +51,18 @@ def test_three_processes_reproduce_the_single_device_losses(prepared, tmp_path, 
 
 @pytest.mark.slow
 def test_feature_scale_through_three_processes(prepared, tmp_path):
-    """--feature-scale rms with two drafter workers: one scale from both workers' first packs (an all-reduce),
-    kept in the trainer state; the checkpoint's fc has it folded in."""
-    assert main([*BASE, "--data", prepared, "--run-dir", str(tmp_path), *THREE, "--max-steps", "2",
-                 "--feature-scale", "rms"]) == 0
-    ckpt = latest_checkpoint(tmp_path)
+    """--feature-scale rms (the default) with two drafter workers: one scale, the first worker's first pack's (a
+    broadcast), which is the one a single device with 2 packs a step measures; kept in the trainer state, and the
+    checkpoint's fc has it folded in."""
+    three, one = tmp_path / "three", tmp_path / "one"
+    assert main([*BASE, "--data", prepared, "--run-dir", str(three), *THREE, "--max-steps", "2"]) == 0
+    assert main([*BASE, "--data", prepared, "--run-dir", str(one), "--device", "cpu", "--grad-accum", "2",
+                 "--max-steps", "1"]) == 0
+    ckpt = latest_checkpoint(three)
     scale = load_state(ckpt)["feature_scale"]
     exported = load_drafter(ckpt / "drafter", dtype=torch.float32)
     assert scale.shape == exported.fc.weight.shape[1:] and bool((scale > 0).all()) and scale.std() > 0
+    assert torch.equal(scale, load_state(latest_checkpoint(one))["feature_scale"])
 
 
 @pytest.mark.slow

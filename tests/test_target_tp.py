@@ -65,7 +65,10 @@ def test_two_split_replicas_and_two_drafter_ranks_under_torchrun_train_as_one_de
     drafter ranks; the losses and held-out values of one device with 2 packs a step."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     one, split = tmp_path / "one", tmp_path / "split"
-    common = [*BASE, "--target", tiny_dir, "--data", prepared, "--val-conversations", "3", "--val-every", "2"]
+    # raw features: the feature scale is measured on the first drafter rank's first pack, which a replica other
+    # than the one-device run's first pack may serve
+    common = [*BASE, "--target", tiny_dir, "--data", prepared, "--val-conversations", "3", "--val-every", "2",
+              "--feature-scale", "none"]
     assert main([*common, "--run-dir", str(one), "--device", "cpu", "--grad-accum", "2"]) == 0
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6",
                            "-m", "dflash_train.cli", *common, "--run-dir", str(split), "--target-tp", "2",

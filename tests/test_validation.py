@@ -101,7 +101,10 @@ def test_worker_processes_validate_as_one_process_does(prepared, tmp_path, monke
     the P2P side messages and the saved held-out packs (pipeline/target_features.py)."""
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     one, three, tr = tmp_path / "one", tmp_path / "three", tmp_path / "torchrun"
-    val = ["--val-conversations", "4", "--val-every", "3", "--max-steps", "6", "--labels", "target"]
+    # raw features: the feature scale is measured on the first drafter rank's first pack, which under these splits
+    # is not the one-device run's first pack (test_pipeline has a split where it is)
+    val = ["--val-conversations", "4", "--val-every", "3", "--max-steps", "6", "--labels", "target",
+           "--feature-scale", "none"]
     roles = ["--target-devices", "cpu", "--drafter-devices", "cpu,cpu"]
     assert main([*BASE, "--data", prepared, "--run-dir", str(one), "--grad-accum", "2", *val]) == 0
     assert main([*BASE, "--data", prepared, "--run-dir", str(three), *roles, *val]) == 0

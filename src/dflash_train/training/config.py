@@ -21,10 +21,10 @@ class OptimizerConfig:
     max_steps: int = setting(0, "optimizer steps (0 = derive from --epochs)", at_least(0))
     grad_accum: int = setting(1, "packs per drafter worker per optimizer step (gradient accumulation)", at_least(1))
     feature_scale: Literal["none", "rms"] = setting(
-        "none", "none | rms: a fresh drafter's fusion (fc) trains on the target features scaled column by column "
-                "to unit RMS (measured on the first pack), so AdamW's steps are alike for every column; targets whose "
-                "features hold a few huge columns (Gemma 3) learn the rest slowly otherwise. Exports fold the scale "
-                "into fc: the checkpoint format is unchanged")
+        "rms", "rms | none: a fresh drafter's fusion (fc) trains on the target features scaled column by column "
+               "to unit RMS (measured on the first pack), so AdamW's steps are alike for every column; targets whose "
+               "features hold a few huge columns (Gemma 3) learn the rest slowly otherwise (none: the raw features). "
+               "Exports fold the scale into fc: the checkpoint format is unchanged")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -83,8 +83,9 @@ class DrafterTrainLoop(Trainer):
             step.on_first = self._measure_feature_scale                       # its first step, and resumed)
         elif feature_scale != (drafter.feature_scale is not None):
             flag, was = ("rms", "without") if feature_scale else ("none", "with")
+            other = "none" if feature_scale else "rms"
             raise UsageError(f"--feature-scale {flag}: the run resumed from step {self.step} trained {was} a "
-                             "feature scale; resume it as it was trained")
+                             f"feature scale; resume it as it was trained: --feature-scale {other}")
         elif hint_feature_scale and self.step == 0:
             step.on_first = self._hint_feature_scale
 
@@ -149,14 +150,16 @@ SPREAD_HINT = 100.0
 
 def feature_column_rms(hidden: torch.Tensor, positions: torch.Tensor,
                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The RMS of each feature column [n*H] over a pack's tokens (every training rank's first pack with `group`),
-    each sequence's first token left out: Gemma 3's <bos> runs ~100x the other tokens in its early layers and
-    would set the figure alone."""
+    """The RMS of each feature column [n*H] over a pack's tokens, each sequence's first token left out: Gemma 3's
+    <bos> runs ~100x the other tokens in its early layers and would set the figure alone. With `group`, every
+    training rank gets its first rank's figure, so all train with one scale; where that rank's first pack is the
+    one a single device with --grad-accum trains on first (the launcher's target + two drafter workers), the
+    split run scales as the one-device run does."""
     keep = (positions.to(hidden.device) > 0).nonzero().squeeze(1)  # host sync: once a run
     sums = torch.cat([torch.linalg.vector_norm(hidden.index_select(0, keep), dim=0, dtype=torch.float32).square(),
                       torch.tensor([float(keep.numel())], device=hidden.device)])
     if group is not None:
-        dist.all_reduce(sums, group=group)
+        dist.broadcast(sums, src=dist.get_global_rank(group, 0), group=group)
     return (sums[:-1] / sums[-1].clamp_min(1)).sqrt()
 
 
