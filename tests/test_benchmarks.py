@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import interpreted
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -109,17 +110,8 @@ def test_data_stages(tmp_path):
     assert data["select_conversations"].endswith("of 300")
 
 
-def _triton_interprets_the_kernel() -> bool:
-    """triton's interpreter runs the decode kernel from 3.8 (tests/test_decode_attention.py says why not before)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-
-    return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _triton_interprets_the_kernel(), reason="triton's interpreter runs this kernel from 3.8")
+@interpreted
 def test_span_attention_under_the_triton_interpreter(tmp_path):
     out = tmp_path / "span.json"
     _run(_py("span_attention.py", "--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
@@ -130,9 +122,8 @@ def test_span_attention_under_the_triton_interpreter(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _triton_interprets_the_kernel(), reason="triton's interpreter runs this kernel from 3.8")
+@interpreted
 def test_decode_attention_under_the_triton_interpreter(tmp_path):
-    pytest.importorskip("triton")
     out = tmp_path / "attention.json"
     _run(_py("decode_attention.py", "--device", "cpu", "--target", TINY, "--rows", "4", "--min-len", "8",
              "--max-len", "24", "--regen-rows", "4", "--new-tokens", "2", "--reps", "1", "--no-compiled",

@@ -6,15 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_interpreted
+from conftest import interpreted, run_interpreted
 
 from dflash_train.decode import attention_kernel as da
 
 triton = pytest.importorskip("triton")
-# triton 3.6's interpreter cannot run the kernel (numpy 2.5: "only 0-dimensional arrays can be converted to
-# Python scalars", seen on the H200 image); 3.8's can. The CUDA test below runs on the GPU either way.
-interpreted = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8),
-                                 reason="triton's interpreter runs this kernel from 3.8")
 
 
 @pytest.mark.slow

@@ -5,13 +5,11 @@ CPU in a child process (conftest.run_interpreted)."""
 
 import pytest
 import torch
-from conftest import run_interpreted
+from conftest import interpreted, run_interpreted
 
 from dflash_train.decode import span_attention as sa
 
 triton = pytest.importorskip("triton")
-interpreted = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8),
-                                 reason="triton's interpreter runs this kernel from 3.8")
 
 
 @pytest.mark.slow
@@ -43,7 +41,7 @@ def test_kernel_equals_the_batched_matmul_attention():
                     assert got.shape == want.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
                     err = (got.float() - want).abs().max().item()
                     assert err < atol, (b, n, dtype, window, err)
-                    first = int(lo.min()) // sa.BLOCK_N * sa.BLOCK_N  # the first tile read
+                    first = int(lo.min()) // sa.tile_slots(d) * sa.tile_slots(d)  # the first tile read
                     k[:, :, :first], v[:, :, :first] = float("nan"), float("nan")
                     k[:, :, int(hi.max()):], v[:, :, int(hi.max()):] = float("nan"), float("nan")
                     assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, sinks), got)
@@ -98,7 +96,7 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
     acceptances in float32, and the kernel ran in both the target's and the drafter's steps."""
     out = run_interpreted("""
         import torch
-        from dflash_train.decode import greedy_loop, span_attention as sa, static_drafter, static_lm
+        from dflash_train.decode import generate as gen, greedy_loop, span_attention as sa, static_drafter, static_lm
         from dflash_train.decode.speculative import speculative_generate
         from dflash_train.models.factory import drafter_config_for, new_drafter
         from dflash_train.models.loading import load_target
@@ -110,9 +108,9 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
         embed, head = target.model.get_input_embeddings(), target.lm_head
         prompt = torch.randint(0, 200, (21,), generator=torch.Generator().manual_seed(2)).tolist()
         runs = []
-        calls = []
+        calls = []  # (query tokens, the K cache's storage) of every kernel call
         kernel = sa.span_attention
-        sa.span_attention = lambda *a, **k: calls.append(a[0].shape[2]) or kernel(*a, **k)
+        sa.span_attention = lambda *a, **k: calls.append((a[0].shape[2], a[1].data_ptr())) or kernel(*a, **k)
         for fast in (False, True):
             greedy_loop.release(drafter)
             static_lm.use(static_lm.StaticLM(target.model, attention_kernel=fast, fused=fast))
@@ -121,7 +119,52 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
             runs.append(speculative_generate(target, drafter, prompt, 24))
         assert runs[0].tokens == runs[1].tokens, runs
         assert runs[0].accepted == runs[1].accepted
-        print(len(calls), sorted(set(calls)))
+        # the target-only baseline's one-token steps through the kernel: its greedy tokens, which DFlash's equal
+        plain = static_lm.StaticLM(target.model, attention_kernel=False, fused=False)
+        fast = static_lm.StaticLM(target.model)
+        alone = [gen.generate(lm, [prompt], 24, []).rows[0] for lm in (plain, fast)]
+        assert alone[0] == alone[1] == runs[1].tokens[:len(alone[0])], (alone, runs[1].tokens)
+        loop = greedy_loop.for_pair(target, drafter)
+        target_keys = {t.data_ptr() for cache in (loop.caches[0], fast._cache) for t in cache.keys}
+        draft_keys = {t.data_ptr() for t in loop.caches[1].keys}
+        print(*(sorted({n for n, key in calls if key in keys}) for keys in (target_keys, draft_keys)))
         """)
-    count, widths = out.split(maxsplit=1)
-    assert int(count) > 0 and "1" in widths and "4" in widths  # token-wide (drafter prefix) and block-wide steps
+    # the target's one-token steps and 4-token verifies (its prefills stay on SDPA); the drafter's prefix pass
+    # (1 query) and its blocks
+    assert out.split("] [") == ["[1, 4", "1, 4]\n"], out
+
+
+@pytest.mark.slow
+@interpreted
+def test_the_fused_kv_writes_equal_rope_and_scatter():
+    """rope_store_ (RoPE on q in place, k rotated and k, v into the cache at their positions) against rope and
+    scatter_; store_kv_ against index_copy_, rows with a negative slot left alone; head widths whose halves are
+    not powers of two (24, 80) included."""
+    run_interpreted("""
+        import torch
+        from dflash_train.decode import fused_target as ft
+
+        torch.manual_seed(0)
+        for d in (16, 24, 80):
+            b, n, H, hkv = 2, 5, 6, 2
+            qs, ks, vs = (torch.randn(b, n, h, d) for h in (H, hkv, hkv))
+            cos, sin = torch.randn(b, n, d), torch.randn(b, n, d)
+            pos = torch.stack([torch.arange(n) + 3, torch.arange(n) + 20])
+            kc, vc = torch.randn(b, hkv, 40, d), torch.randn(b, hkv, 40, d)
+            want_k, want_v = kc.clone(), vc.clone()
+            idx = pos[:, None, :, None].expand(b, hkv, n, d)
+            want_k.scatter_(2, idx, ft.rope(ks, cos, sin).transpose(1, 2))
+            want_v.scatter_(2, idx, vs.transpose(1, 2))
+            got_q = qs.clone()
+            ft.rope_store_(got_q, ks, vs, cos, sin, kc, vc, pos)
+            assert torch.equal(got_q, ft.rope(qs, cos, sin)), d
+            assert torch.equal(kc, want_k) and torch.equal(vc, want_v), d
+            slots = torch.tensor([[7, -1, 9, 10, 11], [0, 1, -1, -1, 30]])
+            want_k, want_v = kc.clone(), vc.clone()
+            for i in range(b):
+                keep = slots[i] >= 0
+                want_k[i].index_copy_(1, slots[i][keep], ks[i][keep].transpose(0, 1))
+                want_v[i].index_copy_(1, slots[i][keep], vs[i][keep].transpose(0, 1))
+            ft.store_kv_(kc, vc, ks, vs, slots)
+            assert torch.equal(kc, want_k) and torch.equal(vc, want_v), d
+        """)

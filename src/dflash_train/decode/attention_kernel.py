@@ -87,6 +87,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 if triton is not None:
     @triton.jit
+    def softmax_start(Sinks, heads, live, HAS_SINKS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
+        """An online softmax's (running max, running sum of exp(score - max), accumulator) for ROWS query rows
+        before their first tile; sinks (a logit per head, gpt_oss) count as a first score that adds nothing to
+        the output. `span_attention` shares it."""
+        if HAS_SINKS:
+            m = tl.load(Sinks + heads, mask=live, other=0.0).to(tl.float32)
+            s_sum = tl.full([ROWS], 1.0, tl.float32)
+        else:
+            m = tl.full([ROWS], float("-inf"), tl.float32)
+            s_sum = tl.zeros([ROWS], tl.float32)
+        return m, s_sum, tl.zeros([ROWS, D], tl.float32)
+
+    @triton.jit
+    def softmax_tile(m, s_sum, acc, s, v):
+        """The online softmax over one more tile: scores s [ROWS, BLOCK] in float32 (-inf where a row does not
+        see the slot), values v [BLOCK, D]; the probabilities are rounded to v's dtype for P.V."""
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        return m_new, s_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+    @triton.jit
     def _decode_kernel(Q, K, V, Lens, Sinks, Out, scale,
                        sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, window,
                        HAS_SINKS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
@@ -101,26 +124,14 @@ if triton is not None:
         q = tl.load(Q + row * sq_b + heads[:, None] * sq_h + dim[None, :], mask=live[:, None], other=0.0)
         k_base = K + row * sk_b + kvh * sk_h
         v_base = V + row * sv_b + kvh * sv_h
-        if HAS_SINKS:  # the sink as a first score: exp(sink - m) in the sum, nothing in the output
-            m = tl.load(Sinks + heads, mask=live, other=0.0).to(tl.float32)
-            s_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
-        else:
-            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of each head's scores
-            s_sum = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        m, s_sum, acc = softmax_start(Sinks, heads, live, HAS_SINKS, GROUP_PAD, D)
         for start in range(tl.maximum(n - window, 0), n, BLOCK):  # this row's slots only
             slot = start + tl.arange(0, BLOCK)
             seen = slot < n
             k = tl.load(k_base + slot[:, None] * sk_n + dim[None, :], mask=seen[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], float32
-            s = tl.where(seen[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            s_sum = s_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slot[:, None] * sv_n + dim[None, :], mask=seen[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, s_sum, acc = softmax_tile(m, s_sum, acc, tl.where(seen[None, :], s, float("-inf")), v)
         o = acc / s_sum[:, None]
         tl.store(Out + row * so_b + heads[:, None] * so_h + dim[None, :], o.to(Out.dtype.element_ty),
                  mask=live[:, None])

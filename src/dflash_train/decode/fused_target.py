@@ -86,7 +86,8 @@ def rope_store_(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, cos: torch
     _rope_store_kernel[(b * q,)](qs, ks, vs, cos, sin, k_cache, v_cache, pos, q, heads, kv_heads,
                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                                 HEADS=triton.next_power_of_2(max(heads, kv_heads)), HALF=d // 2, num_warps=4)
+                                 HEADS=triton.next_power_of_2(max(heads, kv_heads)), HALF=d // 2,
+                                 HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4)
 
 
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
@@ -102,7 +103,8 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, ks: torch.Tensor, vs
                                ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
                                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                               HEADS=triton.next_power_of_2(kv_heads), D=d, num_warps=1)
+                               HEADS=triton.next_power_of_2(kv_heads), D=d, D_PAD=triton.next_power_of_2(d),
+                               num_warps=1)
 
 
 def swiglu_mlp(mlp: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -146,36 +148,38 @@ if triton is not None:
         tl.store(OutH + row * width + col, h.to(OutH.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _rotated(base, Cos, Sin, tok, head, live, HALF: tl.constexpr):
-        """The rotated halves of the heads at base (x1, x2: [heads, HALF] each), in their dtype: eager's
-        x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype."""
-        i = tl.arange(0, HALF)[None, :]
+    def _rotated(base, Cos, Sin, tok, i, live, HALF: tl.constexpr):
+        """The rotated halves of the heads at base (x1, x2: [heads, len(i)] each, i the half's columns, padded
+        to a power of two and masked by `live`), in their dtype: eager's x * cos + cat(-x2, x1) * sin, each
+        product and the sum rounded to the dtype."""
         dt = base.dtype.element_ty
+        inside = i < HALF
         x1 = tl.load(base + i, mask=live, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + i, mask=live, other=0.0).to(tl.float32)
-        c1 = tl.load(Cos + tok * 2 * HALF + i).to(tl.float32)
-        c2 = tl.load(Cos + tok * 2 * HALF + HALF + i).to(tl.float32)
-        s1 = tl.load(Sin + tok * 2 * HALF + i).to(tl.float32)
-        s2 = tl.load(Sin + tok * 2 * HALF + HALF + i).to(tl.float32)
+        c1 = tl.load(Cos + tok * 2 * HALF + i, mask=inside, other=0.0).to(tl.float32)
+        c2 = tl.load(Cos + tok * 2 * HALF + HALF + i, mask=inside, other=0.0).to(tl.float32)
+        s1 = tl.load(Sin + tok * 2 * HALF + i, mask=inside, other=0.0).to(tl.float32)
+        s2 = tl.load(Sin + tok * 2 * HALF + HALF + i, mask=inside, other=0.0).to(tl.float32)
         o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
         o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
         return o1.to(dt), o2.to(dt)
 
     @triton.jit
     def _rope_store_kernel(Q, K, V, Cos, Sin, KC, VC, Pos, q_len, heads, kv_heads,
-                           skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, HALF: tl.constexpr):
+                           skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, HALF: tl.constexpr,
+                           HALF_PAD: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)  # row tok // q_len, query tok % q_len
         row = tok // q_len
         slot = tl.load(Pos + tok).to(tl.int64)
         head = tl.arange(0, HEADS)[:, None]
-        i = tl.arange(0, HALF)[None, :]
-        live = head < heads
+        i = tl.arange(0, HALF_PAD)[None, :]
+        live = (head < heads) & (i < HALF)
         base = Q + tok * heads * 2 * HALF + head * 2 * HALF
-        o1, o2 = _rotated(base, Cos, Sin, tok, head, live, HALF)
+        o1, o2 = _rotated(base, Cos, Sin, tok, i, live, HALF)
         tl.store(base + i, o1, mask=live)
         tl.store(base + HALF + i, o2, mask=live)
-        live = head < kv_heads
-        o1, o2 = _rotated(K + tok * kv_heads * 2 * HALF + head * 2 * HALF, Cos, Sin, tok, head, live, HALF)
+        live = (head < kv_heads) & (i < HALF)
+        o1, o2 = _rotated(K + tok * kv_heads * 2 * HALF + head * 2 * HALF, Cos, Sin, tok, i, live, HALF)
         dst = KC + row * skc_b + head * skc_h + slot * skc_n
         tl.store(dst + i, o1, mask=live)
         tl.store(dst + HALF + i, o2, mask=live)
@@ -186,14 +190,15 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(Ks, Vs, KC, VC, Slots, m, kv_heads, sk_b, sk_m, sk_h, sv_b, sv_m, sv_h,
-                         skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, D: tl.constexpr):
+                         skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, D: tl.constexpr,
+                         D_PAD: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)  # row tok // m, K/V row tok % m
         row, j = tok // m, tok % m
         slot = tl.load(Slots + tok).to(tl.int64)
         if slot >= 0:
             head = tl.arange(0, HEADS)[:, None]
-            dim = tl.arange(0, D)[None, :]
-            live = head < kv_heads
+            dim = tl.arange(0, D_PAD)[None, :]
+            live = (head < kv_heads) & (dim < D)
             k = tl.load(Ks + row * sk_b + j * sk_m + head * sk_h + dim, mask=live)
             tl.store(KC + row * skc_b + head * skc_h + slot * skc_n + dim, k, mask=live)
             v = tl.load(Vs + row * sv_b + j * sv_m + head * sv_h + dim, mask=live)

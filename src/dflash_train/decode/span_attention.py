@@ -49,6 +49,11 @@ def applies(rows: int, queries: int, kv_heads: int, groups: int, head_dim: int, 
             and rows * kv_heads < attention_kernel.MIN_PROGRAMS)
 
 
+def tile_slots(head_dim: int) -> int:
+    """Key slots a tile by default: BLOCK_N, fewer for heads wider than 128 (see span_attention)."""
+    return BLOCK_N * 128 // max(head_dim, 128)
+
+
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lo: torch.Tensor,
                    hi: torch.Tensor, scale: float, sinks: torch.Tensor | None = None, block: int | None = None,
                    warps: int = 4, stages: int = 2) -> torch.Tensor:
@@ -65,7 +70,7 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError("span_attention: q's and the KV cache's last dimension must be contiguous")
     lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
     out = torch.empty(b, n, H, d, dtype=q.dtype, device=q.device)
-    block = block or BLOCK_N * 128 // max(d, 128)
+    block = block or tile_slots(d)
     _span_kernel[(b, hkv)](
         q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -78,12 +83,14 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 if triton is not None:
+    from dflash_train.decode.attention_kernel import softmax_start, softmax_tile
+
     @triton.jit
     def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, scale,
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_n, so_h, ss_b, C,
                      HAS_SINKS: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                      D: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # a cache of 2^31 elements or more: 64-bit offsets
         kvh = tl.program_id(1)
         r = tl.arange(0, ROWS)  # tile row r: query token r // GROUP, head kvh * GROUP + r % GROUP
         live = r < N * GROUP
@@ -96,13 +103,7 @@ if triton is not None:
         hi = tl.load(Hi + row * ss_b + tok, mask=live, other=0)
         k_base = K + row * sk_b + kvh * sk_h
         v_base = V + row * sv_b + kvh * sv_h
-        if HAS_SINKS:  # the sink as a first score: exp(sink - m) in the sum, nothing in the output
-            m = tl.load(Sinks + head, mask=live, other=0.0).to(tl.float32)
-            s_sum = tl.full([ROWS], 1.0, tl.float32)
-        else:
-            m = tl.full([ROWS], float("-inf"), tl.float32)  # running max of each row's scores
-            s_sum = tl.zeros([ROWS], tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros([ROWS, D], tl.float32)
+        m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS, ROWS, D)
         end = tl.max(hi, 0)
         for start in range(tl.min(lo, 0) // BLOCK * BLOCK, end, BLOCK):  # tiles at multiples of BLOCK
             slot = start + tl.arange(0, BLOCK)
@@ -110,15 +111,8 @@ if triton is not None:
             k = tl.load(k_base + slot[:, None] * sk_n + dim[None, :], mask=inside[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK], float32
             seen = (slot[None, :] >= lo[:, None]) & (slot[None, :] < hi[:, None])
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: no NaN
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            s_sum = s_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slot[:, None] * sv_n + dim[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, s_sum, acc = softmax_tile(m, s_sum, acc, tl.where(seen, s, float("-inf")), v)
         o = acc / tl.where(live, s_sum, 1.0)[:, None]  # padding rows saw nothing: no 0/0
         tl.store(Out + row * so_b + tok[:, None] * so_n + head[:, None] * so_h + dim[None, :],
                  o.to(Out.dtype.element_ty), mask=live[:, None])
