@@ -13,7 +13,6 @@ figure is the GPU time of one call among many, launch gaps included: at batch 1 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from datetime import date
@@ -88,9 +87,7 @@ def main(argv=None) -> int:
             res["us_per_call"][f"{name}@{context}"] = row
             print(f"{name}@{context}", row, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+        decode_parts._write(args.json, res)
     return 0
 
 
