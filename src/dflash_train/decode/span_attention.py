@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
 # query heads a K/V head x query tokens x head_dim in one program: its float32 accumulator, 32 KB of registers
 # over 4 warps (SmolLM2's 16-token block: 48 rows x 64; Qwen3-8B's: 64 x 128; Gemma 3's 8-token verify: 32 x 256)
 MAX_TILE = 8192
-BLOCK_N = 128  # key slots per tile at head_dim <= 128 (benchmarks/span_attention.py: the fastest of 32-128 on an H100)
+BLOCK_N = 128  # key slots per tile at head_dim 64 (benchmarks/span_attention.py: the fastest of 32-128 on an H100)
 
 
 def applies(rows: int, queries: int, kv_heads: int, groups: int, head_dim: int, dtype: torch.dtype,
@@ -50,8 +50,9 @@ def applies(rows: int, queries: int, kv_heads: int, groups: int, head_dim: int, 
 
 
 def tile_slots(head_dim: int) -> int:
-    """Key slots a tile by default: BLOCK_N, fewer for heads wider than 128 (see span_attention)."""
-    return BLOCK_N * 128 // max(head_dim, 128)
+    """Key slots a tile by default: BLOCK_N at head_dim 64, fewer for wider heads, so the K and V tiles in flight
+    (2 stages) stay within 64 KB of shared memory on any GPU (Gemma 3's 256-wide heads: 32 slots)."""
+    return BLOCK_N * 64 // max(head_dim, 64)
 
 
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lo: torch.Tensor,
@@ -61,8 +62,7 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     of row i sees slots lo[i, j] <= s < hi[i, j] (0 <= lo < hi <= C). sinks [H]: a logit per head that joins
     the softmax's denominator and no key (gpt_oss). -> [b, H, n, d] in q's dtype: a view of [b, n, H, d]
     storage, so `.transpose(1, 2).reshape(b, n, H * d)` (o_proj's input) copies nothing. block: key slots a
-    tile, by default BLOCK_N, fewer for wider heads (K and V tiles in flight stay within shared memory: Gemma 3's
-    256-wide heads at 128 slots and 2 stages would need 256 KB, the H100 has 228)."""
+    tile (tile_slots(d) by default)."""
     b, H, n, d = q.shape
     hkv = k_cache.shape[1]
     group = H // hkv
