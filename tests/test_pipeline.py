@@ -77,7 +77,7 @@ def test_distillation_through_three_processes_equals_one_device(prepared, tmp_pa
         assert main([*BASE, "--data", prepared, "--run-dir", str(tmp_path / name), "--max-steps", "4", *extra]) == 0
     loss = {name: torch.tensor([r["loss"] for r in _records(tmp_path / name / "metrics.jsonl")]) for name in runs}
     torch.testing.assert_close(loss["three"], loss["one"], rtol=1e-4, atol=1e-5)
-    assert (loss["one"] - loss["hard"]).abs().min() > 1e-3
+    assert (loss["one"] - loss["hard"]).abs().min() > 1e-4  # every step, 10x the runs' agreement above
 
 
 @pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
