@@ -144,7 +144,8 @@ class StaticDrafter(CompiledSteps):
         cfg = self.drafter.config
         if self._spans_apply(len(block_slots)):
             hi = (block_slots + 1).to(torch.int32)[None]
-            spans = {t: Spans(torch.zeros_like(hi), torch.zeros_like(hi) + end) for t in set(cfg.layer_types)}
+            whole = Spans(torch.zeros_like(hi), torch.zeros_like(hi) + end)  # one for every full layer type
+            spans = dict.fromkeys(cfg.layer_types, whole)
             if SLIDING_ATTENTION in spans:
                 spans[SLIDING_ATTENTION] = Spans((hi - cfg.sliding_window).clamp_(min=0), hi)
             return spans
