@@ -138,11 +138,14 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
 @interpreted
 def test_the_fused_kv_writes_equal_rope_and_scatter():
     """rope_store_ (RoPE on q in place, k rotated and k, v into the cache at their positions) against rope and
-    scatter_; store_kv_ against index_copy_, rows with a negative slot left alone; head widths whose halves are
+    scatter_; the drafter's norm_rope_store_ against eager_norm_rope and index_copy_, on rows of a packed
+    projection, rows with a negative slot left alone; head widths whose halves are
     not powers of two (24, 80) included."""
     run_interpreted("""
         import torch
-        from dflash_train.decode import fused_target as ft
+        from dflash_train.decode import fused_drafter as fd, fused_target as ft
+        from dflash_train.models import fused
+        from dflash_train.models.drafter import RMSNorm
 
         torch.manual_seed(0)
         for d in (16, 24, 80):
@@ -159,12 +162,22 @@ def test_the_fused_kv_writes_equal_rope_and_scatter():
             ft.rope_store_(got_q, ks, vs, cos, sin, kc, vc, pos)
             assert torch.equal(got_q, ft.rope(qs, cos, sin)), d
             assert torch.equal(kc, want_k) and torch.equal(vc, want_v), d
+            # the drafter's: q/k norm and RoPE on rows of a packed projection, K/V rows with a negative slot skipped
+            qkv = torch.randn(b, n, (H + 2 * hkv) * d)
+            q_rows, k_rows, v_rows = qkv[:, 2:, :H * d], qkv[:, :, H * d:(H + hkv) * d], qkv[:, :, (H + hkv) * d:]
+            q_norm, k_norm = (RMSNorm(d, 1e-6) for _ in range(2))
+            for norm in (q_norm, k_norm):
+                norm.weight.data = torch.randn(d)
             slots = torch.tensor([[7, -1, 9, 10, 11], [0, 1, -1, -1, 30]])
             want_k, want_v = kc.clone(), vc.clone()
+            k = fused.eager_norm_rope(k_rows.reshape(b, n, hkv, d), k_norm.weight, 1e-6, cos, sin)
             for i in range(b):
                 keep = slots[i] >= 0
-                want_k[i].index_copy_(1, slots[i][keep], ks[i][keep].transpose(0, 1))
-                want_v[i].index_copy_(1, slots[i][keep], vs[i][keep].transpose(0, 1))
-            ft.store_kv_(kc, vc, ks, vs, slots)
-            assert torch.equal(kc, want_k) and torch.equal(vc, want_v), d
+                want_k[i].index_copy_(1, slots[i][keep], k[i][keep].transpose(0, 1))
+                want_v[i].index_copy_(1, slots[i][keep], v_rows[i][keep].reshape(-1, hkv, d).transpose(0, 1))
+            got_q = fd.norm_rope_store_(q_rows, k_rows, v_rows, q_norm, k_norm, cos, sin, kc, vc, slots)
+            want_q = fused.eager_norm_rope(q_rows.reshape(b, 3, H, d), q_norm.weight, 1e-6, cos[:, 2:], sin[:, 2:])
+            torch.testing.assert_close(got_q, want_q.transpose(1, 2), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(kc, want_k, rtol=1e-6, atol=1e-6)
+            assert torch.equal(vc, want_v), d
         """)

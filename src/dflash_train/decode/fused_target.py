@@ -1,7 +1,7 @@
 """The target's elementwise chains in its decode forward (StaticLM) as one Triton kernel each, on CUDA, with
 the K/V writes folded in (`rope_store_`: RoPE on q and k, and k and v into the cache); the drafter's decode
-step (StaticDrafter) runs its residual adds and norms through `add_rms_norm` and its K/V writes through
-`store_kv_`.
+step (StaticDrafter) runs its residual adds and norms through `add_rms_norm` and its SwiGLU product through
+`silu_mul`, and builds its own q/k norm, RoPE and K/V write kernel on `rope_halves` (fused_drafter).
 
 Eager PyTorch runs each chain as a string of kernels, each a full pass over the activations: the
 residual add and HF's float32 RMSNorm are ~8 (add, cast, square, mean, add, rsqrt, multiply, cast,
@@ -43,11 +43,12 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, fused: bool,
-                 kind: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+                 kind: str = "llama", out_h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, norm(x + delta)); delta None: (x, norm(x)). x, delta [..., H] contiguous.
     kind, the norm's rounding (architectures.Family.norm): "llama" weight * normed.to(dtype);
     "gemma" (1 + weight) * normed in float32, then rounded; "float32" weight * normed in float32,
-    then rounded."""
+    then rounded. out_h (fused only): where the norm goes, contiguous and x's shape (rows of a larger
+    buffer, so that no copy puts them there)."""
     if not fused:
         if delta is not None:
             x = x + delta
@@ -57,7 +58,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, f
     width = x.shape[-1]
     rows = x.numel() // width
     out_x = torch.empty_like(x) if delta is not None else x
-    out_h = torch.empty_like(x)
+    if out_h is None:
+        out_h = torch.empty_like(x)
+    elif out_h.shape != x.shape or not out_h.is_contiguous():
+        raise ValueError(f"add_rms_norm: out_h {tuple(out_h.shape)} must be contiguous and of x's shape")
     eps = norm.eps if hasattr(norm, "eps") else norm.variance_epsilon  # Gemma's name, Llama's
     _add_rms_norm_kernel[(rows,)](x, x if delta is None else delta, norm.weight, out_x, out_h, width, eps,
                                   HAS_DELTA=delta is not None, F32_PRODUCT=kind != "llama",
@@ -90,32 +94,24 @@ def rope_store_(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, cos: torch
                                  HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4)
 
 
-def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-              slots: torch.Tensor) -> None:
-    """K/V rows ks, vs [b, m, kv_heads, d] (any strides, last dim contiguous) into the cache [b, kv_heads, C, d]
-    at slots [b, m]; a row whose slot is negative is skipped. One kernel for what index_copy_ does per tensor
-    and per run of slots."""
-    b, m, kv_heads, d = ks.shape
-    if any(t.stride(-1) != 1 for t in (ks, vs, k_cache, v_cache)):
-        raise ValueError("store_kv_: the rows' and the cache's last dimension must be contiguous")
-    slots = slots.to(torch.int32).contiguous()
-    _store_kv_kernel[(b * m,)](ks, vs, k_cache, v_cache, slots, m, kv_heads, ks.stride(0), ks.stride(1),
-                               ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-                               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                               HEADS=triton.next_power_of_2(kv_heads), D=d, D_PAD=triton.next_power_of_2(d),
-                               num_warps=1)
-
-
 def swiglu_mlp(mlp: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
     """HF's Llama-style MLP, down(silu(gate(h)) * up(h)), its activation product one kernel when fused."""
     gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-    if not fused:
-        return mlp.down_proj(F.silu(gate) * up)
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
-    return mlp.down_proj(out)
+    return mlp.down_proj(silu_mul(gate, up) if fused else F.silu(gate) * up)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as one kernel, eager's roundings; gate, up [..., I] of one shape, rows of any stride (the
+    halves of a packed gate/up projection) but each row contiguous. -> [..., I], contiguous."""
+    width = gate.shape[-1]
+    g, u = gate.reshape(-1, width), up.reshape(-1, width)  # views for packed halves: rows of stride 2I
+    if g.stride(-1) != 1 or u.stride(-1) != 1 or gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up must be of one shape, their rows contiguous")
+    out = gate.new_empty(gate.shape)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(width, block))](g, u, out, width, g.stride(0), u.stride(0),
+                                                                BLOCK=block, num_warps=4)
+    return out
 
 
 def fusable_mlp(model: nn.Module) -> bool:
@@ -148,14 +144,11 @@ if triton is not None:
         tl.store(OutH + row * width + col, h.to(OutH.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _rotated(base, Cos, Sin, tok, i, live, HALF: tl.constexpr):
-        """The rotated halves of the heads at base (x1, x2: [heads, len(i)] each, i the half's columns, padded
-        to a power of two and masked by `live`), in their dtype: eager's x * cos + cat(-x2, x1) * sin, each
-        product and the sum rounded to the dtype."""
-        dt = base.dtype.element_ty
-        inside = i < HALF
-        x1 = tl.load(base + i, mask=live, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + i, mask=live, other=0.0).to(tl.float32)
+    def rope_halves(x1, x2, Like, Cos, Sin, tok, i, inside, HALF: tl.constexpr):
+        """RoPE on one token's heads, given as their halves x1, x2 ([heads, len(i)] each, float32 holding values of
+        Like's dtype; i the half's columns, padded to a power of two, `inside` < HALF): eager's x * cos +
+        cat(-x2, x1) * sin, each product and the sum rounded to that dtype. Returns the rotated halves in it."""
+        dt = Like.dtype.element_ty
         c1 = tl.load(Cos + tok * 2 * HALF + i, mask=inside, other=0.0).to(tl.float32)
         c2 = tl.load(Cos + tok * 2 * HALF + HALF + i, mask=inside, other=0.0).to(tl.float32)
         s1 = tl.load(Sin + tok * 2 * HALF + i, mask=inside, other=0.0).to(tl.float32)
@@ -163,6 +156,13 @@ if triton is not None:
         o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
         o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
         return o1.to(dt), o2.to(dt)
+
+    @triton.jit
+    def _rotated(base, Cos, Sin, tok, i, live, HALF: tl.constexpr):
+        """rope_halves of the heads at base (`live` masks the padded heads and columns)."""
+        x1 = tl.load(base + i, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + i, mask=live, other=0.0).to(tl.float32)
+        return rope_halves(x1, x2, base, Cos, Sin, tok, i, i < HALF, HALF)
 
     @triton.jit
     def _rope_store_kernel(Q, K, V, Cos, Sin, KC, VC, Pos, q_len, heads, kv_heads,
@@ -189,27 +189,12 @@ if triton is not None:
         tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=live), mask=live)
 
     @triton.jit
-    def _store_kv_kernel(Ks, Vs, KC, VC, Slots, m, kv_heads, sk_b, sk_m, sk_h, sv_b, sv_m, sv_h,
-                         skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, D: tl.constexpr,
-                         D_PAD: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)  # row tok // m, K/V row tok % m
-        row, j = tok // m, tok % m
-        slot = tl.load(Slots + tok).to(tl.int64)
-        if slot >= 0:
-            head = tl.arange(0, HEADS)[:, None]
-            dim = tl.arange(0, D_PAD)[None, :]
-            live = (head < kv_heads) & (dim < D)
-            k = tl.load(Ks + row * sk_b + j * sk_m + head * sk_h + dim, mask=live)
-            tl.store(KC + row * skc_b + head * skc_h + slot * skc_n + dim, k, mask=live)
-            v = tl.load(Vs + row * sv_b + j * sv_m + head * sv_h + dim, mask=live)
-            tl.store(VC + row * svc_b + head * svc_h + slot * svc_n + dim, v, mask=live)
-
-    @triton.jit
-    def _silu_mul_kernel(Gate, Up, Out, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = offs < n
+    def _silu_mul_kernel(Gate, Up, Out, width, sg, su, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = col < width
         dt = Out.dtype.element_ty
-        g = tl.load(Gate + offs, mask=live, other=0.0).to(tl.float32)
-        u = tl.load(Up + offs, mask=live, other=0.0).to(tl.float32)
+        g = tl.load(Gate + row * sg + col, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(Up + row * su + col, mask=live, other=0.0).to(tl.float32)
         s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)  # eager: silu in float32, rounded, then the product
-        tl.store(Out + offs, (s * u).to(dt), mask=live)
+        tl.store(Out + row * width + col, (s * u).to(dt), mask=live)

@@ -64,6 +64,7 @@ class GreedyLoop:
         """Prefill the prompt; returns the first token (host sync: the caller's stop check)."""
         B, dev = self.B, self.device
         self.reads, self.queued = LaggedReads(dev, self.lag), 0
+        self.engine.refresh()  # the step graphs read the drafter's packed weights
         lag = self.reads.lag
         self._allocate(len(prompt) + max_new_tokens + (lag + 2) * B, max_new_tokens + lag + 1)
         target_cache, _ = self.caches

@@ -15,12 +15,13 @@ always written B wide; one cut short to q slots by the token limit masks its slo
 computes what a q-wide block would. A query sees slots < start + q (the committed context and
 the block, non-causally); sliding-window layers also keep their causal window over positions,
 as the eager drafter does. The math is the
-eager drafter's own modules; only the cache and the masks are ours. On CUDA in half precision each
-residual add runs fused with the norm after it (fused_target.add_rms_norm: the same math up to the order
-of the norm's sum), a layer's K/V go into the cache as one write (fused_target.store_kv_: the committed
-context rows and the block; the rejected rows, which the block would overwrite, are skipped), and
-attention is one kernel reading each query's span of slots (span_attention). On CPU the same function
-runs eagerly: one path, the same math.
+eager drafter's own modules; only the cache and the masks are ours. On CUDA in half precision a layer is
+9 kernels where eager it is ~16: each residual add runs fused with the norm after it
+(fused_target.add_rms_norm: the same math up to the order of the norm's sum), q/k/v and gate/up are one
+GEMM each for small layers (fused_drafter.PackedWeights), the q/k norms, RoPE and the K/V writes are one
+kernel (fused_drafter.norm_rope_store_: the committed context rows and the block; the rejected rows, which
+the block would overwrite, are skipped), and attention is one kernel reading each query's span of slots
+(span_attention). On CPU the same function runs eagerly: one path, the same math.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.decode import fused_target, graphs, span_attention
+from dflash_train.decode import fused_drafter, fused_target, graphs, span_attention
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.static_lm import Mask, Spans, StaticCache, cached_attention
 from dflash_train.models.config import SLIDING_ATTENTION
@@ -61,7 +63,7 @@ class StaticDrafter(CompiledSteps):
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, graphs: bool | None = None,
-                 fused: bool = True, spans: bool = True) -> None:
+                 fused: bool = True, spans: bool = True, packed: bool = True) -> None:
         self.drafter, self.embed, self.head = drafter, embed, head
         cfg = drafter.config
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
@@ -71,6 +73,8 @@ class StaticDrafter(CompiledSteps):
         # each residual add and the norm after it as one Triton kernel (fused_target) where it runs: the
         # drafter's own math (its RMSNorm rounds as Llama's), up to the order of the norm's sum
         self._fused = fused and fused_target.applies(self.device, self.dtype)
+        # on the fused path, small layers' q/k/v and gate/up as one GEMM each (fused_drafter.PackedWeights)
+        self._packed = fused_drafter.PackedWeights.of(drafter.layers) if self._fused and packed else None
         self._spans = spans
         self._cache: StaticCache | None = None
 
@@ -113,29 +117,83 @@ class StaticDrafter(CompiledSteps):
         x = self.embed(block).to(self.dtype)
         cos, sin = d.rotary(x, positions)
         masks = self._masks(block_slots, start + meta[2], kv_len)
-        fused = self._fused and not torch.compiler.is_compiling()  # compiled: inductor fuses them itself
-        if fused:  # one write a layer: the committed context rows, then the block (rejected rows skipped)
+        if self._fused and not torch.compiler.is_compiling():  # compiled: inductor fuses the chains itself
+            # a K/V row's slot: the committed context's, then the block's (rejected context rows skipped)
             slots = torch.cat([torch.where(torch.arange(c, device=dev) < meta[1], ctx_slots, -1), block_slots])
-            slots = slots.to(torch.int32)[None]  # once, not in every layer's write
+            h = self._fused_layers(x, ctx, cos, sin, masks, slots.to(torch.int32)[None], cache, kv_len)
+        else:
+            h = self._eager_layers(x, ctx, cos, sin, masks, ctx_slots, block_slots, cache, kv_len)
+        return self.head(h[:, 1:].to(self.head.weight.dtype))[0]
+
+    def _fused_layers(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      masks: dict[str, Mask | Spans], slots: torch.Tensor, cache: StaticCache,
+                      kv_len: int) -> torch.Tensor:
+        """The layers through the fused kernels (CUDA, half precision): the K/V rows (the context, then the
+        block's normed input) live in one buffer that the norms write into, so the projections read them with
+        no concatenation; a layer's q/k/v and gate/up are one GEMM each where the weights are packed."""
+        d, c = self.drafter, ctx.shape[1]
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.refresh()  # an eager call (or a capture's warm-up): its weights are the drafter's own
+        rows = torch.cat([ctx, torch.empty_like(x)], dim=1)  # [1, c + q, H]
+        x, h = fused_target.add_rms_norm(x, None, d.layers[0].input_layernorm, True, out_h=rows[:, c:])
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            qs = fused_drafter.norm_rope_store_(*self._qkv_rows(i, attn, rows, c), attn.q_norm, attn.k_norm, cos,
+                                                sin, cache.keys[i], cache.values[i], slots)
+            out = self._attend(qs, masks[layer.layer_type], cache, i, kv_len)
+            x, h = fused_target.add_rms_norm(x, attn.out(out), layer.post_attention_layernorm, True)
+            m = layer.mlp.down_proj(fused_target.silu_mul(*self._gate_up(i, layer.mlp, h)))
+            last = i + 1 == len(d.layers)
+            x, h = fused_target.add_rms_norm(x, m, d.norm if last else d.layers[i + 1].input_layernorm, True,
+                                             out_h=None if last else rows[:, c:])
+        return h
+
+    def _qkv_rows(self, i: int, attn: nn.Module, rows: torch.Tensor,
+                  c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's q rows of the block, and its k and v rows of the context and the block."""
+        if self._packed is None:
+            return attn.q_proj(rows[:, c:]), attn.k_proj(rows), attn.v_proj(rows)
+        packed = self._packed.layers[i]
+        qkv = F.linear(rows, packed.qkv, packed.qkv_bias)  # q of the context rows too: a few rows, one GEMM
+        nq, nkv = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim
+        return qkv[:, c:, :nq], qkv[:, :, nq:nq + nkv], qkv[:, :, nq + nkv:]
+
+    def _gate_up(self, i: int, mlp: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._packed is None:
+            return mlp.gate_proj(h), mlp.up_proj(h)
+        gate_up = F.linear(h, self._packed.layers[i].gate_up)
+        return gate_up.chunk(2, dim=-1)
+
+    def _eager_layers(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      masks: dict[str, Mask | Spans], ctx_slots: torch.Tensor, block_slots: torch.Tensor,
+                      cache: StaticCache, kv_len: int) -> torch.Tensor:
+        """The layers as the drafter's own modules compute them (the CPU, float32, a compiled step)."""
+        d, c = self.drafter, ctx.shape[1]
         h = d.layers[0].input_layernorm(x)
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             qs, ks, vs = attn.qkv(h, ctx, cos, sin)
-            if fused:
-                fused_target.store_kv_(cache.keys[i], cache.values[i], ks.transpose(1, 2), vs.transpose(1, 2), slots)
-            else:
-                for buf, new in ((cache.keys[i], ks), (cache.values[i], vs)):
-                    buf.index_copy_(2, ctx_slots, new[:, :, :c])  # then the block over the rejected rows
-                    buf.index_copy_(2, block_slots, new[:, :, c:])
-            seen, scale = masks[layer.layer_type], attn.head_dim**-0.5
-            if isinstance(seen, Spans):  # writes [1, q, heads, d]: attn.out's reshape copies nothing
-                out = span_attention.span_attention(qs, cache.keys[i], cache.values[i], seen.lo, seen.hi, scale)
-            else:
-                out = cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len], seen, scale)
-            x, h = fused_target.add_rms_norm(x, attn.out(out), layer.post_attention_layernorm, fused)
-            next_norm = d.layers[i + 1].input_layernorm if i + 1 < len(d.layers) else d.norm
-            x, h = fused_target.add_rms_norm(x, layer.mlp(h), next_norm, fused)
-        return self.head(h[:, 1:].to(self.head.weight.dtype))[0]
+            for buf, new in ((cache.keys[i], ks), (cache.values[i], vs)):
+                buf.index_copy_(2, ctx_slots, new[:, :, :c])  # then the block over the rejected rows
+                buf.index_copy_(2, block_slots, new[:, :, c:])
+            out = self._attend(qs, masks[layer.layer_type], cache, i, kv_len)
+            x = x + attn.out(out)
+            h = layer.post_attention_layernorm(x)
+            x = x + layer.mlp(h)
+            h = (d.layers[i + 1].input_layernorm if i + 1 < len(d.layers) else d.norm)(x)
+        return h
+
+    def _attend(self, qs: torch.Tensor, seen: Mask | Spans, cache: StaticCache, i: int, kv_len: int) -> torch.Tensor:
+        scale = self.head_dim**-0.5
+        if isinstance(seen, Spans):  # writes [1, q, heads, d]: attn.out's reshape copies nothing
+            return span_attention.span_attention(qs, cache.keys[i], cache.values[i], seen.lo, seen.hi, scale)
+        return cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len], seen, scale)
+
+    def refresh(self) -> None:
+        """Bring the packed weights up to the drafter's own (cheap when they are): before replaying graphs
+        that read them, as the drafter may have trained since they were copied."""
+        if self._packed is not None:
+            self._packed.refresh()
 
     def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, Mask | Spans]:
         """Per layer type, over [1, w, kv_len]: which slots each block query sees (`end`: one past the block's
@@ -171,6 +229,7 @@ class StaticDrafter(CompiledSteps):
         The logits live in the graph's buffer: read them before the next step.
         """
         kv_len = self.step_kv(cache, kv_len)
+        self.refresh()
         if not self.graphs:
             return self.step_forward(features, block, meta, cache, kv_len)
         run = lambda f, b, m: self.step_forward(f, b, m, cache, kv_len)  # noqa: E731

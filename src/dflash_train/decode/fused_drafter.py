@@ -1,0 +1,168 @@
+"""The drafter's decode layer (StaticDrafter) in fewer kernels on CUDA: packed projections, and one kernel for
+its q/k norms, RoPE and K/V writes.
+
+At batch 1 a drafter layer is launch-bound: each kernel costs a few microseconds whatever its work, and a
+layer was ~16 of them (decode_parts on an H100, 2026-12-06: 224 kernels, 0.71 ms for 12 SmolLM2-sized layers,
+59 us a layer against the target's 46). Two levers here:
+- `PackedWeights`: a layer's q, k and v weights stacked, and its gate and up weights, so one GEMM computes
+  each group (5 GEMMs become 2). The stacks are copies, refreshed whenever the drafter's own weights change
+  (training between evals); made only for layers whose weights are a few MB, where a GEMM is mostly its
+  launch. At Qwen3-8B widths a layer's are 250 MB: its GEMMs read weights for tens of microseconds, a launch
+  saved is noise, and the copies would cost memory.
+- `norm_rope_store_`: q_norm and RoPE on the block's queries, k_norm and RoPE on every K row, and the K and V
+  rows into the cache, one kernel where two compiled norm+RoPE kernels and a K/V write were three. The math
+  is `fused.eager_norm_rope`'s with its roundings (the norm in float32, rounded, times the weight in the
+  activations' dtype; each RoPE product and the sum rounded), up to the order of the norm's sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
+    triton = None
+
+# a layer's q/k/v and gate/up weights up to this many bytes are packed: 16 MB is ~5 us of an H100's bandwidth,
+# about one launch, so above it a GEMM is mostly reading weights and one launch fewer saves little
+PACK_BYTES = 16 << 20
+
+
+@dataclass
+class PackedLayer:
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * d, H]: q_proj's rows, then k_proj's, then v_proj's
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # [2 I, H]: gate_proj's rows, then up_proj's
+
+
+class PackedWeights:
+    """Each drafter layer's projections stacked (see the module docstring), kept equal to the drafter's own."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self._layers = layers
+        self.layers = [PackedLayer(torch.empty(0), None, torch.empty(0)) for _ in layers]
+        self._key: tuple | None = None
+
+    @classmethod
+    def of(cls, layers: nn.ModuleList) -> PackedWeights | None:
+        """Packed weights for these layers, or None where a layer's weights exceed PACK_BYTES."""
+        sizes = [sum(w.numel() * w.element_size() for w in _qkv(layer)[0] + _gate_up(layer)) for layer in layers]
+        return cls(layers) if max(sizes) <= PACK_BYTES else None
+
+    def refresh(self) -> None:
+        """Copy the drafter's weights into the stacks if any changed since the last copy (an in-place update
+        bumps a tensor's version; a replaced one has another address). The stacks keep their buffers, so the
+        graphs that read them stay valid."""
+        sources = [w for layer in self._layers for group in (*_qkv(layer), _gate_up(layer)) for w in group or ()]
+        key = tuple((w.data_ptr(), w._version) for w in sources)
+        if key == self._key:
+            return
+        with torch.no_grad():
+            for layer, packed in zip(self._layers, self.layers, strict=True):
+                weights, biases = _qkv(layer)
+                packed.qkv = _stacked(packed.qkv, weights)
+                packed.qkv_bias = None if biases is None else _stacked(packed.qkv_bias, biases)
+                packed.gate_up = _stacked(packed.gate_up, _gate_up(layer))
+        self._key = key
+
+
+def _qkv(layer: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]:
+    attn = layer.self_attn
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    biases = tuple(p.bias for p in projections) if attn.q_proj.bias is not None else None
+    return tuple(p.weight for p in projections), biases
+
+
+def _gate_up(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    return layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
+
+
+def _stacked(buffer: torch.Tensor | None, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """parts concatenated along rows into `buffer` when it has their shape and place (a refresh), else anew."""
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    p0 = parts[0]
+    if buffer is None or buffer.shape != shape or buffer.dtype != p0.dtype or buffer.device != p0.device:
+        return torch.cat(parts)
+    return torch.cat(parts, out=buffer)
+
+
+def norm_rope_store_(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_norm: nn.Module,
+                     k_norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The block's queries normed and rotated, and the K/V rows (k normed and rotated) into the cache.
+
+    q_rows [b, n, heads * d]: the block's q projections; k_rows, v_rows [b, m, kv_heads * d]: the context's rows
+    then the block's (its last n); rows of any stride, each contiguous. cos, sin [b, m, d] contiguous; the cache
+    [b, kv_heads, C, d] (last dim contiguous); slots [b, m]: where each K/V row goes, negative for a row not
+    written. Returns q [b, heads, n, d]: a view of [b, n, heads, d] storage, as span_attention takes it.
+    """
+    b, n, _ = q_rows.shape
+    m = k_rows.shape[1]
+    kv_heads, d = k_cache.shape[1], k_cache.shape[3]
+    heads = q_rows.shape[2] // d
+    rows = (q_rows, k_rows, v_rows, k_cache, v_cache)
+    if any(t.stride(-1) != 1 for t in rows) or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("norm_rope_store_: each row of q, k, v and the cache must be contiguous, and cos and sin")
+    q = q_rows.new_empty(b, n, heads, d)
+    slots = slots.to(torch.int32).contiguous()
+    _norm_rope_store_kernel[(b * m,)](
+        q_rows, k_rows, v_rows, q_norm.weight, k_norm.weight, cos, sin, k_cache, v_cache, slots, q,
+        q_norm.eps, k_norm.eps, m, n, heads, kv_heads, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0),
+        k_rows.stride(1), v_rows.stride(0), v_rows.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEADS=triton.next_power_of_2(max(heads, kv_heads)), HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
+        num_warps=4)
+    return q.transpose(1, 2)
+
+
+if triton is not None:
+    from dflash_train.decode.fused_target import rope_halves
+
+    @triton.jit
+    def _normed_rope(base, W, eps, Cos, Sin, tok, i, live, HALF: tl.constexpr):
+        """Per-head RMSNorm (weight W) then RoPE of the heads at base: eager_norm_rope's roundings."""
+        dt = base.dtype.element_ty
+        inside = i < HALF
+        x1 = tl.load(base + i, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + i, mask=live, other=0.0).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + i, mask=inside, other=0.0).to(tl.float32)
+        w2 = tl.load(W + HALF + i, mask=inside, other=0.0).to(tl.float32)
+        y1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)  # eager: weight * normed.to(dtype)
+        y2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        return rope_halves(y1, y2, base, Cos, Sin, tok, i, inside, HALF)
+
+    @triton.jit
+    def _norm_rope_store_kernel(Qr, Kr, Vr, Wq, Wk, Cos, Sin, KC, VC, Slots, Qo, eps_q, eps_k, m, n, heads,
+                                kv_heads, sq_b, sq_n, sk_b, sk_m, sv_b, sv_m, skc_b, skc_h, skc_n, svc_b, svc_h,
+                                svc_n, HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)  # sequence tok // m, K/V row tok % m
+        row, j = tok // m, tok % m
+        head = tl.arange(0, HEADS)[:, None]
+        i = tl.arange(0, HALF_PAD)[None, :]
+        inside = i < HALF
+        t = j - (m - n)  # the block's query t, for its last n rows
+        if t >= 0:
+            live = (head < heads) & inside
+            o1, o2 = _normed_rope(Qr + row * sq_b + t * sq_n + head * 2 * HALF, Wq, eps_q, Cos, Sin, tok, i, live,
+                                  HALF)
+            dst = Qo + (row * n + t) * heads * 2 * HALF + head * 2 * HALF
+            tl.store(dst + i, o1, mask=live)
+            tl.store(dst + HALF + i, o2, mask=live)
+        slot = tl.load(Slots + tok).to(tl.int64)
+        if slot >= 0:
+            live = (head < kv_heads) & inside
+            o1, o2 = _normed_rope(Kr + row * sk_b + j * sk_m + head * 2 * HALF, Wk, eps_k, Cos, Sin, tok, i, live,
+                                  HALF)
+            dst = KC + row * skc_b + head * skc_h + slot * skc_n
+            tl.store(dst + i, o1, mask=live)
+            tl.store(dst + HALF + i, o2, mask=live)
+            src = Vr + row * sv_b + j * sv_m + head * 2 * HALF
+            dst = VC + row * svc_b + head * svc_h + slot * svc_n
+            tl.store(dst + i, tl.load(src + i, mask=live), mask=live)
+            tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=live), mask=live)
