@@ -181,3 +181,33 @@ def test_the_fused_kv_writes_equal_rope_and_scatter():
             torch.testing.assert_close(kc, want_k, rtol=1e-6, atol=1e-6)
             assert torch.equal(vc, want_v), d
         """)
+
+
+@pytest.mark.slow
+@interpreted
+def test_the_accept_kernel_takes_the_tensor_ops_steps():
+    """greedy_accept's one-kernel acceptance advances the device loop's state as its tensor ops do: no draft
+    accepted, some, all, a block cut short by the token limit (its later drafts never count), the last step
+    before the limit."""
+    run_interpreted("""
+        import copy
+        import torch
+        from dflash_train.decode.greedy_accept import LoopState, accept_
+
+        B = 8
+        pred = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+        for draft, width, limit in (([1] * 7, 8, 100), ([5, 6, 7, 0, 9, 10, 11], 8, 100), (pred[:7].tolist(), 8, 100),
+                                    (pred[:7].tolist(), 3, 100), (pred[:7].tolist(), 8, 16), ([5, 6] + [0] * 5, 8, 13)):
+            s = LoopState(torch.zeros(1, B, 4), torch.tensor([40, 3, width]), torch.full((1, B), 99),
+                          torch.tensor([[4] + draft]), torch.zeros(1, B, dtype=torch.long), torch.tensor(9),
+                          torch.tensor(limit), torch.tensor([2]), torch.zeros(5, 1 + B, dtype=torch.long))
+            runs = []
+            for kernel in (False, True):
+                state = copy.deepcopy(s)
+                accept_(pred, state, kernel=kernel)
+                runs.append(state)
+            eager, fused = runs
+            for name in ("meta", "block", "verify", "pos", "count", "step", "records"):
+                assert torch.equal(getattr(eager, name), getattr(fused, name)), (name, draft, width, limit)
+            assert eager.step.item() == 3 and eager.records[2, 1:].tolist() == pred.tolist()
+        """)

@@ -17,29 +17,16 @@ acceptance and the same per-step statistics.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 
-from dflash_train.decode import graphs, static_drafter, static_lm
+from dflash_train.decode import graphs, greedy_accept, static_drafter, static_lm
 from dflash_train.decode.graphs import GraphStore
+from dflash_train.decode.greedy_accept import LoopState
 from dflash_train.decode.host_reads import LaggedReads
 from dflash_train.decode.static_lm import StaticCache, StaticLM, bucket
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
-
-
-@dataclass
-class _State:
-    """The decode's state between steps, all on the device."""
-
-    feats: torch.Tensor  # [1, B, n*H] the last verify's target features
-    meta: torch.Tensor  # [3] (ctx_start, n committed of feats, q: the next block's width)
-    last: torch.Tensor  # [1] the last committed token: the next block's slot 0
-    count: torch.Tensor  # [] tokens committed so far
-    limit: torch.Tensor  # [] max_new_tokens of this decode (a buffer: graphs outlive one prompt)
-    step: torch.Tensor  # [1] records written
-    records: torch.Tensor  # [steps, 1 + B] per step: drafts accepted, then the target's B argmaxes
 
 
 class GreedyLoop:
@@ -52,7 +39,7 @@ class GreedyLoop:
         self.device = lm.device
         self.caches: tuple[StaticCache, StaticCache] | None = None
         self.store = GraphStore()
-        self.state: _State | None = None
+        self.state: LoopState | None = None
         # the prompt's features, the drafter's meta for all but their last B, and the first step's key length
         self._prompt: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.lag: int | None = None  # steps queued past the one read next (None: host_reads' default)
@@ -73,16 +60,12 @@ class GreedyLoop:
         out = self.lm.forward(ids, pos, target_cache, bucket(len(prompt)), layers=self.layers, logits="last",
                               prefill=True)
         first = out.logits[0, -1].argmax()
-        s = self.state
-        s.last.copy_(first[None])
-        s.count.fill_(1)
-        s.limit.fill_(max_new_tokens)
-        s.step.zero_()
         # The first step takes the prompt's last n features as a later step takes a verify's, so it
         # runs as one (a graph replay on CUDA); first_step puts the rest into the drafter's cache.
         L = len(prompt)
         n = min(L, B)
-        s.meta.copy_(torch.tensor([L - n, n, min(B, max_new_tokens)]))
+        self.state.commit_first(first, L, n, min(B, max_new_tokens))
+        self.state.limit.fill_(max_new_tokens)
         self._prompt = (out.features, torch.tensor([0, L - n, 1], device=dev), bucket(L + B))
         return int(first)  # host sync: the caller's stop check
 
@@ -137,22 +120,11 @@ class GreedyLoop:
         forwards when they have them."""
         s = self.state
         target_cache, draft_cache = self.caches
-        block = torch.cat([s.last, self._masks])[None]
-        draft = self.engine.step_forward(s.feats, block, s.meta, draft_cache, kv_len).argmax(-1)  # [B-1]
-        start = s.meta[0] + s.meta[1]  # position of block slot 0
-        block = torch.cat([s.last, draft])[None]
-        out = self.lm.step_forward(block, (start + self._slots)[None], target_cache, kv_len, layers=self.layers,
-                                   logits="all")
-        pred = out.logits[0].argmax(-1)  # [B]: slot i's target token for position start+i+1
-        ok = (draft == pred[:-1]) & (self._slots[:-1] < s.meta[2] - 1)  # only the block's q-1 drafts count
-        accepted = ok.long().cumprod(0).sum()
-        s.records.index_copy_(0, s.step, torch.cat([accepted[None], pred])[None])
-        s.step += 1
-        s.count += accepted + 1
-        s.last.copy_(pred.gather(0, accepted[None]))
+        draft = self.engine.step_forward(s.feats, s.block, s.meta, draft_cache, kv_len)  # [B-1, V]
+        torch.argmax(draft, -1, out=s.verify[0, 1:])
+        out = self.lm.step_forward(s.verify, s.pos, target_cache, kv_len, layers=self.layers, logits="all")
+        greedy_accept.accept_(out.logits[0].argmax(-1), s)  # slot i's target token for position start+i+1
         s.feats.copy_(out.features)
-        width = (s.limit - s.count + 1).clamp(1, self.B)  # the host loop's q_len for the next block
-        s.meta.copy_(torch.stack([start, accepted + 1, width]))
 
     def _allocate(self, capacity: int, steps: int) -> None:
         """Caches and state for this decode; the last ones (and their graphs) when they fit."""
@@ -167,11 +139,11 @@ class GreedyLoop:
                                             self.engine.dtype, dev))
         steps = bucket(steps, 256)
         long = dict(dtype=torch.long, device=dev)
-        self.state = _State(torch.zeros(1, self.B, n_feat, dtype=lm.dtype, device=dev), torch.zeros(3, **long),
-                            torch.zeros(1, **long), torch.zeros((), **long), torch.zeros((), **long),
-                            torch.zeros(1, **long), torch.zeros(steps, 1 + self.B, **long))
-        self._masks = torch.full((self.B - 1,), self.drafter.mask_token_id, **long)
-        self._slots = torch.arange(self.B, device=dev)
+        block = torch.full((1, self.B), self.drafter.mask_token_id, **long)
+        self.state = LoopState(torch.zeros(1, self.B, n_feat, dtype=lm.dtype, device=dev), torch.zeros(3, **long),
+                               block, torch.zeros(1, self.B, **long), torch.zeros(1, self.B, **long),
+                               torch.zeros((), **long), torch.zeros((), **long), torch.zeros(1, **long),
+                               torch.zeros(steps, 1 + self.B, **long))
 
 
 _INSTANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
