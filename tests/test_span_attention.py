@@ -38,6 +38,8 @@ def test_kernel_equals_the_batched_matmul_attention():
                     mask = Mask.of(seen, H // hkv, sinks is not None)
                     want = cached_attention(q.float(), k.float(), v.float(), mask, 0.125, sinks)
                     got = sa.span_attention(q, k, v, lo, hi, 0.125, sinks)
+                    split = sa.span_attention(q, k, v, lo, hi, 0.125, sinks, kv_len=C)  # a program a tile
+                    assert (split.float() - want).abs().max().item() < atol, (b, n, dtype, window, "split")
                     assert got.shape == want.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
                     err = (got.float() - want).abs().max().item()
                     assert err < atol, (b, n, dtype, window, err)
@@ -45,6 +47,7 @@ def test_kernel_equals_the_batched_matmul_attention():
                     k[:, :, :first], v[:, :, :first] = float("nan"), float("nan")
                     k[:, :, int(hi.max()):], v[:, :, int(hi.max()):] = float("nan"), float("nan")
                     assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, sinks), got)
+                    assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, sinks, kv_len=C), split)
         """)
 
 
@@ -53,7 +56,8 @@ def test_kernel_equals_the_batched_matmul_attention():
 def test_a_query_reads_the_same_tiles_whatever_the_other_queries_see():
     """A step's last query gets the same output, bit for bit in float16, whether the step's first query reaches
     back into an earlier tile or not: tiles start at multiples of the tile size, and a tile a query does not see
-    leaves its sums exactly as they were."""
+    leaves its sums exactly as they were. Split into a program a tile, the output does not depend on the key
+    bucket either."""
     run_interpreted("""
         import torch
         from dflash_train.decode import span_attention as sa
@@ -69,23 +73,30 @@ def test_a_query_reads_the_same_tiles_whatever_the_other_queries_see():
         far = sa.span_attention(q, k, v, lo, hi, 0.125)
         assert not torch.equal(near[:, :, 0], far[:, :, 0])
         assert torch.equal(near[:, :, 1:], far[:, :, 1:])
+        # a program a tile (kv_len: 2 and 3 tiles): the key bucket does not change a bit, nor the first query
+        split = [sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=n) for n in (134, C)]
+        assert torch.equal(split[0], split[1])
+        lo[0, 0] = 67
+        assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C)[:, :, 1:], split[0][:, :, 1:])
         """)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_a_verify_query_gets_what_a_token_step_gets():
     """On the GPU a query's rows do not mix with the others' in the tile products: the last query of an 8-token
-    verify (24 rows) gets, bit for bit in bf16, what it gets alone (3 rows), windowed or not."""
+    verify (24 rows) gets, bit for bit in bf16, what it gets alone (3 rows), windowed or not, split into a program
+    a tile or not, whatever key bucket each step has."""
     torch.manual_seed(1)
     dev, H, hkv, d, C = torch.device("cuda"), 9, 3, 64, 1024
     k, v = (torch.randn(1, hkv, C, d, dtype=torch.bfloat16, device=dev) for _ in range(2))
     q = torch.randn(1, 8, H, d, dtype=torch.bfloat16, device=dev).transpose(1, 2)
     hi = torch.arange(600, 608, device=dev)[None] + 1
     for window in (None, 70):
-        lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
-        step = sa.span_attention(q, k, v, lo, hi, 0.125)
-        alone = sa.span_attention(q[:, :, -1:], k, v, lo[:, -1:], hi[:, -1:], 0.125)
-        assert torch.equal(step[:, :, -1:], alone), window
+        for kv_len in (None, 640, 1024):  # one program a (row, KV head), or one a tile: verify 640, token 1024
+            lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
+            step = sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=kv_len and 640)
+            alone = sa.span_attention(q[:, :, -1:], k, v, lo[:, -1:], hi[:, -1:], 0.125, kv_len=kv_len)
+            assert torch.equal(step[:, :, -1:], alone), (window, kv_len)
 
 
 @pytest.mark.slow

@@ -57,12 +57,15 @@ def tile_slots(head_dim: int) -> int:
 
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lo: torch.Tensor,
                    hi: torch.Tensor, scale: float, sinks: torch.Tensor | None = None, block: int | None = None,
-                   warps: int = 4, stages: int = 2) -> torch.Tensor:
+                   warps: int = 4, stages: int = 2, kv_len: int | None = None) -> torch.Tensor:
     """q [b, H, n, d] (any strides); k/v_cache [b, Hkv, C, d] (last dim contiguous); lo, hi [b, n]: query j
     of row i sees slots lo[i, j] <= s < hi[i, j] (0 <= lo < hi <= C). sinks [H]: a logit per head that joins
     the softmax's denominator and no key (gpt_oss). -> [b, H, n, d] in q's dtype: a view of [b, n, H, d]
     storage, so `.transpose(1, 2).reshape(b, n, H * d)` (o_proj's input) copies nothing. block: key slots a
-    tile (tile_slots(d) by default)."""
+    tile (tile_slots(d) by default). kv_len: a bound the spans keep below (the step's key bucket): with two
+    tiles or more below it, each tile is a program of its own and a second kernel merges their sums in tile
+    order (slots past kv_len, if any, are read by the last tile's program). A tile a query does not see
+    leaves its merged sums exactly as they were, so its output does not depend on kv_len."""
     b, H, n, d = q.shape
     hkv = k_cache.shape[1]
     group = H // hkv
@@ -71,14 +74,20 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
     out = torch.empty(b, n, H, d, dtype=q.dtype, device=q.device)
     block = block or tile_slots(d)
-    _span_kernel[(b, hkv)](
-        q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, scale,
+    rows = max(16, triton.next_power_of_2(group * n))
+    splits = triton.cdiv(min(kv_len, k_cache.shape[2]), block) if kv_len else 1
+    parts = q.new_empty((b, hkv, splits, rows, d + 2) if splits > 1 else (1,), dtype=torch.float32)
+    shapes = dict(N=n, GROUP=group, ROWS=rows, D=d)
+    _span_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, parts, scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lo.stride(0), C=k_cache.shape[2],
-        HAS_SINKS=sinks is not None, N=n, GROUP=group, ROWS=max(16, triton.next_power_of_2(group * n)), D=d,
-        BLOCK=block, num_warps=warps, num_stages=stages,
+        lo.stride(0), C=k_cache.shape[2], HAS_SINKS=sinks is not None, SPLITS=splits, BLOCK=block,
+        **shapes, num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        _merge_kernel[(b, hkv)](parts, q if sinks is None else sinks, out, out.stride(0), out.stride(1),
+                                out.stride(2), HAS_SINKS=sinks is not None, SPLITS=splits, **shapes, num_warps=4)
     return out.transpose(1, 2)
 
 
@@ -86,12 +95,13 @@ if triton is not None:
     from dflash_train.decode.attention_kernel import softmax_start, softmax_tile
 
     @triton.jit
-    def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, scale,
+    def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, Parts, scale,
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_n, so_h, ss_b, C,
-                     HAS_SINKS: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                     D: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, N: tl.constexpr,
+                     GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # a cache of 2^31 elements or more: 64-bit offsets
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         r = tl.arange(0, ROWS)  # tile row r: query token r // GROUP, head kvh * GROUP + r % GROUP
         live = r < N * GROUP
         tok = tl.where(live, r // GROUP, 0)
@@ -103,9 +113,15 @@ if triton is not None:
         hi = tl.load(Hi + row * ss_b + tok, mask=live, other=0)
         k_base = K + row * sk_b + kvh * sk_h
         v_base = V + row * sv_b + kvh * sv_h
-        m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS, ROWS, D)
+        # split: the sinks join in the merge, once
+        m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS and SPLITS == 1, ROWS, D)
         end = tl.max(hi, 0)
-        for start in range(tl.min(lo, 0) // BLOCK * BLOCK, end, BLOCK):  # tiles at multiples of BLOCK
+        first = tl.min(lo, 0) // BLOCK * BLOCK
+        if SPLITS > 1:  # this program's tile (the last program's: every tile on)
+            first = tl.maximum(first, split * BLOCK)
+            if split < SPLITS - 1:
+                end = tl.minimum(end, (split + 1) * BLOCK)
+        for start in range(first, end, BLOCK):
             slot = start + tl.arange(0, BLOCK)
             inside = slot < end
             k = tl.load(k_base + slot[:, None] * sk_n + dim[None, :], mask=inside[:, None], other=0.0)
@@ -113,6 +129,40 @@ if triton is not None:
             seen = (slot[None, :] >= lo[:, None]) & (slot[None, :] < hi[:, None])
             v = tl.load(v_base + slot[:, None] * sv_n + dim[None, :], mask=inside[:, None], other=0.0)
             m, s_sum, acc = softmax_tile(m, s_sum, acc, tl.where(seen, s, float("-inf")), v)
+        if SPLITS > 1:  # [ROWS, D + 2] a program: the accumulator, then the running max and sum
+            part = Parts + ((row * tl.num_programs(1) + kvh) * SPLITS + split) * ROWS * (D + 2) + r * (D + 2)
+            tl.store(part[:, None] + dim[None, :], acc)
+            tl.store(part + D, m)
+            tl.store(part + D + 1, s_sum)
+        else:
+            _store_rows(Out, row, tok, head, dim, live, acc, s_sum, so_b, so_n, so_h)
+
+    @triton.jit
+    def _merge_kernel(Parts, Sinks, Out, so_b, so_n, so_h, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr,
+                      N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
+        """The split programs' sums of one (row, KV head) as one softmax, in tile order."""
+        row = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        r = tl.arange(0, ROWS)
+        live = r < N * GROUP
+        tok = tl.where(live, r // GROUP, 0)
+        head = kvh * GROUP + r % GROUP
+        dim = tl.arange(0, D)
+        m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS, ROWS, D)
+        base = Parts + (row * tl.num_programs(1) + kvh) * SPLITS * ROWS * (D + 2) + r * (D + 2)
+        for split in range(SPLITS):
+            part = base + split * ROWS * (D + 2)
+            m_part = tl.load(part + D)
+            m_new = tl.maximum(m, m_part)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+            alpha, beta = tl.exp(m - m_safe), tl.exp(m_part - m_safe)
+            s_sum = s_sum * alpha + tl.load(part + D + 1) * beta
+            acc = acc * alpha[:, None] + tl.load(part[:, None] + dim[None, :]) * beta[:, None]
+            m = m_new
+        _store_rows(Out, row, tok, head, dim, live, acc, s_sum, so_b, so_n, so_h)
+
+    @triton.jit
+    def _store_rows(Out, row, tok, head, dim, live, acc, s_sum, so_b, so_n, so_h):
         o = acc / tl.where(live, s_sum, 1.0)[:, None]  # padding rows saw nothing: no 0/0
         tl.store(Out + row * so_b + tok[:, None] * so_n + head[:, None] * so_h + dim[None, :],
                  o.to(Out.dtype.element_ty), mask=live[:, None])

@@ -186,7 +186,8 @@ class StaticDrafter(CompiledSteps):
     def _attend(self, qs: torch.Tensor, seen: Mask | Spans, cache: StaticCache, i: int, kv_len: int) -> torch.Tensor:
         scale = self.head_dim**-0.5
         if isinstance(seen, Spans):  # writes [1, q, heads, d]: attn.out's reshape copies nothing
-            return span_attention.span_attention(qs, cache.keys[i], cache.values[i], seen.lo, seen.hi, scale)
+            return span_attention.span_attention(qs, cache.keys[i], cache.values[i], seen.lo, seen.hi, scale,
+                                                 kv_len=kv_len)
         return cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len], seen, scale)
 
     def refresh(self) -> None:

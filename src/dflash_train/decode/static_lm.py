@@ -355,7 +355,8 @@ class StaticLM(CompiledSteps):
             out = attention_kernel.decode_attention(qs, k_cache, v_cache, visible.keys, attn.scaling,
                                                     window=visible.window, sinks=sinks)
         elif isinstance(visible, Spans):  # writes [b, q, heads, d]: the reshape below copies nothing
-            out = span_attention.span_attention(qs, k_cache, v_cache, visible.lo, visible.hi, attn.scaling, sinks)
+            out = span_attention.span_attention(qs, k_cache, v_cache, visible.lo, visible.hi, attn.scaling, sinks,
+                                                kv_len=kv_len)
         else:
             out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling,
                                    sinks)
