@@ -120,8 +120,57 @@ def norm_rope_store_(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.T
     return q.transpose(1, 2)
 
 
+def step_setup(meta: torch.Tensor, c: int, q: int, cos_table: torch.Tensor, sin_table: torch.Tensor,
+               window: int | None) -> tuple[torch.Tensor, ...]:
+    """A draft step's index work from meta = (ctx_start, n, width) as one kernel: ~20 kernels of a few elements
+    each as tensor ops (aranges, sums, a where, concatenations, casts) plus ~8 of RoPE's (a product, cos, sin,
+    scalings, casts).
+
+    The step's K/V rows are the c context rows at positions ctx_start.. and the q block slots at start =
+    ctx_start + n..; returns cos, sin [1, c + q, d] (those positions' rows of the tables [C, d]), slots
+    [1, c + q] int32 (the K/V rows' cache slots, -1 for the context rows past n), and the block queries' spans
+    [1, q] int32: lo, hi of the full layers (the written context and the block's width: [0, start + width)) and
+    of the sliding ones (the query's own slot and the window - 1 before it; equal to the full ones when
+    window is None)."""
+    d = cos_table.shape[1]
+    rows = c + q
+    cos, sin = cos_table.new_empty(1, rows, d), sin_table.new_empty(1, rows, d)
+    ints = torch.empty(5, max(rows, 1), dtype=torch.int32, device=meta.device)  # slots, lo, hi, sliding lo, hi
+    _setup_kernel[(1,)](meta, cos_table, sin_table, cos, sin, ints, c, q, window or 0, ints.stride(0),
+                        SLIDING=window is not None, D=d, D_PAD=triton.next_power_of_2(d),
+                        ROWS=triton.next_power_of_2(rows), num_warps=4)
+    lo, hi, sliding_lo, sliding_hi = (ints[i:i + 1, :q] for i in range(1, 5))
+    if window is None:
+        sliding_lo, sliding_hi = lo, hi
+    return cos, sin, ints[:1, :rows], lo, hi, sliding_lo, sliding_hi
+
+
 if triton is not None:
     from dflash_train.decode.fused_target import rope_halves
+
+    @triton.jit
+    def _setup_kernel(Meta, CosT, SinT, Cos, Sin, Ints, c, q, window, s_int, SLIDING: tl.constexpr,
+                      D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
+        j = tl.arange(0, ROWS)  # K/V row j: context row j < c, else block slot j - c
+        ctx_start, n, width = tl.load(Meta), tl.load(Meta + 1), tl.load(Meta + 2)
+        start = ctx_start + n
+        live = j < c + q
+        pos = tl.where(j < c, ctx_start + j, start + j - c)
+        tl.store(Ints + j, tl.where((j < c) & (j >= n), -1, pos).to(tl.int32), mask=live)
+        col = tl.arange(0, D_PAD)[None, :]
+        rows = live[:, None] & (col < D)
+        src = pos[:, None] * D + col
+        dst = j[:, None] * D + col
+        tl.store(Cos + dst, tl.load(CosT + src, mask=rows), mask=rows)
+        tl.store(Sin + dst, tl.load(SinT + src, mask=rows), mask=rows)
+        b = tl.arange(0, ROWS)  # block query b
+        query = b < q
+        tl.store(Ints + s_int + b, tl.zeros([ROWS], tl.int32), mask=query)
+        tl.store(Ints + 2 * s_int + b, tl.zeros([ROWS], tl.int32) + (start + width).to(tl.int32), mask=query)
+        if SLIDING:
+            hi = start + b + 1
+            tl.store(Ints + 3 * s_int + b, tl.maximum(hi - window, 0).to(tl.int32), mask=query)
+            tl.store(Ints + 4 * s_int + b, hi.to(tl.int32), mask=query)
 
     @triton.jit
     def _normed_rope(base, W, eps, Cos, Sin, tok, i, live, HALF: tl.constexpr):

@@ -106,24 +106,53 @@ class StaticDrafter(CompiledSteps):
         """
         d = self.drafter
         c, q = features.shape[1], block.shape[1]
-        dev = features.device
-        ctx_slots = meta[0] + torch.arange(c, device=dev)
-        start = meta[0] + meta[1]  # position of block slot 0
-        block_slots = start + torch.arange(q, device=dev)
-        positions = torch.cat([ctx_slots, block_slots])[None]
         ctx = d.fuse(features.to(self.dtype))
         # through the target's embedding module, as training (Target.embed_scale), the eager drafter loop
         # (Target.embed) and the serving engines embed blocks: Gemma's module scales by sqrt(hidden)
         x = self.embed(block).to(self.dtype)
-        cos, sin = d.rotary(x, positions)
+        fused = self._fused and not torch.compiler.is_compiling()  # compiled: inductor fuses the chains itself
+        if fused and self._spans_apply(q):  # the step's positions, slots, spans and RoPE rows: one kernel
+            cos, sin, slots, masks = self._setup(meta, c, q, cache)
+            return self._logits(self._fused_layers(x, ctx, cos, sin, masks, slots, cache, kv_len))
+        dev = features.device
+        ctx_slots = meta[0] + torch.arange(c, device=dev)
+        start = meta[0] + meta[1]  # position of block slot 0
+        block_slots = start + torch.arange(q, device=dev)
+        cos, sin = d.rotary(x, torch.cat([ctx_slots, block_slots])[None])
         masks = self._masks(block_slots, start + meta[2], kv_len)
-        if self._fused and not torch.compiler.is_compiling():  # compiled: inductor fuses the chains itself
-            # a K/V row's slot: the committed context's, then the block's (rejected context rows skipped)
+        if fused:  # a K/V row's slot: the committed context's, then the block's (rejected context rows skipped)
             slots = torch.cat([torch.where(torch.arange(c, device=dev) < meta[1], ctx_slots, -1), block_slots])
             h = self._fused_layers(x, ctx, cos, sin, masks, slots.to(torch.int32)[None], cache, kv_len)
         else:
             h = self._eager_layers(x, ctx, cos, sin, masks, ctx_slots, block_slots, cache, kv_len)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(h[:, 1:].to(self.head.weight.dtype))[0]
+
+    def _setup(self, meta: torch.Tensor, c: int, q: int,
+               cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Spans]]:
+        """fused_drafter.step_setup for this step: (cos, sin, K/V slots, spans per layer type)."""
+        cfg = self.drafter.config
+        window = cfg.sliding_window if SLIDING_ATTENTION in cfg.layer_types else None
+        cos, sin, slots, lo, hi, sliding_lo, sliding_hi = fused_drafter.step_setup(meta, c, q, *self._rope_rows(cache),
+                                                                                   window)
+        masks = dict.fromkeys(cfg.layer_types, Spans(lo, hi))
+        if window is not None:
+            masks[SLIDING_ATTENTION] = Spans(sliding_lo, sliding_hi)
+        return cos, sin, slots, masks
+
+    def _rope_rows(self, cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [C, d] of positions 0..C-1 as the drafter's rotary module gives them (elementwise math: a
+        position's row is the same whatever else it is computed with), made once a cache and kept with it, so
+        that the graphs reading them live no longer than they do."""
+        if cache.rope is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("StaticDrafter: a graph capture before any run on this cache (no RoPE rows yet)")
+            positions = torch.arange(cache.capacity, device=self.device)[None]
+            cos, sin = self.drafter.rotary(torch.empty(0, dtype=self.dtype, device=self.device), positions)
+            cache.rope = (cos[0].contiguous(), sin[0].contiguous())
+        return cache.rope
 
     def _fused_layers(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       masks: dict[str, Mask | Spans], slots: torch.Tensor, cache: StaticCache,

@@ -88,6 +88,7 @@ class StaticCache(GraphStore):
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # a drafter's RoPE rows by slot (StaticDrafter._rope_rows)
 
     @property
     def batch(self) -> int:
