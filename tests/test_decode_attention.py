@@ -203,7 +203,8 @@ def test_fused_drafter_step_equals_the_eager_step():
 @interpreted
 def test_fused_target_forward_equals_the_eager_forward():
     """StaticLM with its elementwise chains as Triton kernels (decode/fused_target.py: residual add + RMSNorm,
-    RoPE in place, SiLU x up) gives the eager forward's logits and features: a prefill, then one-token steps."""
+    RoPE in place, SiLU x up), its projections packed or not (decode/packed.py), gives the eager forward's logits
+    and features: a prefill, one-token steps, then 4-token steps (a verify's shape)."""
     run_interpreted("""
         import torch
         from dflash_train.decode import static_lm
@@ -213,9 +214,9 @@ def test_fused_target_forward_equals_the_eager_forward():
         g = torch.Generator().manual_seed(4)
         prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(3)]
         outs = []
-        for fused in (False, True):
-            lm = static_lm.StaticLM(target.model, fused=fused)
-            assert lm._fused == fused and lm._fused_mlp
+        for fused, packed in ((False, False), (True, False), (True, True)):
+            lm = static_lm.StaticLM(target.model, fused=fused, packed=packed)
+            assert lm._fused == fused and lm._fused_mlp and (lm._packed is not None) == packed
             cache = lm.cache_for(3, 64)
             width = max(map(len, prompts))
             ids = torch.zeros(3, width, dtype=torch.long)
@@ -225,7 +226,10 @@ def test_fused_target_forward_equals_the_eager_forward():
             first = lm.forward(ids, pos, cache, static_lm.bucket(width), layers=(1, 5), prefill=True)
             step = lm.step(torch.tensor([[7], [8], [9]]), torch.tensor([[len(p)] for p in prompts]), cache,
                            static_lm.bucket(width + 1), layers=(1, 5))
-            outs.append((first.logits, first.features, step.logits, step.features))
-        for a, b in zip(*outs):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            at = torch.tensor([[len(p) + 1 + j for j in range(4)] for p in prompts])
+            verify = lm.step(torch.arange(12).view(3, 4), at, cache, static_lm.bucket(width + 5), layers=(1, 5))
+            outs.append((first.logits, first.features, step.logits, step.features, verify.logits, verify.features))
+        for fast in outs[1:]:
+            for a, b in zip(outs[0], fast):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         """)

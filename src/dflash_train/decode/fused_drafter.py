@@ -1,23 +1,17 @@
-"""The drafter's decode layer (StaticDrafter) in fewer kernels on CUDA: packed projections, and one kernel for
-its q/k norms, RoPE and K/V writes.
+"""The drafter's decode step (StaticDrafter) in fewer kernels on CUDA.
 
-At batch 1 a drafter layer is launch-bound: each kernel costs a few microseconds whatever its work, and a
-layer was ~16 of them (decode_parts on an H100, 2026-12-06: 224 kernels, 0.71 ms for 12 SmolLM2-sized layers,
-59 us a layer against the target's 46). Two levers here:
-- `PackedWeights`: a layer's q, k and v weights stacked, and its gate and up weights, so one GEMM computes
-  each group (5 GEMMs become 2). The stacks are copies, refreshed whenever the drafter's own weights change
-  (training between evals); made only for layers whose weights are a few MB, where a GEMM is mostly its
-  launch. At Qwen3-8B widths a layer's are 250 MB: its GEMMs read weights for tens of microseconds, a launch
-  saved is noise, and the copies would cost memory.
+At batch 1 a drafter step is launch-bound: each kernel costs a few microseconds whatever its work (decode_parts
+on an H100, 2026-12-06: 224 kernels, 0.71 ms for 12 SmolLM2-sized layers, 59 us a layer against the target's
+46). With its projections packed (decode/packed.py), two kernels here take the rest:
 - `norm_rope_store_`: q_norm and RoPE on the block's queries, k_norm and RoPE on every K row, and the K and V
   rows into the cache, one kernel where two compiled norm+RoPE kernels and a K/V write were three. The math
   is `fused.eager_norm_rope`'s with its roundings (the norm in float32, rounded, times the weight in the
   activations' dtype; each RoPE product and the sum rounded), up to the order of the norm's sum.
+- `step_setup`: the step's positions, K/V slots, attention spans and RoPE rows from its meta, one kernel
+  where tensor ops took ~28.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,69 +21,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
     triton = None
-
-# a layer's q/k/v and gate/up weights up to this many bytes are packed: 16 MB is ~5 us of an H100's bandwidth,
-# about one launch, so above it a GEMM is mostly reading weights and one launch fewer saves little
-PACK_BYTES = 16 << 20
-
-
-@dataclass
-class PackedLayer:
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * d, H]: q_proj's rows, then k_proj's, then v_proj's
-    qkv_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 I, H]: gate_proj's rows, then up_proj's
-
-
-class PackedWeights:
-    """Each drafter layer's projections stacked (see the module docstring), kept equal to the drafter's own."""
-
-    def __init__(self, layers: nn.ModuleList) -> None:
-        self._layers = layers
-        self.layers = [PackedLayer(torch.empty(0), None, torch.empty(0)) for _ in layers]
-        self._key: tuple | None = None
-
-    @classmethod
-    def of(cls, layers: nn.ModuleList) -> PackedWeights | None:
-        """Packed weights for these layers, or None where a layer's weights exceed PACK_BYTES."""
-        sizes = [sum(w.numel() * w.element_size() for w in _qkv(layer)[0] + _gate_up(layer)) for layer in layers]
-        return cls(layers) if max(sizes) <= PACK_BYTES else None
-
-    def refresh(self) -> None:
-        """Copy the drafter's weights into the stacks if any changed since the last copy (an in-place update
-        bumps a tensor's version; a replaced one has another address). The stacks keep their buffers, so the
-        graphs that read them stay valid."""
-        sources = [w for layer in self._layers for group in (*_qkv(layer), _gate_up(layer)) for w in group or ()]
-        key = tuple((w.data_ptr(), w._version) for w in sources)
-        if key == self._key:
-            return
-        with torch.no_grad():
-            for layer, packed in zip(self._layers, self.layers, strict=True):
-                weights, biases = _qkv(layer)
-                packed.qkv = _stacked(packed.qkv, weights)
-                packed.qkv_bias = None if biases is None else _stacked(packed.qkv_bias, biases)
-                packed.gate_up = _stacked(packed.gate_up, _gate_up(layer))
-        self._key = key
-
-
-def _qkv(layer: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]:
-    attn = layer.self_attn
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    biases = tuple(p.bias for p in projections) if attn.q_proj.bias is not None else None
-    return tuple(p.weight for p in projections), biases
-
-
-def _gate_up(layer: nn.Module) -> tuple[torch.Tensor, ...]:
-    return layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
-
-
-def _stacked(buffer: torch.Tensor | None, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """parts concatenated along rows into `buffer` when it has their shape and place (a refresh), else anew."""
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    p0 = parts[0]
-    if buffer is None or buffer.shape != shape or buffer.dtype != p0.dtype or buffer.device != p0.device:
-        return torch.cat(parts)
-    return torch.cat(parts, out=buffer)
-
 
 def norm_rope_store_(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_norm: nn.Module,
                      k_norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

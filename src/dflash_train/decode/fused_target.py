@@ -81,22 +81,38 @@ def rope_store_(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, cos: torch
                 k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor) -> None:
     """`rope` on qs [b, q, heads, d] in place, and ks, vs [b, q, kv_heads, d] rotated and copied into the KV
     cache [b, kv_heads, C, d] at slots pos [b, q]: one kernel where RoPE twice and the two scatters were four
-    (ks itself is left as it was). All contiguous but the cache, whose last dimension must be."""
+    (ks itself is left as it was). q, k and v may be column slices of one packed projection: each token's heads
+    contiguous, tokens evenly strided; cos and sin contiguous; the cache's last dimension contiguous."""
     b, q, heads, d = qs.shape
     kv_heads = ks.shape[2]
-    if not all(t.is_contiguous() for t in (qs, ks, vs, cos, sin)) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("rope_store_: q, k, v, cos and sin must be contiguous, and the cache's last dimension")
+    strides = [_token_stride(t) for t in (qs, ks, vs)]
+    if None in strides or not (cos.is_contiguous() and sin.is_contiguous()) \
+            or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("rope_store_: each token's q, k and v heads must be contiguous, tokens evenly strided; "
+                         "cos, sin and the cache's last dimension contiguous")
     pos = pos.to(torch.int32).contiguous()
-    _rope_store_kernel[(b * q,)](qs, ks, vs, cos, sin, k_cache, v_cache, pos, q, heads, kv_heads,
+    _rope_store_kernel[(b * q,)](qs, ks, vs, cos, sin, k_cache, v_cache, pos, q, heads, kv_heads, *strides,
                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                                  HEADS=triton.next_power_of_2(max(heads, kv_heads)), HALF=d // 2,
                                  HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4)
 
 
-def swiglu_mlp(mlp: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
-    """HF's Llama-style MLP, down(silu(gate(h)) * up(h)), its activation product one kernel when fused."""
-    gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+def _token_stride(t: torch.Tensor) -> int | None:
+    """The stride between the tokens of t [b, q, heads, d] (token i of the b * q at i * stride), or None where
+    they are not evenly strided or a token's heads are not contiguous."""
+    b, q, heads, d = t.shape
+    if (t.stride(3) != 1 and d > 1) or (t.stride(2) != d and heads > 1):
+        return None
+    if q == 1:
+        return t.stride(0)
+    return t.stride(1) if b == 1 or t.stride(0) == q * t.stride(1) else None
+
+
+def swiglu_mlp(mlp: nn.Module, h: torch.Tensor, fused: bool, gate_up: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's Llama-style MLP, down(silu(gate(h)) * up(h)), its activation product one kernel when fused.
+    gate_up: gate_proj's and up_proj's weights stacked (packed.PackedWeights), one GEMM for the two."""
+    gate, up = (mlp.gate_proj(h), mlp.up_proj(h)) if gate_up is None else F.linear(h, gate_up).chunk(2, dim=-1)
     return mlp.down_proj(silu_mul(gate, up) if fused else F.silu(gate) * up)
 
 
@@ -165,7 +181,7 @@ if triton is not None:
         return rope_halves(x1, x2, base, Cos, Sin, tok, i, i < HALF, HALF)
 
     @triton.jit
-    def _rope_store_kernel(Q, K, V, Cos, Sin, KC, VC, Pos, q_len, heads, kv_heads,
+    def _rope_store_kernel(Q, K, V, Cos, Sin, KC, VC, Pos, q_len, heads, kv_heads, sq, sk, sv,
                            skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, HEADS: tl.constexpr, HALF: tl.constexpr,
                            HALF_PAD: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)  # row tok // q_len, query tok % q_len
@@ -174,16 +190,16 @@ if triton is not None:
         head = tl.arange(0, HEADS)[:, None]
         i = tl.arange(0, HALF_PAD)[None, :]
         live = (head < heads) & (i < HALF)
-        base = Q + tok * heads * 2 * HALF + head * 2 * HALF
+        base = Q + tok * sq + head * 2 * HALF
         o1, o2 = _rotated(base, Cos, Sin, tok, i, live, HALF)
         tl.store(base + i, o1, mask=live)
         tl.store(base + HALF + i, o2, mask=live)
         live = (head < kv_heads) & (i < HALF)
-        o1, o2 = _rotated(K + tok * kv_heads * 2 * HALF + head * 2 * HALF, Cos, Sin, tok, i, live, HALF)
+        o1, o2 = _rotated(K + tok * sk + head * 2 * HALF, Cos, Sin, tok, i, live, HALF)
         dst = KC + row * skc_b + head * skc_h + slot * skc_n
         tl.store(dst + i, o1, mask=live)
         tl.store(dst + HALF + i, o2, mask=live)
-        src = V + tok * kv_heads * 2 * HALF + head * 2 * HALF
+        src = V + tok * sv + head * 2 * HALF
         dst = VC + row * svc_b + head * svc_h + slot * svc_n
         tl.store(dst + i, tl.load(src + i, mask=live), mask=live)
         tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=live), mask=live)

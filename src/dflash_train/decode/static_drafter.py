@@ -18,7 +18,7 @@ as the eager drafter does. The math is the
 eager drafter's own modules; only the cache and the masks are ours. On CUDA in half precision a layer is
 9 kernels where eager it is ~16: each residual add runs fused with the norm after it
 (fused_target.add_rms_norm: the same math up to the order of the norm's sum), q/k/v and gate/up are one
-GEMM each for small layers (fused_drafter.PackedWeights), the q/k norms, RoPE and the K/V writes are one
+GEMM each for small layers (packed.PackedWeights), the q/k norms, RoPE and the K/V writes are one
 kernel (fused_drafter.norm_rope_store_: the committed context rows and the block; the rejected rows, which
 the block would overwrite, are skipped), and attention is one kernel reading each query's span of slots
 (span_attention). On CPU the same function runs eagerly: one path, the same math.
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.decode import fused_drafter, fused_target, graphs, span_attention
+from dflash_train.decode import packed as packed_weights
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.static_lm import Mask, Spans, StaticCache, cached_attention
 from dflash_train.models.config import SLIDING_ATTENTION
@@ -73,8 +74,8 @@ class StaticDrafter(CompiledSteps):
         # each residual add and the norm after it as one Triton kernel (fused_target) where it runs: the
         # drafter's own math (its RMSNorm rounds as Llama's), up to the order of the norm's sum
         self._fused = fused and fused_target.applies(self.device, self.dtype)
-        # on the fused path, small layers' q/k/v and gate/up as one GEMM each (fused_drafter.PackedWeights)
-        self._packed = fused_drafter.PackedWeights.of(drafter.layers) if self._fused and packed else None
+        # on the fused path, small layers' q/k/v and gate/up as one GEMM each (packed.PackedWeights)
+        self._packed = packed_weights.PackedWeights.of(drafter.layers) if self._fused and packed else None
         self._spans = spans
         self._cache: StaticCache | None = None
 

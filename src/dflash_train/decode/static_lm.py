@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.decode import architectures, attention_kernel, fused_target, graphs, span_attention
+from dflash_train.decode import packed as packed_weights
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.graphs import GraphStore
 from dflash_train.models.attention import attend, no_cudnn_sdpa, repeat_kv
@@ -167,7 +168,7 @@ class StaticLM(CompiledSteps):
     """Decode forwards of a frozen HF causal LM over a StaticCache (see module docstring)."""
 
     def __init__(self, model: nn.Module, graphs: bool | None = None, attention_kernel: bool = True,
-                 fused: bool = True) -> None:
+                 fused: bool = True, packed: bool = True) -> None:
         if not supports(model):
             raise ValueError(f"StaticLM does not support {model.config.model_type} targets")
         self.model = model
@@ -187,6 +188,8 @@ class StaticLM(CompiledSteps):
         # the elementwise chains as Triton kernels (fused_target.py) where they run: CUDA, half precision
         self._fused = fused and fused_target.applies(self.device, self.dtype)
         self._fused_mlp = fused_target.fusable_mlp(model)
+        # with the fused kernels, a small model's q/k/v and gate/up as one GEMM each, as serving engines run them
+        self._packed = packed_weights.PackedWeights.of(self.base.layers) if self._fused and packed else None
         self._capturable = architectures.capturable(model)
 
     @property
@@ -237,15 +240,18 @@ class StaticLM(CompiledSteps):
         visible = self._visible(ids, pos, kv_len, prefill)
         fused = self._fused and not torch.compiler.is_compiling()  # a compiled step: inductor fuses them itself
         slots = pos.to(torch.int32) if fused else pos  # where the K/V go: converted once, not in every layer
+        packed = self._packed if fused else None
+        if packed is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            packed.refresh()  # an eager forward (every decode's prefill, a capture's warm-up): the model's weights
         feats = {}
         x, h = self._add_norm(x, None, self.base.layers[0].input_layernorm, fused)
         for i, layer in enumerate(self.base.layers):
             kind = self.layer_types[i]
             a = self._attention(layer.self_attn, h, *ropes[kind], slots, visible[kind], cache.keys[i], cache.values[i],
-                                kv_len, fused)
+                                kv_len, fused, packed and packed.layers[i])
             last_layer = i + 1 == self.n_layers
             next_norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
-            x, h = self._residuals(layer, x, a, next_norm, fused)
+            x, h = self._residuals(layer, x, a, next_norm, fused, packed and packed.layers[i].gate_up)
             if i in layers:
                 feats[i] = h if last_layer else x  # HF's hidden_states[N] is the final-normed output
         features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None
@@ -260,15 +266,16 @@ class StaticLM(CompiledSteps):
         return fused_target.add_rms_norm(x, delta, norm, fused, kind=self.family.norm)
 
     def _residuals(self, layer: nn.Module, x: torch.Tensor, a: torch.Tensor, next_norm: nn.Module,
-                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   fused: bool, gate_up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's two residual adds (attention output a, then the MLP's), each fused with the norm
-        after it. Returns (x, next_norm(x)). Gemma norms each branch's output before its add too."""
+        after it. Returns (x, next_norm(x)). Gemma norms each branch's output before its add too. gate_up:
+        the MLP's packed gate and up weights, if any."""
         if self.family.sandwich:
             a = self._add_norm(a, None, layer.post_attention_layernorm, fused)[1]
             x, h = self._add_norm(x, a, layer.pre_feedforward_layernorm, fused)
         else:
             x, h = self._add_norm(x, a, layer.post_attention_layernorm, fused)
-        m = fused_target.swiglu_mlp(layer.mlp, h, True) if fused and self._fused_mlp else layer.mlp(h)
+        m = fused_target.swiglu_mlp(layer.mlp, h, True, gate_up) if fused and self._fused_mlp else layer.mlp(h)
         if self.family.routed_mlp:
             m = m[0]  # (output, router scores)
         if self.family.sandwich:
@@ -331,12 +338,10 @@ class StaticLM(CompiledSteps):
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                    visible: Mask | Lengths | Spans | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   kv_len: int, fused: bool) -> torch.Tensor:
+                   kv_len: int, fused: bool, packed: packed_weights.PackedLayer | None) -> torch.Tensor:
         b, q, _ = h.shape
         d = self.head_dim
-        qs = attn.q_proj(h).view(b, q, -1, d)
-        ks = attn.k_proj(h).view(b, q, -1, d)
-        vs = attn.v_proj(h).view(b, q, -1, d)
+        qs, ks, vs = (t.view(b, q, -1, d) for t in _projections(attn, h, packed))
         if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
         # the new K/V first: a query at pos p sees slot p
@@ -379,6 +384,16 @@ class StaticLM(CompiledSteps):
             return self.step_forward(ids, pos, cache, kv_len, layers=layers, logits=logits)
         run = lambda i, p: self.step_forward(i, p, cache, kv_len, layers=layers, logits=logits)  # noqa: E731
         return graphs.replay(cache, (tuple(ids.shape), kv_len, layers, logits), run, ids, pos)
+
+
+def _projections(attn: nn.Module, h: torch.Tensor,
+                 packed: packed_weights.PackedLayer | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v of h [b, q, H]: three GEMMs, or one over the packed weights (column slices of its output)."""
+    if packed is None:
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    qkv = F.linear(h, packed.qkv, packed.qkv_bias)
+    nq, nkv = attn.q_proj.out_features, attn.k_proj.out_features
+    return qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
 
 
 def _whole(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
