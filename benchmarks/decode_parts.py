@@ -77,7 +77,7 @@ def _step_in_place(loop, prompt: list[int], max_new_tokens: int):
     loop.start(prompt, max_new_tokens)
     loop.first_step()
     s = loop.state
-    live = (s.feats, s.meta, s.last, s.count, s.step)
+    live = (s.feats, s.meta, s.block, s.verify, s.pos, s.count, s.step)  # all the step writes but its record
     saved = [t.clone() for t in live]
 
     def step(kv_len: int) -> None:

@@ -92,8 +92,8 @@ def test_on_cuda_a_verify_query_gets_what_a_token_step_gets():
     q = torch.randn(1, 8, H, d, dtype=torch.bfloat16, device=dev).transpose(1, 2)
     hi = torch.arange(600, 608, device=dev)[None] + 1
     for window in (None, 70):
+        lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
         for kv_len in (None, 640, 1024):  # one program a (row, KV head), or one a tile: verify 640, token 1024
-            lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
             step = sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=kv_len and 640)
             alone = sa.span_attention(q[:, :, -1:], k, v, lo[:, -1:], hi[:, -1:], 0.125, kv_len=kv_len)
             assert torch.equal(step[:, :, -1:], alone), (window, kv_len)

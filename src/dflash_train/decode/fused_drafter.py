@@ -22,6 +22,9 @@ try:
 except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
     triton = None
 
+_SETUP_ROWS = 64  # K/V rows a step_setup program: a step's 2B, or a long prompt's context over several programs
+
+
 def norm_rope_store_(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, q_norm: nn.Module,
                      k_norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -38,7 +41,8 @@ def norm_rope_store_(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.T
     heads = q_rows.shape[2] // d
     rows = (q_rows, k_rows, v_rows, k_cache, v_cache)
     if any(t.stride(-1) != 1 for t in rows) or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError("norm_rope_store_: each row of q, k, v and the cache must be contiguous, and cos and sin")
+        raise ValueError("norm_rope_store_: the rows of q, k, v and the cache must each be contiguous, as must cos "
+                         "and sin")
     q = q_rows.new_empty(b, n, heads, d)
     slots = slots.to(torch.int32).contiguous()
     _norm_rope_store_kernel[(b * m,)](
@@ -67,9 +71,10 @@ def step_setup(meta: torch.Tensor, c: int, q: int, cos_table: torch.Tensor, sin_
     rows = c + q
     cos, sin = cos_table.new_empty(1, rows, d), sin_table.new_empty(1, rows, d)
     ints = torch.empty(5, max(rows, 1), dtype=torch.int32, device=meta.device)  # slots, lo, hi, sliding lo, hi
-    _setup_kernel[(1,)](meta, cos_table, sin_table, cos, sin, ints, c, q, window or 0, ints.stride(0),
-                        SLIDING=window is not None, D=d, D_PAD=triton.next_power_of_2(d),
-                        ROWS=triton.next_power_of_2(rows), num_warps=4)
+    _setup_kernel[(triton.cdiv(rows, _SETUP_ROWS),)](
+        meta, cos_table, sin_table, cos, sin, ints, c, q, cos_table.shape[0], window or 0, ints.stride(0),
+        SLIDING=window is not None, D=d, D_PAD=triton.next_power_of_2(d), ROWS=_SETUP_ROWS,
+        Q_PAD=triton.next_power_of_2(q), num_warps=4)
     lo, hi, sliding_lo, sliding_hi = (ints[i:i + 1, :q] for i in range(1, 5))
     if window is None:
         sliding_lo, sliding_hi = lo, hi
@@ -80,28 +85,29 @@ if triton is not None:
     from dflash_train.decode.fused_target import rope_halves
 
     @triton.jit
-    def _setup_kernel(Meta, CosT, SinT, Cos, Sin, Ints, c, q, window, s_int, SLIDING: tl.constexpr,
-                      D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
-        j = tl.arange(0, ROWS)  # K/V row j: context row j < c, else block slot j - c
+    def _setup_kernel(Meta, CosT, SinT, Cos, Sin, Ints, c, q, table_rows, window, s_int, SLIDING: tl.constexpr,
+                      D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr):
+        j = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # K/V row j: context row j < c, else block slot j - c
         ctx_start, n, width = tl.load(Meta), tl.load(Meta + 1), tl.load(Meta + 2)
         start = ctx_start + n
         live = j < c + q
         pos = tl.where(j < c, ctx_start + j, start + j - c)
         tl.store(Ints + j, tl.where((j < c) & (j >= n), -1, pos).to(tl.int32), mask=live)
         col = tl.arange(0, D_PAD)[None, :]
-        rows = live[:, None] & (col < D)
+        rows = (live & (pos < table_rows))[:, None] & (col < D)
         src = pos[:, None] * D + col
         dst = j[:, None] * D + col
         tl.store(Cos + dst, tl.load(CosT + src, mask=rows), mask=rows)
         tl.store(Sin + dst, tl.load(SinT + src, mask=rows), mask=rows)
-        b = tl.arange(0, ROWS)  # block query b
-        query = b < q
-        tl.store(Ints + s_int + b, tl.zeros([ROWS], tl.int32), mask=query)
-        tl.store(Ints + 2 * s_int + b, tl.zeros([ROWS], tl.int32) + (start + width).to(tl.int32), mask=query)
-        if SLIDING:
-            hi = start + b + 1
-            tl.store(Ints + 3 * s_int + b, tl.maximum(hi - window, 0).to(tl.int32), mask=query)
-            tl.store(Ints + 4 * s_int + b, hi.to(tl.int32), mask=query)
+        if tl.program_id(0) == 0:  # the block queries' spans
+            b = tl.arange(0, Q_PAD)
+            query = b < q
+            tl.store(Ints + s_int + b, tl.zeros([Q_PAD], tl.int32), mask=query)
+            tl.store(Ints + 2 * s_int + b, tl.zeros([Q_PAD], tl.int32) + (start + width).to(tl.int32), mask=query)
+            if SLIDING:
+                hi = start + b + 1
+                tl.store(Ints + 3 * s_int + b, tl.maximum(hi - window, 0).to(tl.int32), mask=query)
+                tl.store(Ints + 4 * s_int + b, hi.to(tl.int32), mask=query)
 
     @triton.jit
     def _normed_rope(base, W, eps, Cos, Sin, tok, i, live, HALF: tl.constexpr):

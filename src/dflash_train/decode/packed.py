@@ -8,8 +8,9 @@ StaticDrafter for the drafter) do the same through `PackedWeights`, which also k
 against a target step as cheap as an engine's.
 
 The stacks are copies, not views of the modules' weights: a checkpoint keeps its layout and training its
-parameters. `refresh` copies again whenever a weight changed in place (its version moved) or was replaced (its
-address moved): the drafter trains between evals. Packed only where every layer's weights are at most
+parameters. `refresh` copies again whenever a weight changed in place (its version moved: an optimizer step,
+load_state_dict) or was replaced (its address moved): the drafter trains between evals. A write through
+`.data` bypasses the version counter and is not seen. Packed only where every layer's weights are at most
 PACK_BYTES: at Qwen3-8B widths a layer's GEMMs read 350 MB, a launch saved is noise there, and the copies would
 cost GBs.
 """
@@ -37,65 +38,66 @@ class PackedLayer:
 class PackedWeights:
     """Each layer's projections stacked (see the module docstring), kept equal to the modules' own."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
-        self._layers = list(layers)
-        self.layers = [PackedLayer() for _ in self._layers]
+    def __init__(self, layers: Sequence[nn.Module], gate_up: bool) -> None:
+        # the projection modules, found once: refresh runs before graph replays, on the host's clock
+        self._qkv = [_qkv(layer) for layer in layers]
+        self._gate_up = [_gate_up(layer) if gate_up else None for layer in layers]
+        self.layers = [PackedLayer() for _ in layers]
         self._key: tuple | None = None
 
     @classmethod
-    def of(cls, layers: Sequence[nn.Module]) -> PackedWeights | None:
-        """Packed weights for these decoder layers, or None: a layer without plain q/k/v projections, or one
-        whose weights exceed PACK_BYTES."""
-        groups = [(_qkv(layer), _gate_up(layer)) for layer in layers]
-        if not groups or any(qkv is None for qkv, _ in groups):
+    def of(cls, layers: Sequence[nn.Module], gate_up: bool = True) -> PackedWeights | None:
+        """Packed weights for these decoder layers (gate/up too where `gate_up` and the MLP is a dense SwiGLU's),
+        or None: a layer without plain q/k/v projections, or one whose weights exceed PACK_BYTES."""
+        if not layers or any(_qkv(layer) is None for layer in layers):
             return None
-        sizes = [sum(w.numel() * w.element_size() for w in qkv[0] + (gate_up or ())) for qkv, gate_up in groups]
-        return cls(layers) if max(sizes) <= PACK_BYTES else None
+        sizes = [sum(m.weight.numel() * m.weight.element_size() for m in _qkv(layer) + (_gate_up(layer) or ()))
+                 for layer in layers]
+        return cls(layers, gate_up) if max(sizes) <= PACK_BYTES else None
 
     def refresh(self) -> None:
         """Copy the modules' weights into the stacks if any changed since the last copy. The stacks keep their
-        buffers, so graphs captured reading them stay valid."""
-        sources = [w for layer in self._layers for w in _sources(layer)]
-        key = tuple((w.data_ptr(), w._version) for w in sources)
+        buffers, so graphs captured reading them stay valid; a weight of another shape, dtype or device would
+        need new ones, and is refused."""
+        sources = [t for modules in self._qkv + self._gate_up for m in modules or () for t in (m.weight, m.bias)
+                   if t is not None]
+        key = tuple((t.data_ptr(), t._version) for t in sources)
         if key == self._key:
             return
         with torch.no_grad():
-            for layer, packed in zip(self._layers, self.layers, strict=True):
-                weights, biases = _qkv(layer)
-                packed.qkv = _stacked(packed.qkv, weights)
-                packed.qkv_bias = None if biases is None else _stacked(packed.qkv_bias, biases)
-                gate_up = _gate_up(layer)
-                packed.gate_up = None if gate_up is None else _stacked(packed.gate_up, gate_up)
+            for qkv, gate_up, packed in zip(self._qkv, self._gate_up, self.layers, strict=True):
+                packed.qkv = _stacked(packed.qkv, tuple(m.weight for m in qkv))
+                if qkv[0].bias is not None:
+                    packed.qkv_bias = _stacked(packed.qkv_bias, tuple(m.bias for m in qkv))
+                if gate_up is not None:
+                    packed.gate_up = _stacked(packed.gate_up, tuple(m.weight for m in gate_up))
         self._key = key
 
 
-def _qkv(layer: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None] | None:
+def _qkv(layer: nn.Module) -> tuple[nn.Linear, ...] | None:
+    """The layer's q, k and v projections, if plain nn.Linear modules all with biases or all without."""
     attn = getattr(layer, "self_attn", None)
     projections = tuple(getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj"))
     if not all(type(p) is nn.Linear for p in projections):  # a quantized or sharded projection: left as it is
         return None
-    biases = tuple(p.bias for p in projections) if all(p.bias is not None for p in projections) else None
-    if biases is None and any(p.bias is not None for p in projections):
-        return None
-    return tuple(p.weight for p in projections), biases
+    return projections if len({p.bias is None for p in projections}) == 1 else None
 
 
-def _gate_up(layer: nn.Module) -> tuple[torch.Tensor, ...] | None:
-    projections = tuple(getattr(layer.mlp, name, None) for name in ("gate_proj", "up_proj"))
+def _gate_up(layer: nn.Module) -> tuple[nn.Linear, ...] | None:
+    """The layer's gate and up projections, if its MLP is a dense SwiGLU's of plain, bias-free nn.Linear."""
+    mlp = getattr(layer, "mlp", None)
+    projections = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj"))
     if not all(type(p) is nn.Linear and p.bias is None for p in projections):  # experts, or a biased MLP
         return None
-    return tuple(p.weight for p in projections)
-
-
-def _sources(layer: nn.Module) -> list[torch.Tensor]:
-    weights, biases = _qkv(layer)
-    return [*weights, *(biases or ()), *(_gate_up(layer) or ())]
+    return projections
 
 
 def _stacked(buffer: torch.Tensor | None, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """parts concatenated along rows into `buffer` when it has their shape and place (a refresh), else anew."""
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    first = parts[0]
-    if buffer is None or buffer.shape != shape or buffer.dtype != first.dtype or buffer.device != first.device:
+    """parts concatenated along rows: into `buffer` (a refresh), or anew on the first copy."""
+    if buffer is None:
         return torch.cat(parts)
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    if buffer.shape != shape or buffer.dtype != parts[0].dtype or buffer.device != parts[0].device:
+        raise RuntimeError("packed weights: a projection changed shape, dtype or device after its decode engine "
+                           "was made (graphs may read the old stack): release the engine and make a new one")
     return torch.cat(parts, out=buffer)

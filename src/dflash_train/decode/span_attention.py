@@ -76,16 +76,18 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block = block or tile_slots(d)
     rows = max(16, triton.next_power_of_2(group * n))
     splits = triton.cdiv(min(kv_len, k_cache.shape[2]), block) if kv_len else 1
-    parts = q.new_empty((b, hkv, splits, rows, d + 2) if splits > 1 else (1,), dtype=torch.float32)
+    # split: also at one tile if there are sinks (they join in the merge), so that no bucket changes a bit
+    split = splits > 1 or (kv_len is not None and sinks is not None)
+    parts = q.new_empty((b, hkv, splits, rows, d + 2) if split else (1,), dtype=torch.float32)
     shapes = dict(N=n, GROUP=group, ROWS=rows, D=d)
     _span_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, parts, scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lo.stride(0), C=k_cache.shape[2], HAS_SINKS=sinks is not None, SPLITS=splits, BLOCK=block,
+        lo.stride(0), C=k_cache.shape[2], HAS_SINKS=sinks is not None, SPLIT=split, SPLITS=splits, BLOCK=block,
         **shapes, num_warps=warps, num_stages=stages,
     )
-    if splits > 1:
+    if split:
         _merge_kernel[(b, hkv)](parts, q if sinks is None else sinks, out, out.stride(0), out.stride(1),
                                 out.stride(2), HAS_SINKS=sinks is not None, SPLITS=splits, **shapes, num_warps=4)
     return out.transpose(1, 2)
@@ -97,7 +99,7 @@ if triton is not None:
     @triton.jit
     def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, Parts, scale,
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_n, so_h, ss_b, C,
-                     HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, N: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr, N: tl.constexpr,
                      GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # a cache of 2^31 elements or more: 64-bit offsets
         kvh = tl.program_id(1)
@@ -114,10 +116,10 @@ if triton is not None:
         k_base = K + row * sk_b + kvh * sk_h
         v_base = V + row * sv_b + kvh * sv_h
         # split: the sinks join in the merge, once
-        m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS and SPLITS == 1, ROWS, D)
+        m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS and not SPLIT, ROWS, D)
         end = tl.max(hi, 0)
         first = tl.min(lo, 0) // BLOCK * BLOCK
-        if SPLITS > 1:  # this program's tile (the last program's: every tile on)
+        if SPLIT:  # this program's tile (the last program's: every tile on)
             first = tl.maximum(first, split * BLOCK)
             if split < SPLITS - 1:
                 end = tl.minimum(end, (split + 1) * BLOCK)
@@ -129,7 +131,7 @@ if triton is not None:
             seen = (slot[None, :] >= lo[:, None]) & (slot[None, :] < hi[:, None])
             v = tl.load(v_base + slot[:, None] * sv_n + dim[None, :], mask=inside[:, None], other=0.0)
             m, s_sum, acc = softmax_tile(m, s_sum, acc, tl.where(seen, s, float("-inf")), v)
-        if SPLITS > 1:  # [ROWS, D + 2] a program: the accumulator, then the running max and sum
+        if SPLIT:  # [ROWS, D + 2] a program: the accumulator, then the running max and sum
             part = Parts + ((row * tl.num_programs(1) + kvh) * SPLITS + split) * ROWS * (D + 2) + r * (D + 2)
             tl.store(part[:, None] + dim[None, :], acc)
             tl.store(part + D, m)

@@ -16,12 +16,13 @@ computes what a q-wide block would. A query sees slots < start + q (the committe
 the block, non-causally); sliding-window layers also keep their causal window over positions,
 as the eager drafter does. The math is the
 eager drafter's own modules; only the cache and the masks are ours. On CUDA in half precision a layer is
-9 kernels where eager it is ~16: each residual add runs fused with the norm after it
+10 kernels where eager it is ~16: each residual add runs fused with the norm after it
 (fused_target.add_rms_norm: the same math up to the order of the norm's sum), q/k/v and gate/up are one
 GEMM each for small layers (packed.PackedWeights), the q/k norms, RoPE and the K/V writes are one
 kernel (fused_drafter.norm_rope_store_: the committed context rows and the block; the rejected rows, which
-the block would overwrite, are skipped), and attention is one kernel reading each query's span of slots
-(span_attention). On CPU the same function runs eagerly: one path, the same math.
+the block would overwrite, are skipped), and attention is one kernel reading each query's span of slots, a
+program a tile and a merge (span_attention); the step's positions, slots, spans and RoPE rows come from one
+kernel too (fused_drafter.step_setup). On CPU the same function runs eagerly: one path, the same math.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class StaticDrafter(CompiledSteps):
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device
         self._graphs = graphs
-        # each residual add and the norm after it as one Triton kernel (fused_target) where it runs: the
-        # drafter's own math (its RMSNorm rounds as Llama's), up to the order of the norm's sum
+        # the layers' elementwise chains and the step's index work as Triton kernels where they run (each residual
+        # add with its norm, SiLU x up, the q/k norms with RoPE and the K/V writes, step_setup): the drafter's own
+        # math (its RMSNorm rounds as Llama's), up to the order of the norms' sums
         self._fused = fused and fused_target.applies(self.device, self.dtype)
         # on the fused path, small layers' q/k/v and gate/up as one GEMM each (packed.PackedWeights)
         self._packed = packed_weights.PackedWeights.of(drafter.layers) if self._fused and packed else None

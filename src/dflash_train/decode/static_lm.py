@@ -189,7 +189,8 @@ class StaticLM(CompiledSteps):
         self._fused = fused and fused_target.applies(self.device, self.dtype)
         self._fused_mlp = fused_target.fusable_mlp(model)
         # with the fused kernels, a small model's q/k/v and gate/up as one GEMM each, as serving engines run them
-        self._packed = packed_weights.PackedWeights.of(self.base.layers) if self._fused and packed else None
+        self._packed = (packed_weights.PackedWeights.of(self.base.layers, gate_up=self._fused_mlp)
+                        if self._fused and packed else None)
         self._capturable = architectures.capturable(model)
 
     @property
