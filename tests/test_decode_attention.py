@@ -204,19 +204,14 @@ def test_fused_drafter_step_equals_the_eager_step():
 def test_fused_target_forward_equals_the_eager_forward():
     """StaticLM with its elementwise chains as Triton kernels (decode/fused_target.py: residual add + RMSNorm,
     RoPE in place, SiLU x up), its projections packed or not (decode/packed.py), gives the eager forward's logits
-    and features: a prefill, one-token steps, then 4-token steps (a verify's shape)."""
+    and features: a prefill, one-token steps, then 4-token steps (a verify's shape); on a Qwen3 target and on a
+    gpt_oss one (biased projections, sink logits, sliding layers, experts)."""
     run_interpreted("""
         import torch
         from dflash_train.decode import static_lm
         from dflash_train.models.loading import load_target
 
-        target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
-        g = torch.Generator().manual_seed(4)
-        prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(3)]
-        outs = []
-        for fused, packed in ((False, False), (True, False), (True, True)):
-            lm = static_lm.StaticLM(target.model, fused=fused, packed=packed)
-            assert lm._fused == fused and lm._fused_mlp and (lm._packed is not None) == packed
+        def outputs(lm, prompts):
             cache = lm.cache_for(3, 64)
             width = max(map(len, prompts))
             ids = torch.zeros(3, width, dtype=torch.long)
@@ -228,8 +223,19 @@ def test_fused_target_forward_equals_the_eager_forward():
                            static_lm.bucket(width + 1), layers=(1, 5))
             at = torch.tensor([[len(p) + 1 + j for j in range(4)] for p in prompts])
             verify = lm.step(torch.arange(12).view(3, 4), at, cache, static_lm.bucket(width + 5), layers=(1, 5))
-            outs.append((first.logits, first.features, step.logits, step.features, verify.logits, verify.features))
-        for fast in outs[1:]:
-            for a, b in zip(outs[0], fast):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            return first.logits, first.features, step.logits, step.features, verify.logits, verify.features
+
+        for name in ("random:tiny", "random:tiny-gpt-oss"):
+            target = load_target(name, device="cpu", dtype=torch.float32, seed=0)
+            g = torch.Generator().manual_seed(4)
+            prompts = [torch.randint(0, 256, (3 + 5 * i,), generator=g).tolist() for i in range(3)]
+            outs = []
+            for fused, packed in ((False, False), (True, False), (True, True)):
+                lm = static_lm.StaticLM(target.model, fused=fused, packed=packed)
+                assert lm._fused == fused and (lm._packed is not None) == packed
+                assert lm._fused_mlp == (name == "random:tiny")
+                outs.append(outputs(lm, prompts))
+            for fast in outs[1:]:
+                for a, b in zip(outs[0], fast):
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         """)

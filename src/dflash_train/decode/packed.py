@@ -78,7 +78,7 @@ def _qkv(layer: nn.Module) -> tuple[nn.Linear, ...] | None:
     """The layer's q, k and v projections, if plain nn.Linear modules all with biases or all without."""
     attn = getattr(layer, "self_attn", None)
     projections = tuple(getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj"))
-    if not all(type(p) is nn.Linear for p in projections):  # a quantized or sharded projection: left as it is
+    if not all(_plain(p) for p in projections):
         return None
     return projections if len({p.bias is None for p in projections}) == 1 else None
 
@@ -87,9 +87,16 @@ def _gate_up(layer: nn.Module) -> tuple[nn.Linear, ...] | None:
     """The layer's gate and up projections, if its MLP is a dense SwiGLU's of plain, bias-free nn.Linear."""
     mlp = getattr(layer, "mlp", None)
     projections = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj"))
-    if not all(type(p) is nn.Linear and p.bias is None for p in projections):  # experts, or a biased MLP
+    if not all(_plain(p) and p.bias is None for p in projections):  # experts, or a biased MLP
         return None
     return projections
+
+
+def _plain(module: nn.Module | None) -> bool:
+    """An nn.Linear over ordinary tensors: not a quantized module, nor one sharded by tensor parallelism (whose
+    weights are DTensors: a stack of their local shards would be another matrix)."""
+    return type(module) is nn.Linear and all(type(t.data) is torch.Tensor
+                                             for t in (module.weight, module.bias) if t is not None)
 
 
 def _stacked(buffer: torch.Tensor | None, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
