@@ -8,10 +8,15 @@ Each is captured as a CUDA graph and replayed `--reps` times with no host sync i
 the figure is the GPU's time (kernels and the gaps between them), not Python's. `kernels` counts
 the kernels one eager call launches (torch.profiler): at batch 1 a small model's step costs about
 its kernel count times a few microseconds. The whole step is replayed in place: each replay
-puts the loop's state back (five small copies, counted in its figure), so every replay drafts
+puts the loop's state back (seven small copies, counted in its figure), so every replay drafts
 and verifies at the same position in a cache sized as eval sizes it. `--compile` also times each part through
 torch.compile as `eval --compile` runs it (`compile_decode`: the target's and the drafter's
 forwards compiled apiece, over the whole cache; the graph capture stays ours).
+
+`--without LEVER` (repeatable) times the step with one of the fast path's levers turned off, to measure
+what each buys with the others in place: `pack` (the drafter's stacked q/k/v and gate/up), `target-pack`
+(the target's), `split` (span attention a program a key tile), `accept` (the device loop's acceptance as one
+kernel).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from datetime import date
 
 import torch
 
-from dflash_train.decode import graphs, greedy_loop, static_drafter, static_lm
+from dflash_train.decode import graphs, greedy_accept, greedy_loop, span_attention, static_drafter, static_lm
 from dflash_train.decode.graphs import GraphStore
 from dflash_train.decode.speculative import compile_decode
 from dflash_train.models.factory import drafter_config_for, new_drafter
@@ -87,6 +92,26 @@ def _step_in_place(loop, prompt: list[int], max_new_tokens: int):
     return step
 
 
+LEVERS = ("pack", "target-pack", "split", "accept")
+
+
+def _turn_off(lever: str) -> None:
+    """Patch one lever of the fast path out, for this process (the benchmark's own: the engines keep their
+    defaults everywhere else)."""
+    if lever == "pack":
+        make = static_drafter.StaticDrafter.__init__
+        static_drafter.StaticDrafter.__init__ = lambda self, *a, **k: make(self, *a, **k | {"packed": False})
+    elif lever == "target-pack":
+        make_lm = static_lm.StaticLM.__init__
+        static_lm.StaticLM.__init__ = lambda self, *a, **k: make_lm(self, *a, **k | {"packed": False})
+    elif lever == "split":
+        attend = span_attention.span_attention
+        span_attention.span_attention = lambda *a, kv_len=None, **k: attend(*a, **k)
+    elif lever == "accept":
+        accept = greedy_accept.accept_
+        greedy_accept.accept_ = lambda pred, state, kernel=True: accept(pred, state, kernel=False)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="random:smollm2-135m")
@@ -98,7 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--top", type=int, default=0, help="also list each part's N costliest kernels (an eager call)")
     ap.add_argument("--device", default="cuda", help="cpu: a check of the script (no graphs, no kernel counts)")
+    ap.add_argument("--without", action="append", default=[], choices=LEVERS,
+                    help="time the step with this lever of the fast path off (repeatable)")
     args = ap.parse_args(argv)
+    for lever in args.without:
+        _turn_off(lever)
     global DEVICE
     DEVICE = dev = torch.device(args.device)
     B = args.block_size
@@ -147,7 +176,7 @@ def main(argv=None) -> int:
            "date": date.today().isoformat(),
            "torch": torch.__version__, "draft_layers": args.draft_layers, "block_size": B, "context": args.context,
            "command": "python3 benchmarks/decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           }
+           "without": args.without}
     res["graphed"] = parts(False)
     if args.compile:
         with torch.no_grad():  # compiled steps reject inference_mode tensors
