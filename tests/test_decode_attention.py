@@ -168,8 +168,8 @@ def test_kernel_on_cuda_equals_the_batched_matmul_attention_in_bf16():
 @interpreted
 def test_fused_drafter_step_equals_the_eager_step():
     """The drafter's decode step through its Triton kernels (residual adds with their norms, the q/k norms with
-    RoPE and the K/V writes) gives the eager step's draft logits, its projections packed or not: a prompt's
-    context, then a step that commits part of the last block."""
+    RoPE and the K/V writes) gives the eager step's draft logits, its projections packed or not, attending through
+    span_attention or over masks: a prompt's context, then a step that commits part of the last block."""
     run_interpreted("""
         import torch
         from dflash_train.decode.static_drafter import StaticDrafter
@@ -188,8 +188,9 @@ def test_fused_drafter_step_equals_the_eager_step():
                      (torch.randn(1, 4, n_feat, generator=g), torch.tensor([9, 2, 4]))]
             block = torch.randint(0, 200, (1, 4), generator=g)
             outs = []
-            for fused, packed in ((False, False), (True, False), (True, True)):
-                engine = StaticDrafter(drafter, embed, head, fused=fused, packed=packed)
+            for fused, packed, spans in ((False, False, True), (True, False, True), (True, True, True),
+                                         (True, True, False)):
+                engine = StaticDrafter(drafter, embed, head, fused=fused, packed=packed, spans=spans)
                 assert engine._fused == fused and (engine._packed is not None) == packed
                 cache = engine.cache_for(64)
                 outs.append([engine.forward(feats, block, meta, cache, 128) for feats, meta in steps])

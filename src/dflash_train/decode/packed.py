@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # a layer's q/k/v and gate/up weights up to this many bytes are packed: 16 MB is ~5 us of an H100's bandwidth,
@@ -72,6 +73,17 @@ class PackedWeights:
                 if gate_up is not None:
                     packed.gate_up = _stacked(packed.gate_up, tuple(m.weight for m in gate_up))
         self._key = key
+
+
+def projections(attn: nn.Module, h: torch.Tensor,
+                packed: PackedLayer | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v of h [..., H] through an attention module's q/k/v_proj: three GEMMs, or one over its layer's
+    packed weights (column slices of that GEMM's output)."""
+    if packed is None:
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    qkv = F.linear(h, packed.qkv, packed.qkv_bias)
+    nq, nkv = attn.q_proj.out_features, attn.k_proj.out_features
+    return qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
 
 
 def _qkv(layer: nn.Module) -> tuple[nn.Linear, ...] | None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.decode import fused_drafter, fused_target, graphs, span_attention
@@ -78,7 +77,7 @@ class StaticDrafter(CompiledSteps):
         self._fused = fused and fused_target.applies(self.device, self.dtype)
         # on the fused path, small layers' q/k/v and gate/up as one GEMM each (packed.PackedWeights)
         self._packed = packed_weights.PackedWeights.of(drafter.layers) if self._fused and packed else None
-        self._spans = spans
+        self._spans = spans  # on the fused path, attention through span_attention where it applies (else masks)
         self._cache: StaticCache | None = None
 
     @property
@@ -113,9 +112,8 @@ class StaticDrafter(CompiledSteps):
         # through the target's embedding module, as training (Target.embed_scale), the eager drafter loop
         # (Target.embed) and the serving engines embed blocks: Gemma's module scales by sqrt(hidden)
         x = self.embed(block).to(self.dtype)
-        fused = self._fused and not torch.compiler.is_compiling()  # compiled: inductor fuses the chains itself
-        if fused and self._spans_apply(q):  # the step's positions, slots, spans and RoPE rows: one kernel
-            cos, sin, slots, masks = self._setup(meta, c, q, cache)
+        if self._fused and not torch.compiler.is_compiling():  # compiled: inductor fuses the chains itself
+            cos, sin, slots, masks = self._setup(meta, c, q, cache, kv_len)
             return self._logits(self._fused_layers(x, ctx, cos, sin, masks, slots, cache, kv_len))
         dev = features.device
         ctx_slots = meta[0] + torch.arange(c, device=dev)
@@ -123,23 +121,21 @@ class StaticDrafter(CompiledSteps):
         block_slots = start + torch.arange(q, device=dev)
         cos, sin = d.rotary(x, torch.cat([ctx_slots, block_slots])[None])
         masks = self._masks(block_slots, start + meta[2], kv_len)
-        if fused:  # a K/V row's slot: the committed context's, then the block's (rejected context rows skipped)
-            slots = torch.cat([torch.where(torch.arange(c, device=dev) < meta[1], ctx_slots, -1), block_slots])
-            h = self._fused_layers(x, ctx, cos, sin, masks, slots.to(torch.int32)[None], cache, kv_len)
-        else:
-            h = self._eager_layers(x, ctx, cos, sin, masks, ctx_slots, block_slots, cache, kv_len)
-        return self._logits(h)
+        return self._logits(self._eager_layers(x, ctx, cos, sin, masks, ctx_slots, block_slots, cache, kv_len))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(h[:, 1:].to(self.head.weight.dtype))[0]
 
-    def _setup(self, meta: torch.Tensor, c: int, q: int,
-               cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Spans]]:
-        """fused_drafter.step_setup for this step: (cos, sin, K/V slots, spans per layer type)."""
+    def _setup(self, meta: torch.Tensor, c: int, q: int, cache: StaticCache,
+               kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Mask | Spans]]:
+        """fused_drafter.step_setup for this step: (cos, sin, K/V slots, what each layer type's queries see: their
+        spans where span_attention runs, else masks over those spans' slots)."""
         cfg = self.drafter.config
         window = cfg.sliding_window if SLIDING_ATTENTION in cfg.layer_types else None
         cos, sin, slots, lo, hi, sliding_lo, sliding_hi = fused_drafter.step_setup(meta, c, q, *self._rope_rows(cache),
                                                                                    window)
+        if not self._spans_apply(q):  # the block's slots, and one past its q written ones
+            return cos, sin, slots, self._masks(slots[0, c:], hi[:, :1], kv_len)
         masks = dict.fromkeys(cfg.layer_types, Spans(lo, hi))
         if window is not None:
             masks[SLIDING_ATTENTION] = Spans(sliding_lo, sliding_hi)
@@ -170,31 +166,17 @@ class StaticDrafter(CompiledSteps):
         x, h = fused_target.add_rms_norm(x, None, d.layers[0].input_layernorm, True, out_h=rows[:, c:])
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            qs = fused_drafter.norm_rope_store_(*self._qkv_rows(i, attn, rows, c), attn.q_norm, attn.k_norm, cos,
-                                                sin, cache.keys[i], cache.values[i], slots)
+            packed = self._packed and self._packed.layers[i]
+            qs, ks, vs = packed_weights.projections(attn, rows, packed)  # q of the context rows too: a few rows
+            qs = fused_drafter.norm_rope_store_(qs[:, c:], ks, vs, attn.q_norm, attn.k_norm, cos, sin, cache.keys[i],
+                                                cache.values[i], slots)
             out = self._attend(qs, masks[layer.layer_type], cache, i, kv_len)
             x, h = fused_target.add_rms_norm(x, attn.out(out), layer.post_attention_layernorm, True)
-            m = layer.mlp.down_proj(fused_target.silu_mul(*self._gate_up(i, layer.mlp, h)))
+            m = fused_target.swiglu_mlp(layer.mlp, h, True, packed and packed.gate_up)
             last = i + 1 == len(d.layers)
             x, h = fused_target.add_rms_norm(x, m, d.norm if last else d.layers[i + 1].input_layernorm, True,
                                              out_h=None if last else rows[:, c:])
         return h
-
-    def _qkv_rows(self, i: int, attn: nn.Module, rows: torch.Tensor,
-                  c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer i's q rows of the block, and its k and v rows of the context and the block."""
-        if self._packed is None:
-            return attn.q_proj(rows[:, c:]), attn.k_proj(rows), attn.v_proj(rows)
-        packed = self._packed.layers[i]
-        qkv = F.linear(rows, packed.qkv, packed.qkv_bias)  # q of the context rows too: a few rows, one GEMM
-        nq, nkv = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim
-        return qkv[:, c:, :nq], qkv[:, :, nq:nq + nkv], qkv[:, :, nq + nkv:]
-
-    def _gate_up(self, i: int, mlp: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._packed is None:
-            return mlp.gate_proj(h), mlp.up_proj(h)
-        gate_up = F.linear(h, self._packed.layers[i].gate_up)
-        return gate_up.chunk(2, dim=-1)
 
     def _eager_layers(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       masks: dict[str, Mask | Spans], ctx_slots: torch.Tensor, block_slots: torch.Tensor,
@@ -228,18 +210,11 @@ class StaticDrafter(CompiledSteps):
         if self._packed is not None:
             self._packed.refresh()
 
-    def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, Mask | Spans]:
+    def _masks(self, block_slots: torch.Tensor, end: torch.Tensor, kv_len: int) -> dict[str, Mask]:
         """Per layer type, over [1, w, kv_len]: which slots each block query sees (`end`: one past the block's
-        q slots). As spans where span_attention runs: the whole written context and block, or in a sliding
-        layer the query's own slot and the window before it."""
+        q slots): the whole written context and block, or in a sliding layer the query's own slot and the
+        window before it. (Where span_attention runs, step_setup gives the same as spans.)"""
         cfg = self.drafter.config
-        if self._spans_apply(len(block_slots)):
-            hi = (block_slots + 1).to(torch.int32)[None]
-            whole = Spans(torch.zeros_like(hi), torch.zeros_like(hi) + end)  # one for every full layer type
-            spans = dict.fromkeys(cfg.layer_types, whole)
-            if SLIDING_ATTENTION in spans:
-                spans[SLIDING_ATTENTION] = Spans((hi - cfg.sliding_window).clamp_(min=0), hi)
-            return spans
         slots = torch.arange(kv_len, device=block_slots.device)
         diff = block_slots[:, None] - slots[None, :]
         seen = slots[None, :] < end  # written by this decode: the context and the block's q slots
@@ -250,10 +225,11 @@ class StaticDrafter(CompiledSteps):
         return {t: Mask.of(v, groups) for t, v in visible.items()}
 
     def _spans_apply(self, queries: int) -> bool:
+        """Whether the fused path's block of `queries` attends through span_attention (span_attention.applies)."""
         cfg = self.drafter.config
-        return (self._spans and not torch.compiler.is_compiling()  # compiled: batched matmuls, inductor fuses them
-                and span_attention.applies(1, queries, self.kv_heads, cfg.num_attention_heads // self.kv_heads,
-                                           self.head_dim, self.dtype, self.device))
+        groups = cfg.num_attention_heads // self.kv_heads
+        return self._spans and span_attention.applies(1, queries, self.kv_heads, groups, self.head_dim, self.dtype,
+                                                      self.device)
 
     def step(self, features: torch.Tensor, block: torch.Tensor, meta: torch.Tensor, cache: StaticCache,
              kv_len: int) -> torch.Tensor:
@@ -262,9 +238,9 @@ class StaticDrafter(CompiledSteps):
         The logits live in the graph's buffer: read them before the next step.
         """
         kv_len = self.step_kv(cache, kv_len)
-        self.refresh()
         if not self.graphs:
             return self.step_forward(features, block, meta, cache, kv_len)
+        self.refresh()  # a replay runs no forward, whose eager calls refresh themselves
         run = lambda f, b, m: self.step_forward(f, b, m, cache, kv_len)  # noqa: E731
         key = (tuple(features.shape), tuple(block.shape), kv_len)
         return graphs.replay(cache, key, run, features.to(self.dtype), block, meta)

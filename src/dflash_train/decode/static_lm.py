@@ -342,7 +342,7 @@ class StaticLM(CompiledSteps):
                    kv_len: int, fused: bool, packed: packed_weights.PackedLayer | None) -> torch.Tensor:
         b, q, _ = h.shape
         d = self.head_dim
-        qs, ks, vs = (t.view(b, q, -1, d) for t in _projections(attn, h, packed))
+        qs, ks, vs = (t.view(b, q, -1, d) for t in packed_weights.projections(attn, h, packed))
         if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
         # the new K/V first: a query at pos p sees slot p
@@ -385,16 +385,6 @@ class StaticLM(CompiledSteps):
             return self.step_forward(ids, pos, cache, kv_len, layers=layers, logits=logits)
         run = lambda i, p: self.step_forward(i, p, cache, kv_len, layers=layers, logits=logits)  # noqa: E731
         return graphs.replay(cache, (tuple(ids.shape), kv_len, layers, logits), run, ids, pos)
-
-
-def _projections(attn: nn.Module, h: torch.Tensor,
-                 packed: packed_weights.PackedLayer | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v of h [b, q, H]: three GEMMs, or one over the packed weights (column slices of its output)."""
-    if packed is None:
-        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    qkv = F.linear(h, packed.qkv, packed.qkv_bias)
-    nq, nkv = attn.q_proj.out_features, attn.k_proj.out_features
-    return qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
 
 
 def _whole(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

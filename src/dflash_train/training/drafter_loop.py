@@ -82,8 +82,7 @@ class DrafterTrainLoop(Trainer):
         if feature_scale and self.step == 0 and drafter.feature_scale is None:  # a new run (or one stopped before
             step.on_first = self._measure_feature_scale                       # its first step, and resumed)
         elif feature_scale != (drafter.feature_scale is not None):
-            flag, was = ("rms", "without") if feature_scale else ("none", "with")
-            other = "none" if feature_scale else "rms"
+            flag, was, other = ("rms", "without", "none") if feature_scale else ("none", "with", "rms")
             raise UsageError(f"--feature-scale {flag}: the run resumed from step {self.step} trained {was} a "
                              f"feature scale; resume it as it was trained: --feature-scale {other}")
         elif hint_feature_scale and self.step == 0:
