@@ -43,14 +43,15 @@ class LoopState:
         """[1] the last committed token (the block's slot 0)."""
         return self.block[0, :1]
 
-    def commit_first(self, token: torch.Tensor, start: int, committed: int, width: int) -> None:
-        """The state before a decode's first step: `token` committed after the prompt, whose last `committed`
-        features (from position start - committed) are the first step's context; the first block `width` wide."""
+    def commit_first(self, token: torch.Tensor, start: int, committed: int, limit: int) -> None:
+        """The state before a decode of `limit` new tokens' first step: `token` committed after the prompt, whose
+        last `committed` features (from position start - committed) are the first step's context."""
         B = self.block.shape[1]
         self.block[0, 0] = self.verify[0, 0] = token
         self.count.fill_(1)
+        self.limit.fill_(limit)
         self.step.zero_()
-        self.meta.copy_(torch.tensor([start - committed, committed, width]))
+        self.meta.copy_(torch.tensor([start - committed, committed, min(B, limit)]))  # the first block's width
         self.pos.copy_(start + torch.arange(B, device=self.pos.device)[None])
 
 

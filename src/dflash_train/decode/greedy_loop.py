@@ -64,8 +64,7 @@ class GreedyLoop:
         # runs as one (a graph replay on CUDA); first_step puts the rest into the drafter's cache.
         L = len(prompt)
         n = min(L, B)
-        self.state.commit_first(first, L, n, min(B, max_new_tokens))
-        self.state.limit.fill_(max_new_tokens)
+        self.state.commit_first(first, L, n, max_new_tokens)
         self._prompt = (out.features, torch.tensor([0, L - n, 1], device=dev), bucket(L + B))
         return int(first)  # host sync: the caller's stop check
 
