@@ -116,7 +116,7 @@ def main() -> int:
     p.add_argument("--num-anchors", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=614)
     p.add_argument("--token-budget", type=int, default=16384)
-    p.add_argument("--attention", choices=("flex", "flex-split"), default="flex")
+    p.add_argument("--attention", choices=("flex", "flex-split", "intervals"), default="flex")
     p.add_argument("--compile-masks", action="store_true")
     p.add_argument("--no-compile-drafter", dest="compile_drafter", action="store_false")
     p.add_argument("--warmup", type=int, default=5)

@@ -16,6 +16,7 @@
 #              the work (a quality question too: the recipe's optimizer steps would halve)
 #   eager      base without --compile-drafter (the reference the compiled layers are measured against)
 #   split      base with --attention flex-split (each block's own keys apart from FlexAttention)
+#   intervals  base with --attention intervals (Triton kernels over each query's two key intervals)
 #   tiles64    base with FlexAttention's 64 x 64 tiles forward and backward (DFLASH_FLEX_KERNEL_OPTIONS)
 #   tiles128   base with 128 x 128 forward tiles
 #   autotune   base under TORCHINDUCTOR_MAX_AUTOTUNE=1: Inductor tries its FlexAttention (and GEMM) configs
@@ -49,8 +50,9 @@ flags() {  # the lever's flags on top of SHAPE (a later flag wins)
     pack32k) echo "--compile-drafter --token-budget $(( 2 * $(budget) ))" ;;
     eager) echo "" ;;
     split) echo "--compile-drafter --attention flex-split" ;;
+    intervals) echo "--compile-drafter --attention intervals" ;;
     autotune|tiles64|tiles128) echo "--compile-drafter" ;;  # and the environment below
-    *) echo "recipe_step.sh: unknown lever $1 (base, masks, split, pack32k, eager, autotune, tiles64, tiles128)" >&2
+    *) echo "recipe_step.sh: unknown lever $1 (base, masks, split, intervals, pack32k, eager, autotune, tiles64, tiles128)" >&2
        return 2 ;;
   esac
 }

@@ -64,7 +64,7 @@ def test_train_flags_are_the_sections_fields_with_their_prefixes():
     (lambda: TrainConfig.of(eval_max_new_tokens=0), "--eval-max-new-tokens must be >= 1"),
     (lambda: EvalConfig(max_new_tokens=0), "--max-new-tokens must be >= 1"),
     (lambda: RegenConfig(max_new_tokens=0), "--max-new-tokens must be >= 1"),
-    (lambda: BenchConfig(attention="fast"), "--attention must be auto, flex, flex-split or dense"),
+    (lambda: BenchConfig(attention="fast"), "--attention must be auto, flex, flex-split, intervals or dense"),
     (lambda: TrainConfig.of(labels="x"), "--labels must be data or target"),
     (lambda: DrafterConfig(sliding_layers=2), r"--sliding-layers must be in 0..--num-layers \(1\)"),
 ])

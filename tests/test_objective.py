@@ -307,7 +307,7 @@ def test_flex_and_dense_give_the_same_loss(tiny_target, make_drafter, sliding):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
 @pytest.mark.parametrize("sliding", [False, True])
-@pytest.mark.parametrize("flex", ["flex", "flex-split"])
+@pytest.mark.parametrize("flex", ["flex", "flex-split", "intervals"])
 def test_flex_and_dense_give_the_same_gradients_on_cuda(sliding, flex):
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.models.loading import load_target

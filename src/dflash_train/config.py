@@ -56,7 +56,7 @@ MAX_BLOCK_SIZE = 64
 # 16x spends its FLOPs where the target has nothing to teach. A wider one is a mistyped number,
 # refused (models/config.py) before it sizes the draft layers' weights.
 MAX_MLP_RATIO = 16
-AttentionBackend = Literal["auto", "flex", "flex-split", "dense"]
+AttentionBackend = Literal["auto", "flex", "flex-split", "intervals", "dense"]
 
 RELEASED = {"block_size": 16, "num_layers": 5, "num_anchors": 512}
 """The released Qwen3-8B drafter's shape (B=16, 5 layers, 512 anchors per sequence): where

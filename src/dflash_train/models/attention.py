@@ -6,6 +6,8 @@
                          queries see only that sequence's context and blocks, so attention runs
                          per sequence over [its context | its blocks] instead of the whole pack
     BlockMask            FlexAttention's block-sparse mask (CUDA training; compiled there)
+    SplitBlockMask       FlexAttention over the context, each block's own keys apart (flex-split)
+    IntervalMask         each query's two key intervals, for the Triton kernels of interval_attention.py
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from dflash_train.config import FLEX_OPTIONS_ENV
 from dflash_train.errors import UsageError
 from dflash_train.models.compiled import compile_serialized
+from dflash_train.models.interval_attention import IntervalMask, interval_attention
 
 try:  # FlexAttention exists from torch 2.5; nothing else here needs it.
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -78,7 +81,7 @@ class SplitBlockMask:
         return cls(context, own)
 
 
-AttnMask = torch.Tensor | SegmentedMask | BlockMask | SplitBlockMask | None
+AttnMask = torch.Tensor | SegmentedMask | BlockMask | SplitBlockMask | IntervalMask | None
 
 @functools.cache  # one per process: its graphs are reused by every eager draft layer
 def compiled_flex(backend: str = "inductor"):
@@ -143,6 +146,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, sc
                                   kernel_options=FLEX_KERNEL_OPTIONS)
     if isinstance(mask, SplitBlockMask):
         return _split_attention(q, k, v, mask, scale)
+    if isinstance(mask, IntervalMask):
+        return interval_attention(q, k, v, mask, scale)
     if isinstance(mask, SegmentedMask):
         S, parts = mask.context_len, []
         for seg in mask.segments:

@@ -23,6 +23,7 @@ import torch
 
 from dflash_train.data.packing import PackedBatch
 from dflash_train.models.attention import Segment, SegmentedMask, SplitBlockMask
+from dflash_train.models.interval_attention import IntervalMask
 from dflash_train.objective.blocks import Blocks
 
 
@@ -201,6 +202,13 @@ def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Te
         return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
     return (*indices(partial), *indices(full), rows)
+
+
+def interval_mask(spec: MaskSpec, head_dim: int) -> IntervalMask:
+    """The predicate as the interval kernels read it (attention backend intervals): each row's two key
+    intervals and, per key tile, the query tiles that may see it."""
+    rows = row_intervals(spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window)
+    return IntervalMask.of(rows, spec.context_len + spec.num_queries, head_dim)
 
 
 def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = False) -> SplitBlockMask:

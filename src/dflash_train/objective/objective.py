@@ -27,7 +27,14 @@ from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.blocks import Blocks, build_blocks, gamma_for
 from dflash_train.objective.loss import LossOutput, expected_acceptance_length, weighted_block_loss
-from dflash_train.objective.masks import MASK_TILE, MaskSpec, segmented_mask, split_block_mask, structured_block_mask
+from dflash_train.objective.masks import (
+    MASK_TILE,
+    MaskSpec,
+    interval_mask,
+    segmented_mask,
+    split_block_mask,
+    structured_block_mask,
+)
 from dflash_train.profiling.stats import NULL_LOOP
 
 
@@ -37,9 +44,10 @@ class ObjectiveConfig:
 
     num_anchors: int = setting(32, "anchors drawn per sequence each time it is seen", at_least(1))
     gamma: float | None = setting(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)", above(0))
-    attention: AttentionBackend = setting("auto", "flex | flex-split | dense | auto (flex on CUDA, dense elsewhere); "
-                                                  "flex-split: FlexAttention over the context, each block's own "
-                                                  "keys in a batched matmul, merged by log-sum-exp")
+    attention: AttentionBackend = setting("auto", "flex | flex-split | intervals | dense | auto (flex on CUDA, dense "
+                                                  "elsewhere); flex-split: FlexAttention over the context, each "
+                                                  "block's own keys in a batched matmul, merged by log-sum-exp; "
+                                                  "intervals: Triton kernels over each query's two key intervals")
     loss_chunk_rows: int = setting(4096, "block tokens per LM-head + loss chunk", at_least(1))
     kd_weight: float = setting(0.0, "distillation: share of the target's own next-token distribution in each "
                                     "slot's label, 0..1 (0 = hard labels; the target then also runs its last layers)",
@@ -54,10 +62,17 @@ def uses_flex(attention: str) -> bool:
     return attention in ("flex", "flex-split")
 
 
+def tiled(attention: str) -> bool:
+    """Whether an attention backend runs CUDA kernels over tiles of keys (FlexAttention's or the interval
+    kernels): the ones a compiled draft layer can hold, and whose context is padded to a tile."""
+    return uses_flex(attention) or attention == "intervals"
+
+
 def check_backend_device(attention: str, device: torch.device) -> None:
-    """Training needs the backward of its attention backend; FlexAttention has it on CUDA only."""
-    if uses_flex(attention) and device.type != "cuda":
-        raise UsageError(f"--attention {attention}: FlexAttention has no backward on {device.type}; "
+    """Training needs the backward of its attention backend; FlexAttention and the interval kernels run on
+    CUDA only."""
+    if tiled(attention) and device.type != "cuda":
+        raise UsageError(f"--attention {attention}: its kernels run on CUDA, not {device.type}; "
                          "use --attention dense (or auto, which picks it off CUDA)")
 
 
@@ -110,7 +125,7 @@ class DFlashObjective(nn.Module):
         keys) belong to no sequence (seq_id -1, no anchor), so no query sees them; block_hidden gives them
         zero features. The dense backend evaluates the exact predicate per sequence and needs none."""
         pad = -batch.num_tokens % MASK_TILE
-        if not pad or not uses_flex(self.backend(batch.input_ids.device)):
+        if not pad or not tiled(self.backend(batch.input_ids.device)):
             return batch
         return PackedBatch(*(torch.cat([t, t.new_full((pad,), fill)]) for t, fill in
                              ((batch.input_ids, 0), (batch.loss_mask, 0), (batch.seq_ids, -1), (batch.positions, 0))))
@@ -120,6 +135,8 @@ class DFlashObjective(nn.Module):
         if uses_flex(backend):
             mask = structured_block_mask if backend == "flex" else split_block_mask
             build = functools.partial(mask, compiled=self.compiled_masks)
+        elif backend == "intervals":
+            build = functools.partial(interval_mask, head_dim=self.drafter.config.head_dim)
         else:
             build = segmented_mask
         cfg = self.drafter.config

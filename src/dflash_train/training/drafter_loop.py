@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dflash_train.errors import UsageError, say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.loss import LossOutput
-from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device, uses_flex
+from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device, tiled
 from dflash_train.pipeline.handoff import Features
 from dflash_train.profiling.hooks import drafter_spans
 from dflash_train.training.config import OptimizerConfig, TrainerConfig
@@ -73,8 +73,9 @@ class DrafterTrainLoop(Trainer):
         check_backend_device(objective_cfg.attention, device)
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, compile_masks,
                                     embed_scale)
-        if compile_drafter and not uses_flex(objective.backend(device)):  # the backend the step will run
-            raise UsageError("--compile-drafter: compiled draft layers need FlexAttention on CUDA, not "
+        if compile_drafter and not tiled(objective.backend(device)):  # the backend the step will run
+            raise UsageError("--compile-drafter: compiled draft layers need FlexAttention or the interval kernels "
+                             "on CUDA, not "
                              f"{objective.backend(device)} attention on {device.type}")
         self.drafter, self.compile_drafter = drafter, compile_drafter  # before the Trainer restores a state
         step = DrafterStep(objective)

@@ -1,0 +1,323 @@
+"""The drafter's training attention as Triton kernels over each query row's two key intervals.
+
+    mask = IntervalMask.of(rows, num_keys, head_dim)     # rows [4, Q] int32: lo, hi, b_lo, b_hi
+    out = interval_attention(q, k, v, mask, scale)       # q [b, Hq, Q, d], k/v [b, Hkv, M, d]
+
+A DFlash block query sees an interval of context keys, [lo, hi) (its sequence before the anchor, or the
+window's part of it), and an interval of its own block's keys, [b_lo, b_hi) (objective/masks.py
+row_intervals). FlexAttention runs that mask as a block-sparse grid of 128 x 128 tiles with the predicate
+evaluated on every pair of a partial tile. With the SmolLM2 recipe's 64-wide heads a query tile of 16
+blocks walks ~5 key tiles, three in four of them partial, and FlexAttention ran at ~66 TFLOP/s of executed
+tiles (H100, 2026-12-05; docs/performance.md). Here a program takes a query tile of BLOCK_M rows and walks
+the hull of its rows' context intervals, then the hull of their own-block intervals, each tile masked by
+the rows' interval (two int32 compares a pair; a pair lies in one interval only, since context keys come
+before the blocks' keys, so no pair is counted twice). No tile lists are built: a query tile's hulls come
+from its rows, and for the backward's key tiles the range of query tiles that may see them
+(`key_tile_queries`, once per mask).
+
+Math: softmax(q k^T * scale) v over each row's keys, float32 scores, sums and accumulators, the
+probabilities rounded to the inputs' dtype for P.V (as flash attention does). The backward is flash
+attention 2's: delta = rowsum(dO * O), then one kernel for dK and dV per key tile (a K/V head's query heads
+summed in the program: no atomics) and one for dQ per query tile. Both directions are registered as torch
+custom ops, so a compiled draft layer (--compile-drafter) calls them without a graph break. They run on
+CUDA in half precision, and on the CPU under TRITON_INTERPRET=1 (the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+
+def tiles(head_dim: int) -> tuple[int, int]:
+    """(query rows, key columns) of a tile: 64 x 64 up to 64-wide heads, 128 x 64 for wider ones
+    (flash attention's shapes for these head sizes; a query tile of 64 rows holds 8 blocks of B=8, whose
+    own keys are then one key tile)."""
+    return (64, 64) if head_dim <= 64 else (128, 64)
+
+
+@dataclass
+class IntervalMask:
+    """The training mask of one layer kind as the kernels read it.
+
+    rows: [4, Q] int32, each query row's context keys [lo, hi) and own-block keys [b_lo, b_hi).
+    key_queries: [2, nkv] int32, for each key tile of BLOCK_N columns the query tiles [first, end) that may
+    see it (a superset: query tiles inside it whose rows see none of it add nothing)."""
+
+    rows: torch.Tensor
+    key_queries: torch.Tensor
+    block_m: int
+    block_n: int
+    warps: int = 4
+    stages: int = 2
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, num_keys: int, head_dim: int) -> IntervalMask:
+        """The mask over `num_keys` keys (context and blocks), tiled for `head_dim`-wide heads."""
+        block_m, block_n = tiles(head_dim)
+        rows = rows.to(torch.int32).contiguous()
+        return cls(rows, key_tile_queries(rows, num_keys, block_m, block_n), block_m, block_n)
+
+
+def key_tile_queries(rows: torch.Tensor, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
+    """[2, nkv] int32: for key tile t, the first and one past the last query tile whose rows' interval hulls
+    meet it. Tensor ops on the rows' device, no host sync."""
+    Q = rows.shape[1]
+    nq, nkv = -(-Q // block_m), -(-num_keys // block_n)
+    lo, hi, b_lo, b_hi = rows.long().unbind(0)
+    tile = torch.arange(Q, device=rows.device) // block_m
+    big = num_keys + 1
+
+    def hull(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # per query tile
+        some = a < b
+        first = torch.full((nq,), big, device=rows.device, dtype=torch.long)
+        last = torch.full((nq,), -1, device=rows.device, dtype=torch.long)
+        first.scatter_reduce_(0, tile, torch.where(some, a, big), reduce="amin")
+        last.scatter_reduce_(0, tile, torch.where(some, b, -1), reduce="amax")
+        return first[:, None], last[:, None]
+
+    k0 = torch.arange(nkv, device=rows.device)[None, :] * block_n
+    k1 = k0 + block_n
+    (c0, c1), (o0, o1) = hull(lo, hi), hull(b_lo, b_hi)
+    touch = ((k0 < c1) & (k1 > c0)) | ((k0 < o1) & (k1 > o0))  # [nq, nkv]
+    seen = touch.any(0)
+    first = touch.int().argmax(0)
+    end = nq - touch.flip(0).int().argmax(0)
+    return torch.stack([torch.where(seen, first, 0), torch.where(seen, end, 0)]).to(torch.int32)
+
+
+def interval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: IntervalMask,
+                       scale: float) -> torch.Tensor:
+    """q: [b, Hq, Q, d], k/v: [b, Hkv, M, d] (GQA: Hq a multiple of Hkv), M the keys `mask` was built over ->
+    [b, Hq, Q, d], laid out as [b, Q, Hq, d] (what o_proj reads)."""
+    out, _ = torch.ops.dflash.interval_attention(q, k, v, mask.rows, mask.key_queries, scale, mask.block_m,
+                                                 mask.block_n, mask.warps, mask.stages)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _interval_tile(acc, m_i, l_i, q, K, V, n0, first, end, M, offs_d, k_n, v_n, scale_log2,
+                       BLOCK_N: tl.constexpr):
+        """One key tile of the online softmax, masked to each row's interval [first, end) (log2 domain)."""
+        kk = n0 + tl.arange(0, BLOCK_N)
+        in_k = kk < M
+        kt = tl.load(K + kk[None, :] * k_n + offs_d[:, None], mask=in_k[None, :], other=0.0)  # [d, N]
+        s = tl.dot(q, kt) * scale_log2
+        ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        vt = tl.load(V + kk[:, None] * v_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def _hull(first, end, M):
+        """The key range [start, stop) a query tile walks for one interval per row, start a multiple of
+        nothing in particular (the caller aligns it)."""
+        some = first < end
+        return tl.min(tl.where(some, first, M), 0), tl.max(tl.where(some, end, 0), 0)
+
+    @triton.jit
+    def _forward_kernel(Q, K, V, Out, LSE, ROWS, Qn, M, H, group, scale_log2,
+                        q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        kvh = h // group
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_q = rm < Qn
+        lo = tl.load(ROWS + rm, mask=in_q, other=0)
+        hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
+        b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
+        b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        Kh, Vh = K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        start, stop = _hull(lo, hi, M)
+        for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
+            acc, m_i, l_i = _interval_tile(acc, m_i, l_i, q, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2,
+                                           BLOCK_N)
+        start, stop = _hull(b_lo, b_hi, M)
+        for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
+            acc, m_i, l_i = _interval_tile(acc, m_i, l_i, q, Kh, Vh, n0, b_lo, b_hi, M, offs_d, k_n, v_n, scale_log2,
+                                           BLOCK_N)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        acc = acc / l_safe[:, None]
+        tl.store(Out + b * o_b + h * o_h + rm[:, None] * o_n + offs_d[None, :], acc.to(Out.dtype.element_ty),
+                 mask=in_q[:, None])
+        tl.store(LSE + bh * Qn + rm, m_i + tl.log2(l_safe), mask=in_q)  # log2 units, for the backward
+
+    @triton.jit
+    def _dq_tile(dq, q, do, lse, delta, K, V, n0, first, end, M, offs_d, k_n, v_n, scale_log2,
+                 BLOCK_N: tl.constexpr):
+        kk = n0 + tl.arange(0, BLOCK_N)
+        in_k = kk < M
+        kt = tl.load(K + kk[None, :] * k_n + offs_d[:, None], mask=in_k[None, :], other=0.0)  # [d, N]
+        vt = tl.load(V + kk[None, :] * v_n + offs_d[:, None], mask=in_k[None, :], other=0.0)  # [d, N]
+        ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
+        p = tl.where(ok, tl.exp2(tl.dot(q, kt) * scale_log2 - lse[:, None]), 0.0)
+        dp = tl.dot(do, vt)
+        ds = p * (dp - delta[:, None])
+        return dq + tl.dot(ds.to(kt.dtype), tl.trans(kt))
+
+    @triton.jit
+    def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, Qn, M, H, group, scale_log2, scale,
+                   q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        kvh = h // group
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_q = rm < Qn
+        lo = tl.load(ROWS + rm, mask=in_q, other=0)
+        hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
+        b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
+        b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        do = tl.load(DO + b * do_b + h * do_h + rm[:, None] * do_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        lse = tl.load(LSE + bh * Qn + rm, mask=in_q, other=0.0)
+        delta = tl.load(DELTA + bh * Qn + rm, mask=in_q, other=0.0)
+        Kh, Vh = K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
+        dq = tl.zeros([BLOCK_M, D], tl.float32)
+        start, stop = _hull(lo, hi, M)
+        for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N)
+        start, stop = _hull(b_lo, b_hi, M)
+        for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, b_lo, b_hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N)
+        tl.store(DQ + b * dq_b + h * dq_h + rm[:, None] * dq_n + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=in_q[:, None])
+
+    @triton.jit
+    def _dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, ROWS, KEY_QUERIES, Qn, M, H, Hkv, group, scale_log2, scale,
+                     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dk_b, dk_h, dk_n,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_n, bkv = tl.program_id(0), tl.program_id(1)
+        b, kvh = bkv // Hkv, bkv % Hkv
+        kk = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_k = kk < M
+        offs_d = tl.arange(0, D)
+        k = tl.load(K + b * k_b + kvh * k_h + kk[:, None] * k_n + offs_d[None, :], mask=in_k[:, None], other=0.0)
+        v = tl.load(V + b * v_b + kvh * v_h + kk[:, None] * v_n + offs_d[None, :], mask=in_k[:, None], other=0.0)
+        dk = tl.zeros([BLOCK_N, D], tl.float32)
+        dv = tl.zeros([BLOCK_N, D], tl.float32)
+        first = tl.load(KEY_QUERIES + pid_n)
+        end = tl.load(KEY_QUERIES + tl.num_programs(0) + pid_n)
+        for g in range(group):
+            h = kvh * group + g
+            bh = b * H + h
+            for m0 in range(first * BLOCK_M, end * BLOCK_M, BLOCK_M):
+                rm = m0 + tl.arange(0, BLOCK_M)
+                in_q = rm < Qn
+                lo = tl.load(ROWS + rm, mask=in_q, other=0)
+                hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
+                b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
+                b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
+                qt = tl.load(Q + b * q_b + h * q_h + rm[None, :] * q_n + offs_d[:, None], mask=in_q[None, :],
+                             other=0.0)  # [d, M]
+                do = tl.load(DO + b * do_b + h * do_h + rm[:, None] * do_n + offs_d[None, :], mask=in_q[:, None],
+                             other=0.0)  # [M, d]
+                lse = tl.load(LSE + bh * Qn + rm, mask=in_q, other=0.0)
+                delta = tl.load(DELTA + bh * Qn + rm, mask=in_q, other=0.0)
+                ok = (((kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :]))
+                      | ((kk[:, None] >= b_lo[None, :]) & (kk[:, None] < b_hi[None, :])))
+                pt = tl.where(ok, tl.exp2(tl.dot(k, qt) * scale_log2 - lse[None, :]), 0.0)  # [N, M]
+                dv += tl.dot(pt.to(do.dtype), do)
+                dpt = tl.dot(v, tl.trans(do))  # [N, M]
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+        at = b * dk_b + kvh * dk_h + kk[:, None] * dk_n + offs_d[None, :]  # dK and dV share a layout
+        tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=in_k[:, None])
+        tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=in_k[:, None])
+
+
+def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """[b, Hq, Q, d] stored as [b, Q, Hq, d]: o_proj's input without a copy."""
+    b, H, Q, d = q.shape
+    return q.new_empty(b, Q, H, d).transpose(1, 2)
+
+
+@torch.library.custom_op("dflash::interval_attention", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, key_queries: torch.Tensor,
+             scale: float, block_m: int, block_n: int, warps: int,
+             stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (_lastdim_contiguous(t) for t in (q, k, v))
+    b, H, Q, d = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    out = _output_like(q)
+    lse = torch.empty(b, H, Q, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(Q, block_m), b * H)
+    _forward_kernel[grid](q, k, v, out, lse, rows, Q, M, H, H // Hkv, scale * LOG2E,
+                          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                          D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+@_forward.register_fake
+def _(q, k, v, rows, key_queries, scale, block_m, block_n, warps, stages):
+    b, H, Q, _ = q.shape
+    return _output_like(q), q.new_empty(b, H, Q, dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash::interval_attention_backward", mutates_args=())
+def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, rows: torch.Tensor, key_queries: torch.Tensor, scale: float, block_m: int,
+              block_n: int, warps: int, stages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, do = (_lastdim_contiguous(t) for t in (q, k, v, do))
+    b, H, Q, d = q.shape
+    Hkv, M = k.shape[1], k.shape[2]
+    delta = (out.float() * do.float()).sum(-1).contiguous()  # [b, H, Q]
+    dq = torch.empty_like(q)
+    dk = k.new_empty(b, Hkv, M, d)
+    dv = torch.empty_like(dk)
+    common = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    _dq_kernel[(triton.cdiv(Q, block_m), b * H)](
+        q, k, v, do, dq, lse, delta, rows, Q, M, H, H // Hkv, scale * LOG2E, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], **common)
+    _dkdv_kernel[(triton.cdiv(M, block_n), b * Hkv)](
+        q, k, v, do, dk, dv, lse, delta, rows, key_queries, Q, M, H, Hkv, H // Hkv, scale * LOG2E, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], **common)
+    return dq, dk, dv
+
+
+@_backward.register_fake
+def _(do, q, k, v, out, lse, rows, key_queries, scale, block_m, block_n, warps, stages):
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(k.shape)
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, rows, key_queries, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, rows, key_queries)
+    ctx.args = args  # scale, tiles, warps, stages
+
+
+def _gradients(ctx, d_out, d_lse):
+    q, k, v, out, lse, rows, key_queries = ctx.saved_tensors
+    dq, dk, dv = torch.ops.dflash.interval_attention_backward(d_out, q, k, v, out, lse, rows, key_queries, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_forward.register_autograd(_gradients, setup_context=_setup)
