@@ -112,16 +112,16 @@ if triton is not None:
         """One key tile of the online softmax, masked to each row's interval [first, end) (log2 domain)."""
         kk = n0 + tl.arange(0, BLOCK_N)
         in_k = kk < M
-        kt = tl.load(K + kk[None, :] * k_n + offs_d[:, None], mask=in_k[None, :], other=0.0)  # [d, N]
-        s = tl.dot(q, kt) * scale_log2
+        k = tl.load(K + kk[:, None] * k_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
+        s = tl.dot(q, tl.trans(k)) * scale_log2
         ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        vt = tl.load(V + kk[:, None] * v_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        v = tl.load(V + kk[:, None] * v_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
     @triton.jit
@@ -169,13 +169,13 @@ if triton is not None:
                  BLOCK_N: tl.constexpr):
         kk = n0 + tl.arange(0, BLOCK_N)
         in_k = kk < M
-        kt = tl.load(K + kk[None, :] * k_n + offs_d[:, None], mask=in_k[None, :], other=0.0)  # [d, N]
-        vt = tl.load(V + kk[None, :] * v_n + offs_d[:, None], mask=in_k[None, :], other=0.0)  # [d, N]
+        k = tl.load(K + kk[:, None] * k_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
+        v = tl.load(V + kk[:, None] * v_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
         ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
-        p = tl.where(ok, tl.exp2(tl.dot(q, kt) * scale_log2 - lse[:, None]), 0.0)
-        dp = tl.dot(do, vt)
+        p = tl.where(ok, tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        return dq + tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        return dq + tl.dot(ds.to(k.dtype), k)
 
     @triton.jit
     def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, Qn, M, H, group, scale_log2, scale,
@@ -231,19 +231,19 @@ if triton is not None:
                 hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
                 b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
                 b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
-                qt = tl.load(Q + b * q_b + h * q_h + rm[None, :] * q_n + offs_d[:, None], mask=in_q[None, :],
-                             other=0.0)  # [d, M]
+                q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None],
+                            other=0.0)  # [M, d]
                 do = tl.load(DO + b * do_b + h * do_h + rm[:, None] * do_n + offs_d[None, :], mask=in_q[:, None],
                              other=0.0)  # [M, d]
                 lse = tl.load(LSE + bh * Qn + rm, mask=in_q, other=0.0)
                 delta = tl.load(DELTA + bh * Qn + rm, mask=in_q, other=0.0)
                 ok = (((kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :]))
                       | ((kk[:, None] >= b_lo[None, :]) & (kk[:, None] < b_hi[None, :])))
-                pt = tl.where(ok, tl.exp2(tl.dot(k, qt) * scale_log2 - lse[None, :]), 0.0)  # [N, M]
+                pt = tl.where(ok, tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :]), 0.0)  # [N, M]
                 dv += tl.dot(pt.to(do.dtype), do)
                 dpt = tl.dot(v, tl.trans(do))  # [N, M]
                 dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+                dk += tl.dot(dst.to(q.dtype), q)
         at = b * dk_b + kvh * dk_h + kk[:, None] * dk_n + offs_d[None, :]  # dK and dV share a layout
         tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=in_k[:, None])
         tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=in_k[:, None])
