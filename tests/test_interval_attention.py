@@ -44,12 +44,13 @@ def test_the_interval_kernels_are_refused_off_cuda():
 def test_kernels_equal_the_dense_attention_and_its_gradients():
     """Output and dQ, dK, dV against SDPA over the dense mask in float32: two packed sequences, the context padded
     past them (pads no query sees), windows inside and beyond a block, GQA, queries in o_proj's layout, and the
-    output written in it; float16 to its rounding."""
+    output written in it; float16 to its rounding. Small tiles too, where some context tiles lie inside every
+    row's interval (walked unmasked) and a query tile's blocks span both sequences."""
     run_interpreted("""
         import torch
         import torch.nn.functional as F
         from dflash_train.models.attention import repeat_kv
-        from dflash_train.models.interval_attention import IntervalMask, interval_attention
+        from dflash_train.models.interval_attention import IntervalMask, interval_attention, key_tile_queries
         from dflash_train.objective.masks import MaskSpec, dense_mask, row_intervals
 
         torch.manual_seed(0)
@@ -60,8 +61,14 @@ def test_kernels_equal_the_dense_attention_and_its_gradients():
         for B, H, hkv, d, window in ((8, 6, 2, 32, None), (8, 6, 2, 32, 5), (4, 4, 4, 16, 12), (8, 2, 1, 128, None)):
             spec = MaskSpec(seq, pos, anchors, B, window)
             Q, M = spec.num_queries, S + spec.num_queries
-            mask = IntervalMask.of(row_intervals(seq, pos, anchors, B, window), M, d)
-            for dtype, atol in ((torch.float32, 2e-5), (torch.float16, 4e-3)):
+            rows = row_intervals(seq, pos, anchors, B, window)
+            small = [IntervalMask(rows, key_tile_queries(rows, M, bm, bn), bm, bn) for bm, bn in ((16, 16), (32, 16))]
+            if window is None and B == 8:  # some 16-row tile sees a whole 16-key context tile
+                lo, hi = rows[0].tolist(), rows[1].tolist()
+                assert any(-(-max(lo[i:i + 16]) // 16) * 16 + 16 <= min(hi[i:i + 16]) for i in range(0, Q, 16))
+            for mask, dtype, atol in [(IntervalMask.of(rows, M, d), torch.float32, 2e-5),
+                                      (IntervalMask.of(rows, M, d), torch.float16, 4e-3),
+                                      *((m, torch.float32, 2e-5) for m in small if d <= 32)]:
                 q = torch.randn(1, Q, H, d, dtype=dtype).transpose(1, 2).requires_grad_()
                 k, v = (torch.randn(1, hkv, M, d, dtype=dtype).requires_grad_() for _ in range(2))
                 grad = torch.randn(1, H, Q, d, dtype=dtype)
@@ -74,7 +81,7 @@ def test_kernels_equal_the_dense_attention_and_its_gradients():
                 want.backward(grad.float())
                 for name, got, exp in zip("oqkv", (out, q.grad, k.grad, v.grad), (want, *(t.grad for t in ref))):
                     err = (got.float() - exp).abs().max().item()
-                    assert err < atol * max(1.0, exp.abs().max().item()), (B, H, d, window, dtype, name, err)
+                    assert err < atol * max(1.0, exp.abs().max().item()), (B, d, window, dtype, mask.block_m, name, err)
         """)
 
 

@@ -108,14 +108,16 @@ if triton is not None:
 
     @triton.jit
     def _interval_tile(acc, m_i, l_i, q, K, V, n0, first, end, M, offs_d, k_n, v_n, scale_log2,
-                       BLOCK_N: tl.constexpr):
-        """One key tile of the online softmax, masked to each row's interval [first, end) (log2 domain)."""
+                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """One key tile of the online softmax, masked to each row's interval [first, end) (log2 domain) unless
+        every row sees the whole tile."""
         kk = n0 + tl.arange(0, BLOCK_N)
         in_k = kk < M
         k = tl.load(K + kk[:, None] * k_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
         s = tl.dot(q, tl.trans(k)) * scale_log2
-        ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
-        s = tl.where(ok, s, float("-inf"))
+        if MASKED:
+            ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
+            s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         p = tl.exp2(s - m_safe[:, None])
@@ -130,6 +132,20 @@ if triton is not None:
         nothing in particular (the caller aligns it)."""
         some = first < end
         return tl.min(tl.where(some, first, M), 0), tl.max(tl.where(some, end, 0), 0)
+
+    @triton.jit
+    def _context_tiles(first, end, in_q, M, BLOCK_N: tl.constexpr):
+        """The context keys a query tile walks, as tile-aligned bounds s0 <= f0 <= f1 <= s1: tiles in [f0, f1)
+        lie inside every row's interval (no mask needed), the others of [s0, s1) are masked. Rows past the
+        queries' end count as seeing everything (their output is never stored)."""
+        start, stop = _hull(first, end, M)
+        s0 = start // BLOCK_N * BLOCK_N
+        s1 = tl.cdiv(stop, BLOCK_N) * BLOCK_N
+        all_first = tl.max(tl.where(in_q, first, 0), 0)
+        all_end = tl.min(tl.where(in_q, end, M), 0)
+        f0 = tl.minimum(tl.maximum(tl.cdiv(all_first, BLOCK_N) * BLOCK_N, s0), s1)
+        f1 = tl.minimum(tl.maximum(all_end // BLOCK_N * BLOCK_N, f0), s1)
+        return s0, f0, f1, s1
 
     @triton.jit
     def _forward_kernel(Q, K, V, Out, LSE, ROWS, Qn, M, H, group, scale_log2,
@@ -150,14 +166,20 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        start, stop = _hull(lo, hi, M)
-        for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
+        s0, f0, f1, s1 = _context_tiles(lo, hi, in_q, M, BLOCK_N)
+        for n0 in range(s0, f0, BLOCK_N):
             acc, m_i, l_i = _interval_tile(acc, m_i, l_i, q, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2,
-                                           BLOCK_N)
+                                           BLOCK_N, True)
+        for n0 in range(f0, f1, BLOCK_N):
+            acc, m_i, l_i = _interval_tile(acc, m_i, l_i, q, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2,
+                                           BLOCK_N, False)
+        for n0 in range(f1, s1, BLOCK_N):
+            acc, m_i, l_i = _interval_tile(acc, m_i, l_i, q, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2,
+                                           BLOCK_N, True)
         start, stop = _hull(b_lo, b_hi, M)
         for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
             acc, m_i, l_i = _interval_tile(acc, m_i, l_i, q, Kh, Vh, n0, b_lo, b_hi, M, offs_d, k_n, v_n, scale_log2,
-                                           BLOCK_N)
+                                           BLOCK_N, True)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         acc = acc / l_safe[:, None]
         tl.store(Out + b * o_b + h * o_h + rm[:, None] * o_n + offs_d[None, :], acc.to(Out.dtype.element_ty),
@@ -166,13 +188,15 @@ if triton is not None:
 
     @triton.jit
     def _dq_tile(dq, q, do, lse, delta, K, V, n0, first, end, M, offs_d, k_n, v_n, scale_log2,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
         kk = n0 + tl.arange(0, BLOCK_N)
         in_k = kk < M
         k = tl.load(K + kk[:, None] * k_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
         v = tl.load(V + kk[:, None] * v_n + offs_d[None, :], mask=in_k[:, None], other=0.0)  # [N, d]
-        ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
-        p = tl.where(ok, tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]), 0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None])
+        if MASKED:
+            ok = (kk[None, :] >= first[:, None]) & (kk[None, :] < end[:, None])
+            p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         return dq + tl.dot(ds.to(k.dtype), k)
@@ -197,12 +221,17 @@ if triton is not None:
         delta = tl.load(DELTA + bh * Qn + rm, mask=in_q, other=0.0)
         Kh, Vh = K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
         dq = tl.zeros([BLOCK_M, D], tl.float32)
-        start, stop = _hull(lo, hi, M)
-        for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N)
+        s0, f0, f1, s1 = _context_tiles(lo, hi, in_q, M, BLOCK_N)
+        for n0 in range(s0, f0, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N, True)
+        for n0 in range(f0, f1, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N, False)
+        for n0 in range(f1, s1, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, lo, hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N, True)
         start, stop = _hull(b_lo, b_hi, M)
         for n0 in range(start // BLOCK_N * BLOCK_N, stop, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, b_lo, b_hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N)
+            dq = _dq_tile(dq, q, do, lse, delta, Kh, Vh, n0, b_lo, b_hi, M, offs_d, k_n, v_n, scale_log2, BLOCK_N,
+                          True)
         tl.store(DQ + b * dq_b + h * dq_h + rm[:, None] * dq_n + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=in_q[:, None])
 
