@@ -142,7 +142,8 @@ def main() -> int:
     full, sliding = (s and MaskSpec(*(t.to(device) for t in (s.seq_ids, s.positions, s.anchors)), s.block_size,
                                     s.window) for s in pack_spec(args))
     out = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-           else "cpu", "torch": torch.__version__, "args": vars(args), "context_tile": MASK_TILE,
+           else "cpu", "torch": torch.__version__, "command": " ".join(["python3", *sys.argv]),
+           "args": vars(args), "context_tile": MASK_TILE,
            "full": layer_kind(full, args, device)}
     if sliding is not None:
         out["sliding"] = layer_kind(sliding, args, device)
