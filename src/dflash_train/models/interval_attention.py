@@ -266,9 +266,15 @@ if triton is not None:
                              other=0.0)  # [M, d]
                 lse = tl.load(LSE + bh * Qn + rm, mask=in_q, other=0.0)
                 delta = tl.load(DELTA + bh * Qn + rm, mask=in_q, other=0.0)
-                ok = (((kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :]))
-                      | ((kk[:, None] >= b_lo[None, :]) & (kk[:, None] < b_hi[None, :])))
-                pt = tl.where(ok, tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :]), 0.0)  # [N, M]
+                pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :])  # [N, M]
+                # unless the tile lies inside every row's context interval (rows past the end count as seeing it:
+                # their dO and q are zeros), the mask
+                partial = ((tl.max(tl.where(in_q, lo, 0), 0) > pid_n * BLOCK_N)
+                           | (pid_n * BLOCK_N + BLOCK_N > tl.min(tl.where(in_q, hi, M), 0)))
+                if partial:
+                    ok = (((kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :]))
+                          | ((kk[:, None] >= b_lo[None, :]) & (kk[:, None] < b_hi[None, :])))
+                    pt = tl.where(ok, pt, 0.0)
                 dv += tl.dot(pt.to(do.dtype), do)
                 dpt = tl.dot(v, tl.trans(do))  # [N, M]
                 dst = pt * (dpt - delta[None, :])
