@@ -12,9 +12,9 @@ per sequence, the context padded to FlexAttention's tile as objective.py key_con
 random bf16 in the drafter's layouts. Per layer kind (full, and sliding with --window): ms forward and
 forward + backward (CUDA events, median of --reps after warm-up), TFLOP/s on the pairs the mask allows
 (4·d FLOPs a pair forward, 10·d with the backward), and each backend's largest error against the other in
-the output and the three gradients. --tiles lists the interval kernels' tile shapes to time
-(BLOCK_MxBLOCK_N[xWARPSxSTAGES]). On the CPU (Triton's interpreter) FlexAttention is replaced by the dense
-mask's SDPA and the times mean nothing.
+the output and the three gradients. --tiles lists the interval kernels' launches to time, each
+FORWARD/DQ/DKDV of BLOCK_MxBLOCK_N[xWARPSxSTAGES] (or one for all three). On the CPU (Triton's
+interpreter) FlexAttention is replaced by the dense mask's SDPA and the times mean nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this tre
 from dflash_train.data.synthetic import SyntheticSequences  # noqa: E402
 from dflash_train.devices import resolve_device  # noqa: E402
 from dflash_train.models.attention import attend, repeat_kv  # noqa: E402
-from dflash_train.models.interval_attention import IntervalMask, key_tile_queries, tiles  # noqa: E402
+from dflash_train.models.interval_attention import IntervalMask, Launch, launches  # noqa: E402
 from dflash_train.objective.masks import MASK_TILE, MaskSpec, dense_mask, row_intervals, structured_block_mask  # noqa: E402
 from dflash_train.pipeline.stream import PackStream  # noqa: E402
 
@@ -108,11 +108,12 @@ def layer_kind(spec: MaskSpec, args, device: torch.device) -> dict:
         dense = dense_mask(spec)
         results.append(run_backend("dense", lambda q, k, v: F.scaled_dot_product_attention(
             q, *repeat_kv(q, k, v), attn_mask=dense, scale=scale), q, k, v, grad, args.reps, cuda))
-    for shape in args.tiles or ["x".join(map(str, tiles(args.head_dim)))]:
-        bm, bn, *launch = (int(x) for x in shape.split("x"))
-        mask = IntervalMask(rows.to(torch.int32), key_tile_queries(rows, M, bm, bn), bm, bn, *launch)
-        results.append(run_backend(f"intervals {shape}", lambda q, k, v, m=mask: attend(q, k, v, m, scale),
-                                   q, k, v, grad, args.reps, cuda))
+    for text in args.tiles or ["/".join(map(str, launches(args.head_dim)))]:
+        kernels = [Launch.parse(x) for x in text.split("/")]
+        kernels = tuple(kernels * 3 if len(kernels) == 1 else kernels)
+        mask = IntervalMask.of(rows, M, args.head_dim, kernels)
+        results.append(run_backend(f"intervals {'/'.join(map(str, kernels))}",
+                                   lambda q, k, v, m=mask: attend(q, k, v, m, scale), q, k, v, grad, args.reps, cuda))
     ref = results[0].pop("tensors")
     for r in results:
         got = r.pop("tensors", ref)
@@ -133,7 +134,8 @@ def main() -> int:
     p.add_argument("--num-anchors", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=614)
     p.add_argument("--token-budget", type=int, default=16384)
-    p.add_argument("--tiles", nargs="*", help="interval kernel tiles to time, BLOCK_MxBLOCK_N[xWARPSxSTAGES]")
+    p.add_argument("--tiles", nargs="*", help="interval kernel launches to time: FORWARD/DQ/DKDV, each "
+                                              "BLOCK_MxBLOCK_N[xWARPSxSTAGES] (one for all three); default theirs")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)

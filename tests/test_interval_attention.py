@@ -50,7 +50,7 @@ def test_kernels_equal_the_dense_attention_and_its_gradients():
         import torch
         import torch.nn.functional as F
         from dflash_train.models.attention import repeat_kv
-        from dflash_train.models.interval_attention import IntervalMask, interval_attention, key_tile_queries
+        from dflash_train.models.interval_attention import IntervalMask, Launch, interval_attention
         from dflash_train.objective.masks import MaskSpec, dense_mask, row_intervals
 
         torch.manual_seed(0)
@@ -62,7 +62,8 @@ def test_kernels_equal_the_dense_attention_and_its_gradients():
             spec = MaskSpec(seq, pos, anchors, B, window)
             Q, M = spec.num_queries, S + spec.num_queries
             rows = row_intervals(seq, pos, anchors, B, window)
-            small = [IntervalMask(rows, key_tile_queries(rows, M, bm, bn), bm, bn) for bm, bn in ((16, 16), (32, 16))]
+            small = [IntervalMask.of(rows, M, d, (Launch(16, 16), Launch(32, 16), Launch(16, 32))),
+                     IntervalMask.of(rows, M, d, (Launch(32, 16), Launch(16, 16), Launch(16, 16)))]
             if window is None and B == 8:  # some 16-row tile sees a whole 16-key context tile
                 lo, hi = rows[0].tolist(), rows[1].tolist()
                 assert any(-(-max(lo[i:i + 16]) // 16) * 16 + 16 <= min(hi[i:i + 16]) for i in range(0, Q, 16))
@@ -81,7 +82,7 @@ def test_kernels_equal_the_dense_attention_and_its_gradients():
                 want.backward(grad.float())
                 for name, got, exp in zip("oqkv", (out, q.grad, k.grad, v.grad), (want, *(t.grad for t in ref))):
                     err = (got.float() - exp).abs().max().item()
-                    assert err < atol * max(1.0, exp.abs().max().item()), (B, d, window, dtype, mask.block_m, name, err)
+                    assert err < atol * max(1.0, exp.abs().max().item()), (B, d, window, dtype, mask.launch, name, err)
         """)
 
 

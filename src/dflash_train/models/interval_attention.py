@@ -38,11 +38,29 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
 LOG2E = 1.4426950408889634
 
 
-def tiles(head_dim: int) -> tuple[int, int]:
-    """(query rows, key columns) of a tile: 64 x 64 up to 64-wide heads, 128 x 64 for wider ones
-    (flash attention's shapes for these head sizes; a query tile of 64 rows holds 8 blocks of B=8, whose
-    own keys are then one key tile)."""
-    return (64, 64) if head_dim <= 64 else (128, 64)
+@dataclass(frozen=True)
+class Launch:
+    """One kernel's tile (query rows x key columns), warps and software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    warps: int = 4
+    stages: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> Launch:
+        """'64x64' or '64x64x4x3' (BLOCK_M x BLOCK_N [x warps x stages])."""
+        return cls(*(int(x) for x in text.split("x")))
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.warps}x{self.stages}"
+
+
+def launches(head_dim: int) -> tuple[Launch, Launch, Launch]:
+    """The (forward, dQ, dK/dV) kernels' launches for `head_dim`-wide heads."""
+    if head_dim <= 64:
+        return Launch(64, 64), Launch(64, 64), Launch(64, 64, 4, 3)
+    return Launch(64, 64), Launch(128, 32), Launch(128, 32)
 
 
 @dataclass
@@ -50,22 +68,24 @@ class IntervalMask:
     """The training mask of one layer kind as the kernels read it.
 
     rows: [4, Q] int32, each query row's context keys [lo, hi) and own-block keys [b_lo, b_hi).
-    key_queries: [2, nkv] int32, for each key tile of BLOCK_N columns the query tiles [first, end) that may
-    see it (a superset: query tiles inside it whose rows see none of it add nothing)."""
+    key_queries: [2, nkv] int32, for each key tile of the dK/dV kernel the query tiles [first, end) that may
+    see it (a superset: query tiles inside it whose rows see none of it add nothing).
+    launch: the forward's, dQ's and dK/dV's launches, flattened (a custom op takes a list of ints)."""
 
     rows: torch.Tensor
     key_queries: torch.Tensor
-    block_m: int
-    block_n: int
-    warps: int = 4
-    stages: int = 2
+    launch: list[int]
 
     @classmethod
-    def of(cls, rows: torch.Tensor, num_keys: int, head_dim: int) -> IntervalMask:
-        """The mask over `num_keys` keys (context and blocks), tiled for `head_dim`-wide heads."""
-        block_m, block_n = tiles(head_dim)
+    def of(cls, rows: torch.Tensor, num_keys: int, head_dim: int,
+           kernels: tuple[Launch, Launch, Launch] | None = None) -> IntervalMask:
+        """The mask over `num_keys` keys (context and blocks), its kernels launched as `kernels` (default:
+        launches(head_dim))."""
+        kernels = kernels or launches(head_dim)
         rows = rows.to(torch.int32).contiguous()
-        return cls(rows, key_tile_queries(rows, num_keys, block_m, block_n), block_m, block_n)
+        dkdv = kernels[2]
+        return cls(rows, key_tile_queries(rows, num_keys, dkdv.block_m, dkdv.block_n),
+                   [x for k in kernels for x in (k.block_m, k.block_n, k.warps, k.stages)])
 
 
 def key_tile_queries(rows: torch.Tensor, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
@@ -99,8 +119,7 @@ def interval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
                        scale: float) -> torch.Tensor:
     """q: [b, Hq, Q, d], k/v: [b, Hkv, M, d] (GQA: Hq a multiple of Hkv), M the keys `mask` was built over ->
     [b, Hq, Q, d], laid out as [b, Q, Hq, d] (what o_proj reads)."""
-    out, _ = torch.ops.dflash.interval_attention(q, k, v, mask.rows, mask.key_queries, scale, mask.block_m,
-                                                 mask.block_n, mask.warps, mask.stages)
+    out, _ = torch.ops.dflash.interval_attention(q, k, v, mask.rows, mask.key_queries, scale, mask.launch)
     return out
 
 
@@ -284,8 +303,11 @@ if triton is not None:
         tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=in_k[:, None])
 
 
-def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _operands(q: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' operands: rows of contiguous elements, all in q's dtype (under autocast the gradient of
+    the output can come in float32)."""
+    return tuple(t if t.stride(-1) == 1 and t.dtype == q.dtype else t.to(q.dtype).contiguous()
+                 for t in (q, *others))
 
 
 def _output_like(q: torch.Tensor) -> torch.Tensor:
@@ -296,49 +318,51 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("dflash::interval_attention", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, key_queries: torch.Tensor,
-             scale: float, block_m: int, block_n: int, warps: int,
-             stages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (_lastdim_contiguous(t) for t in (q, k, v))
+             scale: float, launch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _operands(q, k, v)
     b, H, Q, d = q.shape
     Hkv, M = k.shape[1], k.shape[2]
     out = _output_like(q)
     lse = torch.empty(b, H, Q, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(Q, block_m), b * H)
-    _forward_kernel[grid](q, k, v, out, lse, rows, Q, M, H, H // Hkv, scale * LOG2E,
-                          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                          D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    block_m, block_n, warps, stages = launch[:4]
+    _forward_kernel[(triton.cdiv(Q, block_m), b * H)](
+        q, k, v, out, lse, rows, Q, M, H, H // Hkv, scale * LOG2E,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return out, lse
 
 
 @_forward.register_fake
-def _(q, k, v, rows, key_queries, scale, block_m, block_n, warps, stages):
+def _(q, k, v, rows, key_queries, scale, launch):
     b, H, Q, _ = q.shape
     return _output_like(q), q.new_empty(b, H, Q, dtype=torch.float32)
 
 
 @torch.library.custom_op("dflash::interval_attention_backward", mutates_args=())
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, rows: torch.Tensor, key_queries: torch.Tensor, scale: float, block_m: int,
-              block_n: int, warps: int, stages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v, do = (_lastdim_contiguous(t) for t in (q, k, v, do))
+              lse: torch.Tensor, rows: torch.Tensor, key_queries: torch.Tensor, scale: float,
+              launch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, do = _operands(q, k, v, do)
     b, H, Q, d = q.shape
     Hkv, M = k.shape[1], k.shape[2]
     delta = (out.float() * do.float()).sum(-1).contiguous()  # [b, H, Q]
     dq = torch.empty_like(q)
     dk = k.new_empty(b, Hkv, M, d)
     dv = torch.empty_like(dk)
-    common = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    _dq_kernel[(triton.cdiv(Q, block_m), b * H)](
+    (m2, n2, w2, s2), (m1, n1, w1, s1) = launch[4:8], launch[8:12]
+    _dq_kernel[(triton.cdiv(Q, m2), b * H)](
         q, k, v, do, dq, lse, delta, rows, Q, M, H, H // Hkv, scale * LOG2E, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], **common)
-    _dkdv_kernel[(triton.cdiv(M, block_n), b * Hkv)](
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        D=d, BLOCK_M=m2, BLOCK_N=n2, num_warps=w2, num_stages=s2)
+    _dkdv_kernel[(triton.cdiv(M, n1), b * Hkv)](
         q, k, v, do, dk, dv, lse, delta, rows, key_queries, Q, M, H, Hkv, H // Hkv, scale * LOG2E, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], **common)
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
+        D=d, BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1)
     return dq, dk, dv
 
 
 @_backward.register_fake
-def _(do, q, k, v, out, lse, rows, key_queries, scale, block_m, block_n, warps, stages):
+def _(do, q, k, v, out, lse, rows, key_queries, scale, launch):
     return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(k.shape)
 
 
@@ -346,13 +370,13 @@ def _setup(ctx, inputs, output) -> None:
     q, k, v, rows, key_queries, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, rows, key_queries)
-    ctx.args = args  # scale, tiles, warps, stages
+    ctx.args = args  # scale, launch
 
 
 def _gradients(ctx, d_out, d_lse):
     q, k, v, out, lse, rows, key_queries = ctx.saved_tensors
     dq, dk, dv = torch.ops.dflash.interval_attention_backward(d_out, q, k, v, out, lse, rows, key_queries, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _forward.register_autograd(_gradients, setup_context=_setup)
