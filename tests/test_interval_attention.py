@@ -8,7 +8,7 @@ import torch
 from conftest import interpreted, run_interpreted
 
 from dflash_train.errors import UsageError
-from dflash_train.models.interval_attention import key_tile_queries
+from dflash_train.models.interval_attention import dkdv_tile_table
 from dflash_train.objective.masks import MaskSpec, dense_mask, row_intervals
 from dflash_train.objective.objective import ObjectiveConfig, check_backend_device
 
@@ -27,8 +27,9 @@ def test_key_tiles_name_every_query_tile_that_sees_them():
         dense = dense_mask(spec)[0, 0]  # [Q, S + Q]
         rows = row_intervals(seq, pos, anchors, B, window)
         for bm, bn in ((8, 8), (16, 32), (64, 64)):
-            ranges = key_tile_queries(rows, dense.shape[1], bm, bn)
-            for t in range(ranges.shape[1]):
+            nkv = -(-dense.shape[1] // bn)
+            ranges = dkdv_tile_table(rows, dense.shape[1], bm, bn)[:2 * nkv].view(2, nkv)
+            for t in range(nkv):
                 seen_by = dense[:, t * bn:(t + 1) * bn].any(1).nonzero().flatten()
                 if seen_by.numel():
                     assert ranges[0, t] * bm <= seen_by.min() and seen_by.max() < ranges[1, t] * bm, (window, t)

@@ -13,7 +13,7 @@ the hull of its rows' context intervals, then the hull of their own-block interv
 the rows' interval (two int32 compares a pair; a pair lies in one interval only, since context keys come
 before the blocks' keys, so no pair is counted twice). No tile lists are built: a query tile's hulls come
 from its rows, and for the backward's key tiles the range of query tiles that may see them
-(`key_tile_queries`, once per mask).
+(`dkdv_tile_table`, once per mask).
 
 Math: softmax(q k^T * scale) v over each row's keys, float32 scores, sums and accumulators, the
 probabilities rounded to the inputs' dtype for P.V (as flash attention does). The backward is flash
@@ -68,12 +68,11 @@ class IntervalMask:
     """The training mask of one layer kind as the kernels read it.
 
     rows: [4, Q] int32, each query row's context keys [lo, hi) and own-block keys [b_lo, b_hi).
-    key_queries: [2, nkv] int32, for each key tile of the dK/dV kernel the query tiles [first, end) that may
-    see it (a superset: query tiles inside it whose rows see none of it add nothing).
+    tile_table: the dK/dV kernel's walk (dkdv_tile_table).
     launch: the forward's, dQ's and dK/dV's launches, flattened (a custom op takes a list of ints)."""
 
     rows: torch.Tensor
-    key_queries: torch.Tensor
+    tile_table: torch.Tensor
     launch: list[int]
 
     @classmethod
@@ -84,13 +83,17 @@ class IntervalMask:
         kernels = kernels or launches(head_dim)
         rows = rows.to(torch.int32).contiguous()
         dkdv = kernels[2]
-        return cls(rows, key_tile_queries(rows, num_keys, dkdv.block_m, dkdv.block_n),
+        return cls(rows, dkdv_tile_table(rows, num_keys, dkdv.block_m, dkdv.block_n),
                    [x for k in kernels for x in (k.block_m, k.block_n, k.warps, k.stages)])
 
 
-def key_tile_queries(rows: torch.Tensor, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
-    """[2, nkv] int32: for key tile t, the first and one past the last query tile whose rows' interval hulls
-    meet it. Tensor ops on the rows' device, no host sync."""
+def dkdv_tile_table(rows: torch.Tensor, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
+    """[2 * nkv + 2 * nq] int32, the dK/dV kernel's walk, for its key tiles (block_n keys) and query tiles
+    (block_m rows): for key tile t, the first and one past the last query tile whose rows' interval hulls meet
+    it (a superset: query tiles in that range whose rows see none of it add nothing); then for query tile i,
+    the largest context start and the smallest context end of its rows, so that whether a key tile lies
+    inside every row's context interval is two scalar loads in the kernel's inner loop, not two reductions
+    across its warps. Tensor ops on the rows' device, no host sync."""
     Q = rows.shape[1]
     nq, nkv = -(-Q // block_m), -(-num_keys // block_n)
     lo, hi, b_lo, b_hi = rows.long().unbind(0)
@@ -112,14 +115,16 @@ def key_tile_queries(rows: torch.Tensor, num_keys: int, block_m: int, block_n: i
     seen = touch.any(0)
     first = touch.int().argmax(0)
     end = nq - touch.flip(0).int().argmax(0)
-    return torch.stack([torch.where(seen, first, 0), torch.where(seen, end, 0)]).to(torch.int32)
+    all_first = torch.full((nq,), -1, device=rows.device, dtype=torch.long).scatter_reduce_(0, tile, lo, reduce="amax")
+    all_end = torch.full((nq,), big, device=rows.device, dtype=torch.long).scatter_reduce_(0, tile, hi, reduce="amin")
+    return torch.cat([torch.where(seen, first, 0), torch.where(seen, end, 0), all_first, all_end]).to(torch.int32)
 
 
 def interval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: IntervalMask,
                        scale: float) -> torch.Tensor:
     """q: [b, Hq, Q, d], k/v: [b, Hkv, M, d] (GQA: Hq a multiple of Hkv), M the keys `mask` was built over ->
     [b, Hq, Q, d], laid out as [b, Q, Hq, d] (what o_proj reads)."""
-    out, _ = torch.ops.dflash.interval_attention(q, k, v, mask.rows, mask.key_queries, scale, mask.launch)
+    out, _ = torch.ops.dflash.interval_attention(q, k, v, mask.rows, mask.tile_table, scale, mask.launch)
     return out
 
 
@@ -255,7 +260,7 @@ if triton is not None:
                  mask=in_q[:, None])
 
     @triton.jit
-    def _dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, ROWS, KEY_QUERIES, Qn, M, H, Hkv, group, scale_log2, scale,
+    def _dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, ROWS, TILE_TABLE, Qn, M, H, Hkv, group, scale_log2, scale,
                      q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dk_b, dk_h, dk_n,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_n, bkv = tl.program_id(0), tl.program_id(1)
@@ -267,18 +272,17 @@ if triton is not None:
         v = tl.load(V + b * v_b + kvh * v_h + kk[:, None] * v_n + offs_d[None, :], mask=in_k[:, None], other=0.0)
         dk = tl.zeros([BLOCK_N, D], tl.float32)
         dv = tl.zeros([BLOCK_N, D], tl.float32)
-        first = tl.load(KEY_QUERIES + pid_n)
-        end = tl.load(KEY_QUERIES + tl.num_programs(0) + pid_n)
+        nkv = tl.num_programs(0)
+        first = tl.load(TILE_TABLE + pid_n)
+        end = tl.load(TILE_TABLE + nkv + pid_n)
+        ALL_FIRST = TILE_TABLE + 2 * nkv  # per query tile: its rows' largest context start, then smallest end
+        ALL_END = ALL_FIRST + tl.cdiv(Qn, BLOCK_M)
         for g in range(group):
             h = kvh * group + g
             bh = b * H + h
-            for m0 in range(first * BLOCK_M, end * BLOCK_M, BLOCK_M):
-                rm = m0 + tl.arange(0, BLOCK_M)
+            for qt in range(first, end):
+                rm = qt * BLOCK_M + tl.arange(0, BLOCK_M)
                 in_q = rm < Qn
-                lo = tl.load(ROWS + rm, mask=in_q, other=0)
-                hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
-                b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
-                b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
                 q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None],
                             other=0.0)  # [M, d]
                 do = tl.load(DO + b * do_b + h * do_h + rm[:, None] * do_n + offs_d[None, :], mask=in_q[:, None],
@@ -286,11 +290,13 @@ if triton is not None:
                 lse = tl.load(LSE + bh * Qn + rm, mask=in_q, other=0.0)
                 delta = tl.load(DELTA + bh * Qn + rm, mask=in_q, other=0.0)
                 pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse[None, :])  # [N, M]
-                # unless the tile lies inside every row's context interval (rows past the end count as seeing it:
-                # their dO and q are zeros), the mask
-                partial = ((tl.max(tl.where(in_q, lo, 0), 0) > pid_n * BLOCK_N)
-                           | (pid_n * BLOCK_N + BLOCK_N > tl.min(tl.where(in_q, hi, M), 0)))
-                if partial:
+                # unless the key tile lies inside every row's context interval, the mask (rows past the end have
+                # zeros for dO and q: whatever they see adds nothing)
+                if (tl.load(ALL_FIRST + qt) > pid_n * BLOCK_N) | (pid_n * BLOCK_N + BLOCK_N > tl.load(ALL_END + qt)):
+                    lo = tl.load(ROWS + rm, mask=in_q, other=0)
+                    hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
+                    b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
+                    b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
                     ok = (((kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :]))
                           | ((kk[:, None] >= b_lo[None, :]) & (kk[:, None] < b_hi[None, :])))
                     pt = tl.where(ok, pt, 0.0)
@@ -317,7 +323,7 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("dflash::interval_attention", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, key_queries: torch.Tensor,
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tile_table: torch.Tensor,
              scale: float, launch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _operands(q, k, v)
     b, H, Q, d = q.shape
@@ -333,14 +339,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tens
 
 
 @_forward.register_fake
-def _(q, k, v, rows, key_queries, scale, launch):
+def _(q, k, v, rows, tile_table, scale, launch):
     b, H, Q, _ = q.shape
     return _output_like(q), q.new_empty(b, H, Q, dtype=torch.float32)
 
 
 @torch.library.custom_op("dflash::interval_attention_backward", mutates_args=())
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, rows: torch.Tensor, key_queries: torch.Tensor, scale: float,
+              lse: torch.Tensor, rows: torch.Tensor, tile_table: torch.Tensor, scale: float,
               launch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, do = _operands(q, k, v, do)
     b, H, Q, d = q.shape
@@ -355,27 +361,27 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         D=d, BLOCK_M=m2, BLOCK_N=n2, num_warps=w2, num_stages=s2)
     _dkdv_kernel[(triton.cdiv(M, n1), b * Hkv)](
-        q, k, v, do, dk, dv, lse, delta, rows, key_queries, Q, M, H, Hkv, H // Hkv, scale * LOG2E, scale,
+        q, k, v, do, dk, dv, lse, delta, rows, tile_table, Q, M, H, Hkv, H // Hkv, scale * LOG2E, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
         D=d, BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1)
     return dq, dk, dv
 
 
 @_backward.register_fake
-def _(do, q, k, v, out, lse, rows, key_queries, scale, launch):
+def _(do, q, k, v, out, lse, rows, tile_table, scale, launch):
     return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(k.shape)
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, rows, key_queries, *args = inputs
+    q, k, v, rows, tile_table, *args = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, rows, key_queries)
+    ctx.save_for_backward(q, k, v, out, lse, rows, tile_table)
     ctx.args = args  # scale, launch
 
 
 def _gradients(ctx, d_out, d_lse):
-    q, k, v, out, lse, rows, key_queries = ctx.saved_tensors
-    dq, dk, dv = torch.ops.dflash.interval_attention_backward(d_out, q, k, v, out, lse, rows, key_queries, *ctx.args)
+    q, k, v, out, lse, rows, tile_table = ctx.saved_tensors
+    dq, dk, dv = torch.ops.dflash.interval_attention_backward(d_out, q, k, v, out, lse, rows, tile_table, *ctx.args)
     return dq, dk, dv, None, None, None, None
 
 
