@@ -57,10 +57,12 @@ class Launch:
 
 
 def launches(head_dim: int) -> tuple[Launch, Launch, Launch]:
-    """The (forward, dQ, dK/dV) kernels' launches for `head_dim`-wide heads."""
+    """The (forward, dQ, dK/dV) kernels' launches for `head_dim`-wide heads: the fastest forward + backward of
+    benchmarks/train_attention.py's sweeps on an H100 (2026-12-06), at the SmolLM2 recipe's shapes (64-wide
+    heads) and Qwen3-8B's bench shapes (128-wide)."""
     if head_dim <= 64:
         return Launch(64, 64), Launch(64, 64), Launch(64, 64, 4, 3)
-    return Launch(64, 64), Launch(128, 32), Launch(128, 32)
+    return Launch(64, 64), Launch(128, 64, 8, 2), Launch(64, 128, 8, 2)
 
 
 @dataclass
@@ -123,7 +125,13 @@ def dkdv_tile_table(rows: torch.Tensor, num_keys: int, block_m: int, block_n: in
 def interval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: IntervalMask,
                        scale: float) -> torch.Tensor:
     """q: [b, Hq, Q, d], k/v: [b, Hkv, M, d] (GQA: Hq a multiple of Hkv), M the keys `mask` was built over ->
-    [b, Hq, Q, d], laid out as [b, Q, Hq, d] (what o_proj reads)."""
+    [b, Hq, Q, d], laid out as [b, Q, Hq, d] (what o_proj reads).
+
+    The kernels compute in the narrowest of the three dtypes: under bf16 autocast the drafter's v comes out of
+    its projection in bf16, q and k out of the float32 q/k norms (SDPA under autocast would cast all three to
+    bf16 likewise). The casts are autograd's, so each gradient comes back in its input's dtype."""
+    dtype = min((q.dtype, k.dtype, v.dtype), key=lambda t: torch.finfo(t).bits)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
     out, _ = torch.ops.dflash.interval_attention(q, k, v, mask.rows, mask.tile_table, scale, mask.launch)
     return out
 
@@ -310,8 +318,8 @@ if triton is not None:
 
 
 def _operands(q: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernels' operands: rows of contiguous elements, all in q's dtype (under autocast the gradient of
-    the output can come in float32)."""
+    """The kernels' operands: rows of contiguous elements, all in q's dtype (interval_attention makes q, k and v
+    one dtype; the output's gradient can come in float32 under autocast)."""
     return tuple(t if t.stride(-1) == 1 and t.dtype == q.dtype else t.to(q.dtype).contiguous()
                  for t in (q, *others))
 
