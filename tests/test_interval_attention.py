@@ -3,6 +3,8 @@ predicate: the attention and its three gradients, the DFlash loss and a drafter'
 layers calling the custom ops. Triton's interpreter runs the kernels on the CPU in a child process
 (conftest.run_interpreted)."""
 
+import shutil
+
 import pytest
 import torch
 from conftest import interpreted, run_interpreted
@@ -101,7 +103,6 @@ def test_intervals_give_the_dense_loss_and_gradients_compiled_once_per_layer_kin
         from dflash_train.models.loading import load_target
         from dflash_train.objective.anchors import sample_packed_anchors
         from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
-        from dflash_train.objective.masks import MASK_TILE
         from test_objective import _packed
 
         target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
@@ -135,4 +136,40 @@ def test_intervals_give_the_dense_loss_and_gradients_compiled_once_per_layer_kin
                 torch.testing.assert_close(lg, lw, rtol=1e-5, atol=1e-5)
                 for a, b in zip(gg, gw):
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        """)
+
+
+@pytest.mark.slow
+@interpreted
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="Inductor's CPU code needs a C compiler")
+def test_intervals_under_autocast_in_inductor_graphs_give_the_dense_gradients():
+    """Training's case: draft layers compiled by Inductor under half-precision autocast, where q and k come out of
+    the float32 q/k norms and v out of its projection in half precision. The kernels run in half precision and
+    every gradient returns in its input's dtype (a bf16 dV where Inductor's backward expected float32 failed on
+    an H100). float16 here: Triton's interpreter does not compute in bfloat16."""
+    run_interpreted("""
+        import torch
+        from dflash_train.models.factory import drafter_config_for, new_drafter
+        from dflash_train.models.loading import load_target
+        from dflash_train.objective.anchors import sample_packed_anchors
+        from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
+        from test_objective import _packed
+
+        target = load_target("random:tiny", device="cpu", dtype=torch.float32, seed=0)
+        cfg = drafter_config_for(target, num_layers=2, block_size=4, dtype="float32", num_sliding_layers=1,
+                                 sliding_window=5)
+
+        def run(backend, compiled):
+            drafter = new_drafter(cfg, 1).float()
+            obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head,
+                                  ObjectiveConfig(attention=backend, loss_chunk_rows=7))
+            with drafter.compiled_layers(compiled), torch.autocast("cpu", dtype=torch.float16):
+                b = _packed((13, 9, 11), 0)
+                feats = torch.randn(b.num_tokens, 3 * 64, generator=torch.Generator().manual_seed(0))
+                obj(b, sample_packed_anchors(b, 4, torch.Generator().manual_seed(0)), feats).loss.backward()
+            return [p.grad for p in drafter.parameters()]
+
+        for got, want in zip(run("intervals", True), run("dense", False)):
+            assert got.dtype == want.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3)
         """)
