@@ -233,7 +233,8 @@ def test_a_mask_token_inside_the_data_is_refused(prepared, tmp_path, capsys):
     (["--lr", "-1"], "--lr"),
     (["--on-bad", "ignore"], "--on-bad"),
     (["--labels", "teacher"], "--labels"),
-    (["--attention", "flex", "--device", "cpu"], "--attention flex: FlexAttention has no backward on cpu"),
+    (["--attention", "flex", "--device", "cpu"], "--attention flex: its kernels run on CUDA, not cpu"),
+    (["--attention", "intervals", "--device", "cpu"], "--attention intervals: its kernels run on CUDA, not cpu"),
 ])
 def test_bad_train_options(tmp_path, capsys, argv, needle):
     assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"), *argv]) == 2
