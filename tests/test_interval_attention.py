@@ -12,7 +12,7 @@ from conftest import interpreted, run_interpreted
 from dflash_train.errors import UsageError
 from dflash_train.models.interval_attention import dkdv_tile_table
 from dflash_train.objective.masks import MaskSpec, dense_mask, row_intervals
-from dflash_train.objective.objective import ObjectiveConfig, check_backend_device
+from dflash_train.objective.objective import ObjectiveConfig, check_backend_device, check_backend_heads
 
 pytest.importorskip("triton")
 
@@ -37,9 +37,15 @@ def test_key_tiles_name_every_query_tile_that_sees_them():
                     assert ranges[0, t] * bm <= seen_by.min() and seen_by.max() < ranges[1, t] * bm, (window, t)
 
 
-def test_the_interval_kernels_are_refused_off_cuda():
+def test_the_interval_kernels_are_refused_off_cuda_and_for_heads_they_do_not_take():
     with pytest.raises(UsageError, match="--attention intervals: its kernels run on CUDA"):
         check_backend_device(ObjectiveConfig(attention="intervals").attention, torch.device("cpu"))
+    for head_dim in (64, 128, 16):
+        check_backend_heads("intervals", head_dim)
+    check_backend_heads("flex", 256)
+    for head_dim in (256, 96, 8):  # Gemma 3's, not a power of two, too narrow for a tensor-core dot
+        with pytest.raises(UsageError, match=f"--attention intervals: .* not the drafter's {head_dim}; use"):
+            check_backend_heads("intervals", head_dim)
 
 
 @pytest.mark.slow
@@ -145,9 +151,12 @@ def test_intervals_give_the_dense_loss_and_gradients_compiled_once_per_layer_kin
 def test_intervals_under_autocast_in_inductor_graphs_give_the_dense_gradients():
     """Training's case: draft layers compiled by Inductor under half-precision autocast, where q and k come out of
     the float32 q/k norms and v out of its projection in half precision. The kernels run in half precision and
-    every gradient returns in its input's dtype (a bf16 dV where Inductor's backward expected float32 failed on
-    an H100). float16 here: Triton's interpreter does not compute in bfloat16."""
+    every gradient returns in its input's dtype, as Inductor's backward graph allocates it. float16 here:
+    Triton's interpreter does not compute in bfloat16."""
     run_interpreted("""
+        import os
+        import tempfile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()  # Inductor's graphs compiled here, not cached ones
         import torch
         from dflash_train.models.factory import drafter_config_for, new_drafter
         from dflash_train.models.loading import load_target

@@ -45,7 +45,7 @@ from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
-from dflash_train.objective.objective import check_backend_device
+from dflash_train.objective.objective import check_backend_device, check_backend_heads
 from dflash_train.profiling.session import profile_session
 from dflash_train.profiling.stall import StallWatch
 from dflash_train.settings.tree import TrainConfig
@@ -114,6 +114,7 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes its shape itself
         check_fresh_drafter(cfg, target)  # before the data work
+    check_backend_heads(cfg.objective.attention, planned_config(cfg, target, ckpt).head_dim)
     prompts = ([render_chat(target, m) for m in load_prompts(cfg.eval.dataset, cfg.eval.limit)]
                if cfg.eval.limit else [])
     if prompts:  # a too-long eval fails now, not after the data work and the training

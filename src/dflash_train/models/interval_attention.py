@@ -56,10 +56,17 @@ class Launch:
         return f"{self.block_m}x{self.block_n}x{self.warps}x{self.stages}"
 
 
+def supports(head_dim: int) -> bool:
+    """Whether the kernels take heads this wide: a power of two (a tile's columns), 16 (tensor-core dots) to
+    128 (the widest whose tiles were measured; Gemma 3's 256-wide heads would hold [128, 256] float32
+    accumulators in the dK/dV kernel)."""
+    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
+
+
 def launches(head_dim: int) -> tuple[Launch, Launch, Launch]:
     """The (forward, dQ, dK/dV) kernels' launches for `head_dim`-wide heads: the fastest forward + backward of
-    benchmarks/train_attention.py's sweeps on an H100 (2026-12-06), at the SmolLM2 recipe's shapes (64-wide
-    heads) and Qwen3-8B's bench shapes (128-wide)."""
+    the last sweep of benchmarks/train_attention.py on an H100 (docs/performance.md), at the SmolLM2 recipe's
+    shapes (64-wide heads) and Qwen3-8B's bench shapes (128-wide)."""
     if head_dim <= 64:
         return Launch(64, 64), Launch(64, 64), Launch(64, 64, 4, 3)
     return Launch(64, 64), Launch(128, 64, 8, 2), Launch(64, 128, 8, 2)
@@ -159,6 +166,26 @@ if triton is not None:
         return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
     @triton.jit
+    def _rows(ROWS, rm, in_q, Qn):
+        """Rows `rm`'s context interval and own-block interval (rows past the queries' end: empty)."""
+        return (tl.load(ROWS + rm, mask=in_q, other=0), tl.load(ROWS + Qn + rm, mask=in_q, other=0),
+                tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0), tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0))
+
+    @triton.jit
+    def _delta_kernel(Out, DO, DELTA, Qn, H, o_b, o_h, o_n, do_b, do_h, do_n, D: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+        """delta = rowsum(O * dO) in float32, read in the operands' dtype (a float32 copy of each, a product
+        and a sum as tensor ops move several times the bytes)."""
+        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_q = rm < Qn
+        offs_d = tl.arange(0, D)
+        o = tl.load(Out + b * o_b + h * o_h + rm[:, None] * o_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        do = tl.load(DO + b * do_b + h * do_h + rm[:, None] * do_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        tl.store(DELTA + bh * Qn + rm, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_q)
+
+    @triton.jit
     def _hull(first, end, M):
         """The key range [start, stop) a query tile walks for one interval per row, start a multiple of
         nothing in particular (the caller aligns it)."""
@@ -188,10 +215,7 @@ if triton is not None:
         kvh = h // group
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         in_q = rm < Qn
-        lo = tl.load(ROWS + rm, mask=in_q, other=0)
-        hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
-        b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
-        b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
+        lo, hi, b_lo, b_hi = _rows(ROWS, rm, in_q, Qn)
         offs_d = tl.arange(0, D)
         q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
         Kh, Vh = K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
@@ -242,10 +266,7 @@ if triton is not None:
         kvh = h // group
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         in_q = rm < Qn
-        lo = tl.load(ROWS + rm, mask=in_q, other=0)
-        hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
-        b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
-        b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
+        lo, hi, b_lo, b_hi = _rows(ROWS, rm, in_q, Qn)
         offs_d = tl.arange(0, D)
         q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
         do = tl.load(DO + b * do_b + h * do_h + rm[:, None] * do_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
@@ -301,10 +322,7 @@ if triton is not None:
                 # unless the key tile lies inside every row's context interval, the mask (rows past the end have
                 # zeros for dO and q: whatever they see adds nothing)
                 if (tl.load(ALL_FIRST + qt) > pid_n * BLOCK_N) | (pid_n * BLOCK_N + BLOCK_N > tl.load(ALL_END + qt)):
-                    lo = tl.load(ROWS + rm, mask=in_q, other=0)
-                    hi = tl.load(ROWS + Qn + rm, mask=in_q, other=0)
-                    b_lo = tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0)
-                    b_hi = tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0)
+                    lo, hi, b_lo, b_hi = _rows(ROWS, rm, in_q, Qn)
                     ok = (((kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :]))
                           | ((kk[:, None] >= b_lo[None, :]) & (kk[:, None] < b_hi[None, :])))
                     pt = tl.where(ok, pt, 0.0)
@@ -318,8 +336,9 @@ if triton is not None:
 
 
 def _operands(q: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernels' operands: rows of contiguous elements, all in q's dtype (interval_attention makes q, k and v
-    one dtype; the output's gradient can come in float32 under autocast)."""
+    """The kernels' operands: rows of contiguous elements, all in q's dtype. interval_attention gives the ops
+    q, k and v in one dtype; the output's gradient can come in float32 under autocast."""
+    torch._check(all(t.dtype == q.dtype for t in others[:2]), lambda: "interval attention: q, k, v of one dtype")
     return tuple(t if t.stride(-1) == 1 and t.dtype == q.dtype else t.to(q.dtype).contiguous()
                  for t in (q, *others))
 
@@ -330,7 +349,7 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(b, Q, H, d).transpose(1, 2)
 
 
-@torch.library.custom_op("dflash::interval_attention", mutates_args=())
+@torch.library.custom_op("dflash::interval_attention", mutates_args=(), tags=(torch.Tag.needs_fixed_stride_order,))
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tile_table: torch.Tensor,
              scale: float, launch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = _operands(q, k, v)
@@ -352,17 +371,18 @@ def _(q, k, v, rows, tile_table, scale, launch):
     return _output_like(q), q.new_empty(b, H, Q, dtype=torch.float32)
 
 
-@torch.library.custom_op("dflash::interval_attention_backward", mutates_args=())
+@torch.library.custom_op("dflash::interval_attention_backward", mutates_args=(),
+                         tags=(torch.Tag.needs_fixed_stride_order,))
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, rows: torch.Tensor, tile_table: torch.Tensor, scale: float,
               launch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _gradients_like(q, k, v)
     q, k, v, do = _operands(q, k, v, do)
     b, H, Q, d = q.shape
     Hkv, M = k.shape[1], k.shape[2]
-    delta = (out.float() * do.float()).sum(-1).contiguous()  # [b, H, Q]
-    dq = torch.empty_like(q)
-    dk = k.new_empty(b, Hkv, M, d)
-    dv = torch.empty_like(dk)
+    delta = torch.empty(b, H, Q, device=q.device, dtype=torch.float32)
+    _delta_kernel[(triton.cdiv(Q, 64), b * H)](out, do, delta, Q, H, *out.stride()[:3], *do.stride()[:3], D=d,
+                                               BLOCK_M=64)
     (m2, n2, w2, s2), (m1, n1, w1, s1) = launch[4:8], launch[8:12]
     _dq_kernel[(triton.cdiv(Q, m2), b * H)](
         q, k, v, do, dq, lse, delta, rows, Q, M, H, H // Hkv, scale * LOG2E, scale,
@@ -377,7 +397,13 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @_backward.register_fake
 def _(do, q, k, v, out, lse, rows, tile_table, scale, launch):
-    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(k.shape)
+    return _gradients_like(q, k, v)
+
+
+def _gradients_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """dQ, dK, dV laid out as q, k and v (the layout AOTAutograd expects of a gradient), in their one dtype; the
+    real op and its fake allocate them alike."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from dflash_train.config import AttentionBackend, above, at_least, in_range, setting, validate
 from dflash_train.data.packing import PackedBatch
 from dflash_train.errors import UsageError
+from dflash_train.models import interval_attention
 from dflash_train.models.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.blocks import Blocks, build_blocks, gamma_for
@@ -66,6 +67,13 @@ def tiled(attention: str) -> bool:
     """Whether an attention backend runs CUDA kernels over tiles of keys (FlexAttention's or the interval
     kernels): the ones a compiled draft layer can hold, and whose context is padded to a tile."""
     return uses_flex(attention) or attention == "intervals"
+
+
+def check_backend_heads(attention: str, head_dim: int) -> None:
+    """The interval kernels take heads of 16 to 128, a power of two; FlexAttention and dense any."""
+    if attention == "intervals" and not interval_attention.supports(head_dim):
+        raise UsageError(f"--attention intervals: its kernels take heads of 16 to 128 (a power of two), not the "
+                         f"drafter's {head_dim}; use --attention flex")
 
 
 def check_backend_device(attention: str, device: torch.device) -> None:
@@ -116,7 +124,8 @@ class DFlashObjective(nn.Module):
         return self.cfg.attention
 
     def key_context(self, batch: PackedBatch) -> PackedBatch:
-        """The context as the attention's keys see it: with FlexAttention, padded to a multiple of its tile.
+        """The context as the attention's keys see it: with FlexAttention or the interval kernels, padded to a
+        multiple of FlexAttention's tile (a multiple of the interval kernels' too).
 
         The keys are [context | blocks]; with the context's S keys a multiple of the tile, each query tile's
         16 blocks (128 rows of B=8) find their own keys in one key tile instead of straddling two, and the

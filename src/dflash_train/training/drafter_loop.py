@@ -18,7 +18,13 @@ import torch.distributed as dist
 from dflash_train.errors import UsageError, say
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.objective.loss import LossOutput
-from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, check_backend_device, tiled
+from dflash_train.objective.objective import (
+    DFlashObjective,
+    ObjectiveConfig,
+    check_backend_device,
+    check_backend_heads,
+    tiled,
+)
 from dflash_train.pipeline.handoff import Features
 from dflash_train.profiling.hooks import drafter_spans
 from dflash_train.training.config import OptimizerConfig, TrainerConfig
@@ -71,6 +77,7 @@ class DrafterTrainLoop(Trainer):
         hooks = hooks or Hooks()
         device = next(drafter.parameters()).device
         check_backend_device(objective_cfg.attention, device)
+        check_backend_heads(objective_cfg.attention, drafter.config.head_dim)
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, compile_masks,
                                     embed_scale)
         if compile_drafter and not tiled(objective.backend(device)):  # the backend the step will run
