@@ -207,18 +207,27 @@ if triton is not None:
         return s0, f0, f1, s1
 
     @triton.jit
-    def _forward_kernel(Q, K, V, Out, LSE, ROWS, Qn, M, H, group, scale_log2,
-                        q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
+    def _query_tile(Q, K, V, ROWS, Qn, H, group, q_b, q_h, q_n, k_b, k_h, v_b, v_h, D: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+        """A query-tile program's (batch row, head, rows, row mask, rows' intervals, head-dim offsets, q tile,
+        its K/V head's K and V), for the forward and dQ kernels (grid: query tiles x batch rows * heads)."""
+        bh = tl.program_id(1)
         b, h = bh // H, bh % H
-        kvh = h // group
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         in_q = rm < Qn
         lo, hi, b_lo, b_hi = _rows(ROWS, rm, in_q, Qn)
         offs_d = tl.arange(0, D)
         q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
-        Kh, Vh = K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
+        kvh = h // group
+        return b, h, rm, in_q, lo, hi, b_lo, b_hi, offs_d, q, K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
+
+    @triton.jit
+    def _forward_kernel(Q, K, V, Out, LSE, ROWS, Qn, M, H, group, scale_log2,
+                        q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        bh = tl.program_id(1)
+        b, h, rm, in_q, lo, hi, b_lo, b_hi, offs_d, q, Kh, Vh = _query_tile(
+            Q, K, V, ROWS, Qn, H, group, q_b, q_h, q_n, k_b, k_h, v_b, v_h, D, BLOCK_M)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -261,18 +270,12 @@ if triton is not None:
     def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, Qn, M, H, group, scale_log2, scale,
                    q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // H, bh % H
-        kvh = h // group
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_q = rm < Qn
-        lo, hi, b_lo, b_hi = _rows(ROWS, rm, in_q, Qn)
-        offs_d = tl.arange(0, D)
-        q = tl.load(Q + b * q_b + h * q_h + rm[:, None] * q_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        bh = tl.program_id(1)
+        b, h, rm, in_q, lo, hi, b_lo, b_hi, offs_d, q, Kh, Vh = _query_tile(
+            Q, K, V, ROWS, Qn, H, group, q_b, q_h, q_n, k_b, k_h, v_b, v_h, D, BLOCK_M)
         do = tl.load(DO + b * do_b + h * do_h + rm[:, None] * do_n + offs_d[None, :], mask=in_q[:, None], other=0.0)
         lse = tl.load(LSE + bh * Qn + rm, mask=in_q, other=0.0)
         delta = tl.load(DELTA + bh * Qn + rm, mask=in_q, other=0.0)
-        Kh, Vh = K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
         dq = tl.zeros([BLOCK_M, D], tl.float32)
         s0, f0, f1, s1 = _context_tiles(lo, hi, in_q, M, BLOCK_N)
         for n0 in range(s0, f0, BLOCK_N):
