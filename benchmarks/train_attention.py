@@ -13,8 +13,10 @@ random bf16 in the drafter's layouts. Per layer kind (full, and sliding with --w
 forward + backward (CUDA events, median of --reps after warm-up), TFLOP/s on the pairs the mask allows
 (4·d FLOPs a pair forward, 10·d with the backward), and each backend's largest error against the other in
 the output and the three gradients. --tiles lists the interval kernels' launches to time, each
-FORWARD/DQ/DKDV of BLOCK_MxBLOCK_N[xWARPSxSTAGES] (or one for all three). On the CPU (Triton's
-interpreter) FlexAttention is replaced by the dense mask's SDPA and the times mean nothing.
+FORWARD/DQ/DKDV of BLOCK_MxBLOCK_N[xWARPSxSTAGES] (or one for all three). --profile adds each backend's
+kernels in one forward + backward (torch.profiler): their sum against the timed forward + backward is the
+time the GPU waited on the host. On the CPU (Triton's interpreter) FlexAttention is replaced by the dense
+mask's SDPA and the times mean nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this tree's sources first
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling target_profile.py
+
+from target_profile import kernel_table  # noqa: E402
 
 from dflash_train.data.synthetic import SyntheticSequences  # noqa: E402
 from dflash_train.devices import resolve_device  # noqa: E402
@@ -70,7 +75,7 @@ def timed(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def run_backend(name: str, attn, q, k, v, grad, reps: int, cuda: bool) -> dict:
+def run_backend(name: str, attn, q, k, v, grad, reps: int, cuda: bool, profile: bool = False) -> dict:
     def forward():
         with torch.no_grad():
             return attn(q, k, v)
@@ -82,7 +87,12 @@ def run_backend(name: str, attn, q, k, v, grad, reps: int, cuda: bool) -> dict:
     fwd, fb = timed(forward, reps, cuda), timed(both, reps, cuda)
     out = attn(q, k, v)
     grads = torch.autograd.grad(out, (q, k, v), grad)
-    return {"name": name, "forward_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4), "tensors": (out, *grads)}
+    result = {"name": name, "forward_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4), "tensors": (out, *grads)}
+    if profile:  # one forward + backward's kernels: their sum against fwd_bwd_ms is the time the GPU waited
+        rows = kernel_table(both, q.device)
+        result["kernel_ms"] = round(sum(r["ms"] for r in rows), 4)
+        result["kernels"] = [{key: r[key] for key in ("name", "ms", "calls")} for r in rows[:6]]
+    return result
 
 
 def layer_kind(spec: MaskSpec, args, device: torch.device) -> dict:
@@ -103,17 +113,18 @@ def layer_kind(spec: MaskSpec, args, device: torch.device) -> dict:
     if cuda:
         block = structured_block_mask(spec)
         results.append(run_backend("flex", lambda q, k, v: attend(q, k, v, block, scale), q, k, v, grad, args.reps,
-                                   cuda))
+                                   cuda, args.profile))
     else:  # FlexAttention has no CPU backward: the dense predicate instead
         dense = dense_mask(spec)
         results.append(run_backend("dense", lambda q, k, v: F.scaled_dot_product_attention(
-            q, *repeat_kv(q, k, v), attn_mask=dense, scale=scale), q, k, v, grad, args.reps, cuda))
+            q, *repeat_kv(q, k, v), attn_mask=dense, scale=scale), q, k, v, grad, args.reps, cuda, args.profile))
     for text in args.tiles or ["/".join(map(str, launches(args.head_dim)))]:
         kernels = [Launch.parse(x) for x in text.split("/")]
         kernels = tuple(kernels * 3 if len(kernels) == 1 else kernels)
         mask = IntervalMask.of(rows, M, args.head_dim, kernels)
         results.append(run_backend(f"intervals {'/'.join(map(str, kernels))}",
-                                   lambda q, k, v, m=mask: attend(q, k, v, m, scale), q, k, v, grad, args.reps, cuda))
+                                   lambda q, k, v, m=mask: attend(q, k, v, m, scale), q, k, v, grad, args.reps, cuda,
+                                   args.profile))
     ref = results[0].pop("tensors")
     for r in results:
         got = r.pop("tensors", ref)
@@ -137,6 +148,7 @@ def main() -> int:
     p.add_argument("--tiles", nargs="*", help="interval kernel launches to time: FORWARD/DQ/DKDV, each "
                                               "BLOCK_MxBLOCK_N[xWARPSxSTAGES] (one for all three); default theirs")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="also each backend's kernels in one forward + backward")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -157,6 +169,9 @@ def main() -> int:
                 err = max(r["max_err"].values())
                 print(f"  {r['name']:<22} fwd {r['forward_ms']:8.3f} ms ({r['fwd_tflops']} TFLOP/s)  "
                       f"fwd+bwd {r['fwd_bwd_ms']:8.3f} ms ({r['fwd_bwd_tflops']} TFLOP/s)  max err {err:.2e}")
+                if "kernels" in r:
+                    print(f"    kernels {r['kernel_ms']:.3f} ms: " + ", ".join(
+                        f"{x['name'][:40]} {x['ms']:.3f}" for x in r["kernels"]))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

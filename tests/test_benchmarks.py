@@ -127,13 +127,14 @@ def test_train_attention_under_the_triton_interpreter(tmp_path):
     out = tmp_path / "train_attention.json"
     _run(_py("train_attention.py", "--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
              "--block-size", "4", "--num-anchors", "4", "--seq-len", "40", "--token-budget", "120", "--reps", "1",
-             "--tiles", "16x16", "32x16x4x2/16x32/16x16x4x3", "--json", str(out)), tmp_path, TRITON_INTERPRET="1")
+             "--tiles", "16x16", "32x16x4x2/16x32/16x16x4x3", "--profile", "--json", str(out)), tmp_path,
+         TRITON_INTERPRET="1")
     data = _json(out, "full", "sliding", "device", "date", "command")
     for kind in ("full", "sliding"):
         rows = data[kind]["backends"]
         assert [r["name"] for r in rows] == ["dense", "intervals 16x16x4x2/16x16x4x2/16x16x4x2",
                                              "intervals 32x16x4x2/16x32x4x2/16x16x4x3"]
-        assert all(max(r["max_err"].values()) < 1e-4 for r in rows), rows
+        assert all(max(r["max_err"].values()) < 1e-4 and r["kernels"] for r in rows), rows
 
 
 @pytest.mark.slow
