@@ -114,13 +114,14 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     say(f"target {cfg.run.target}: {target.num_layers} layers, hidden {target.hidden_size}, on {device}")
     if not (cfg.drafter.init_drafter or ckpt):  # a starting drafter or checkpoint fixes its shape itself
         check_fresh_drafter(cfg, target)  # before the data work
-    check_backend_heads(cfg.objective.attention, planned_config(cfg, target, ckpt).head_dim)
+    planned = planned_config(cfg, target, ckpt)  # the drafter to be trained, before it is built
+    check_backend_heads(cfg.objective.attention, planned.head_dim)
     prompts = ([render_chat(target, m) for m in load_prompts(cfg.eval.dataset, cfg.eval.limit)]
                if cfg.eval.limit else [])
     if prompts:  # a too-long eval fails now, not after the data work and the training
         check_context(target, max(map(len, prompts)), cfg.eval.max_new_tokens, "--eval-max-new-tokens")
     # the drafter's training graphs compiled in a process of its own meanwhile (--precompile)
-    ahead = precompile.start(cfg, lambda: planned_config(cfg, target, ckpt), target)
+    ahead = precompile.start(cfg, lambda: planned, target)
     try:
         dataset = build_dataset(cfg, target, run_dir, progress, phases)
     except BaseException:

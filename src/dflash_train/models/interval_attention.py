@@ -96,6 +96,13 @@ class IntervalMask:
                    [x for k in kernels for x in (k.block_m, k.block_n, k.warps, k.stages)])
 
 
+def per_query_tile(x: torch.Tensor, tile: torch.Tensor, num_tiles: int, pad: int, reduce: str) -> torch.Tensor:
+    """[Q] -> [num_tiles]: x reduced ("amin" or "amax") over the rows of each query tile (`tile`: each row's), `pad`
+    where a tile has none. A scatter, not padding to num_tiles x tile: a zero-length pad specializes a compiled
+    graph (a recompile for every pack whose query count is a multiple of the tile)."""
+    return x.new_full((num_tiles,), pad).scatter_reduce_(0, tile, x, reduce=reduce)
+
+
 def dkdv_tile_table(rows: torch.Tensor, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
     """[2 * nkv + 2 * nq] int32, the dK/dV kernel's walk, for its key tiles (block_n keys) and query tiles
     (block_m rows): for key tile t, the first and one past the last query tile whose rows' interval hulls meet
@@ -111,11 +118,8 @@ def dkdv_tile_table(rows: torch.Tensor, num_keys: int, block_m: int, block_n: in
 
     def hull(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # per query tile
         some = a < b
-        first = torch.full((nq,), big, device=rows.device, dtype=torch.long)
-        last = torch.full((nq,), -1, device=rows.device, dtype=torch.long)
-        first.scatter_reduce_(0, tile, torch.where(some, a, big), reduce="amin")
-        last.scatter_reduce_(0, tile, torch.where(some, b, -1), reduce="amax")
-        return first[:, None], last[:, None]
+        return (per_query_tile(torch.where(some, a, big), tile, nq, big, "amin")[:, None],
+                per_query_tile(torch.where(some, b, -1), tile, nq, -1, "amax")[:, None])
 
     k0 = torch.arange(nkv, device=rows.device)[None, :] * block_n
     k1 = k0 + block_n
@@ -124,8 +128,7 @@ def dkdv_tile_table(rows: torch.Tensor, num_keys: int, block_m: int, block_n: in
     seen = touch.any(0)
     first = touch.int().argmax(0)
     end = nq - touch.flip(0).int().argmax(0)
-    all_first = torch.full((nq,), -1, device=rows.device, dtype=torch.long).scatter_reduce_(0, tile, lo, reduce="amax")
-    all_end = torch.full((nq,), big, device=rows.device, dtype=torch.long).scatter_reduce_(0, tile, hi, reduce="amin")
+    all_first, all_end = per_query_tile(lo, tile, nq, -1, "amax"), per_query_tile(hi, tile, nq, big, "amin")
     return torch.cat([torch.where(seen, first, 0), torch.where(seen, end, 0), all_first, all_end]).to(torch.int32)
 
 

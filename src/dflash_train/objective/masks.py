@@ -23,7 +23,7 @@ import torch
 
 from dflash_train.data.packing import PackedBatch
 from dflash_train.models.attention import Segment, SegmentedMask, SplitBlockMask
-from dflash_train.models.interval_attention import IntervalMask
+from dflash_train.models.interval_attention import IntervalMask, per_query_tile
 from dflash_train.objective.blocks import Blocks
 
 
@@ -182,9 +182,7 @@ def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Te
     nonempty = lo < hi
 
     def per_tile(x: torch.Tensor, pad: int, reduce: str) -> torch.Tensor:  # [Q] -> [nq], `pad` where none
-        # a scatter, not padding to nq x tile: a zero-length pad specializes a compiled graph (a recompile
-        # for every pack whose query count is a multiple of the tile)
-        return x.new_full((nq,), pad).scatter_reduce_(0, r // tile, x, reduce="amin" if reduce == "min" else "amax")
+        return per_query_tile(x, r // tile, nq, pad, "amin" if reduce == "min" else "amax")
 
     hull_lo = per_tile(torch.where(nonempty, lo, big), big, "min")[:, None]
     hull_hi = per_tile(torch.where(nonempty, hi, -1), -1, "max")[:, None]
