@@ -87,7 +87,7 @@ def build(args, device: torch.device):
     drafter = new_drafter(dcfg, args.seed, device).float()
     cuda = device.type == "cuda"
     prof = PhaseTimer(device)
-    attention = args.attention if cuda else "dense"  # FlexAttention needs CUDA; the CPU runs the same math dense
+    attention = args.attention if cuda else "dense"  # the tiled kernels need CUDA; the CPU runs the same math dense
     cfg = ObjectiveConfig(num_anchors=args.num_anchors, attention=attention)
     objective = DFlashObjective(drafter, target.embedding_weight, target.lm_head, cfg, prof,
                                 compiled_masks=args.compile_masks, embed_scale=target.embed_scale)
@@ -100,7 +100,8 @@ def build(args, device: torch.device):
     features = torch.randn(pack.batch.num_tokens, len(dcfg.target_layer_ids) * target.hidden_size,
                            device=device, dtype=target.dtype)
     flops = PackFlops.build(target.model.config, dcfg, list(dcfg.target_layer_ids), target.vocab_size).drafter_of(pack)
-    return target, drafter, update, prof, (pack.batch.to(device), pack.anchors.to(device), features), flops
+    inputs = (pack.batch.to(device), pack.anchors.to(device), features)
+    return target, drafter, update, prof, inputs, flops, objective.backend(device)
 
 
 def main() -> int:
@@ -116,7 +117,7 @@ def main() -> int:
     p.add_argument("--num-anchors", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=614)
     p.add_argument("--token-budget", type=int, default=16384)
-    p.add_argument("--attention", choices=("flex", "flex-split", "intervals"), default="flex")
+    p.add_argument("--attention", choices=("auto", "flex", "flex-split", "intervals"), default="auto")  # train's
     p.add_argument("--compile-masks", action="store_true")
     p.add_argument("--no-compile-drafter", dest="compile_drafter", action="store_false")
     p.add_argument("--warmup", type=int, default=5)
@@ -127,7 +128,7 @@ def main() -> int:
     args = p.parse_args()
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
-    target, drafter, update, prof, inputs, flops = build(args, device)
+    target, drafter, update, prof, inputs, flops, backend = build(args, device)
 
     def step():
         update.micro(*inputs)
@@ -153,13 +154,14 @@ def main() -> int:
     out = {"config": vars(args), "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "torch": torch.__version__, "date": str(date.today()),
            "command": "python3 benchmarks/drafter_step.py " + " ".join(sys.argv[1:]),
-           "ms_per_step": 1e3 * seconds, "block_tokens": block_tokens, "target_tokens": inputs[0].num_tokens,
+           "attention": backend, "ms_per_step": 1e3 * seconds, "block_tokens": block_tokens,
+           "target_tokens": inputs[0].num_tokens,
            "tflop_per_step": flops / 1e12, "mfu": flops / seconds / PEAK_BF16 if cuda else None,
            "phases_ms": phases, "device_ms_profiled": sum(r["ms"] for r in rows), "kinds": by_kind(rows),
            "top": rows[:args.top]}
     mfu = f", MFU {out['mfu']:.3f}" if cuda else ""
     print(f"{1e3 * seconds:.1f} ms a step ({inputs[0].num_tokens / seconds:,.0f} target tokens/s, "
-          f"{block_tokens} block tokens, {flops / 1e12:.2f} TFLOP{mfu})")
+          f"{block_tokens} block tokens, {flops / 1e12:.2f} TFLOP{mfu}; attention {backend})")
     for name, ms in phases.items():
         print(f"   phase {name:<22} {ms:8.2f} ms")
     for kind, v in out["kinds"].items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SmolLM2 recipe's drafter step (configs/smollm2-h200.toml) on its own, under each lever, side by side:
-#   bash benchmarks/recipe_step.sh OUT_DIR       # one H200, ~6 minutes and autotune's compiles (past one device
+#   bash benchmarks/recipe_step.sh OUT_DIR       # one H200, ~5 minutes (the autotune lever: minutes more; past one device
 #                                                 # call's 10: start it detached), no data or GGUF (random weights)
 # The recipe's train phase is most of its wall time (336 of 512 s on 2026-12-05), nearly all of it steps on
 # cached features: this times exactly that step (`bench --variants drafter-only`, features cached during the
@@ -10,21 +10,21 @@
 # (profiling/flops.py): 15.6 TFLOP a step, so the recipe's ~200K target tokens/s is MFU ~0.19 and the
 # goal of 290K is ~0.28.
 # Levers, one bench each (each variant in a fresh process; the JSON of each in OUT_DIR/<lever>.json):
-#   base       the recipe's settings: --compile-drafter
-#   masks      base + --compile-masks (the FlexAttention mask tiles compiled: ~80 launches a mask become a few)
+#   base       the recipe's settings: --compile-drafter (attention auto: the interval kernels)
+#   flex       base with --attention flex (FlexAttention; the levers masks, tiles64, tiles128, autotune are its)
+#   masks      flex + --compile-masks (the FlexAttention mask tiles compiled: ~80 launches a mask become a few)
 #   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
 #              the work (a quality question too: the recipe's optimizer steps would halve)
 #   eager      base without --compile-drafter (the reference the compiled layers are measured against)
 #   split      base with --attention flex-split (each block's own keys apart from FlexAttention)
-#   intervals  base with --attention intervals (Triton kernels over each query's two key intervals)
-#   tiles64    base with FlexAttention's 64 x 64 tiles forward and backward (DFLASH_FLEX_KERNEL_OPTIONS)
-#   tiles128   base with 128 x 128 forward tiles
-#   autotune   base under TORCHINDUCTOR_MAX_AUTOTUNE=1: Inductor tries its FlexAttention (and GEMM) configs
+#   tiles64    flex with FlexAttention's 64 x 64 tiles forward and backward (DFLASH_FLEX_KERNEL_OPTIONS)
+#   tiles128   flex with 128 x 128 forward tiles
+#   autotune   flex under TORCHINDUCTOR_MAX_AUTOTUNE=1: Inductor tries its FlexAttention (and GEMM) configs
 #              instead of one default each (H200, head_dim 64: forward 128x64 tiles, backward 64/128); it
 #              compiles for minutes, which the bench's warm-up absorbs. Says whether the kernels' tiles matter
 # Then OUT_DIR/summary.txt: target tokens/s, ms a step and MFU of each lever, and its ratio to base; last,
 # on CUDA, benchmarks/drafter_step.py's phases and kernels of the base step (OUT_DIR/profile.json, .log).
-# Knobs (environment): DEVICE TARGET LEVERS (default 'base split tiles64 tiles128 pack32k eager autotune') SHAPE (the drafter and pack
+# Knobs (environment): DEVICE TARGET LEVERS (default 'base flex split pack32k eager') SHAPE (the drafter and pack
 # flags) STEPS PROFILE (1: the kernel profile on a CPU too; its flags: PROFILE_FLAGS). The plumbing on a CPU (tests/test_benchmarks.py; --compile-* need CUDA, so LEVERS leaves them
 # out there):
 #   DEVICE=cpu TARGET=random:tiny LEVERS="eager pack32k" STEPS=2 \
@@ -38,7 +38,7 @@ cd "$repo" || exit 1
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's code, whatever is installed
 
 DEVICE=${DEVICE:-cuda} TARGET=${TARGET:-random:smollm2-135m} STEPS=${STEPS:-20}
-LEVERS=${LEVERS:-base split tiles64 tiles128 pack32k eager autotune}
+LEVERS=${LEVERS:-base flex split pack32k eager}
 SHAPE=${SHAPE:---num-layers 12 --block-size 8 --intermediate-size 3072 --sliding-layers 1 --num-anchors 128 \
 --seq-len 614 --token-budget 16384}
 
@@ -46,13 +46,13 @@ dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main
 flags() {  # the lever's flags on top of SHAPE (a later flag wins)
   case $1 in
     base) echo "--compile-drafter" ;;
-    masks) echo "--compile-drafter --compile-masks" ;;
+    flex) echo "--compile-drafter --attention flex" ;;
+    masks) echo "--compile-drafter --attention flex --compile-masks" ;;
     pack32k) echo "--compile-drafter --token-budget $(( 2 * $(budget) ))" ;;
     eager) echo "" ;;
     split) echo "--compile-drafter --attention flex-split" ;;
-    intervals) echo "--compile-drafter --attention intervals" ;;
-    autotune|tiles64|tiles128) echo "--compile-drafter" ;;  # and the environment below
-    *) echo "recipe_step.sh: unknown lever $1 (base, masks, split, intervals, pack32k, eager, autotune, tiles64, tiles128)" >&2
+    autotune|tiles64|tiles128) echo "--compile-drafter --attention flex" ;;  # and the environment below
+    *) echo "recipe_step.sh: unknown lever $1 (base, flex, masks, split, pack32k, eager, autotune, tiles64, tiles128)" >&2
        return 2 ;;
   esac
 }

@@ -441,6 +441,7 @@ def test_drafter_step(tmp_path):
              "--num-key-value-heads", "4", "--steps", "1", "--warmup", "1", "--json", str(out)), tmp_path)
     res = _json(out, "ms_per_step", "kinds", "top", "tflop_per_step")
     assert res["target_tokens"] == 256 and res["block_tokens"] == 4 * 8 * 4  # four sequences, 8 anchors each
+    assert res["attention"] == "dense"  # the tiled kernels need CUDA
     assert res["kinds"]["GEMM"]["ms"] > 0
 
 

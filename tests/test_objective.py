@@ -664,3 +664,15 @@ def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, t
     with pytest.raises(UsageError, match="--compile-drafter"):
         DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,
                          tiny_target.lm_head, tmp_path, 1, compile_drafter=cfg.trainer.compile_drafter)
+
+
+def test_auto_attention_picks_the_interval_kernels_on_cuda_where_they_take_the_heads():
+    """auto: intervals on CUDA for heads of 16-128 (a power of two), FlexAttention for the others (Gemma 3's 256),
+    dense off CUDA; a named backend stays as named."""
+    from dflash_train.objective.objective import resolve_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [resolve_backend("auto", cuda, d) for d in (16, 64, 128)] == ["intervals"] * 3
+    assert [resolve_backend("auto", cuda, d) for d in (80, 256)] == ["flex"] * 2
+    assert resolve_backend("auto", cpu, 64) == "dense"
+    assert [resolve_backend(a, cuda, 256) for a in ("flex", "flex-split", "dense")] == ["flex", "flex-split", "dense"]

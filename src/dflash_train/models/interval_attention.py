@@ -175,8 +175,8 @@ if triton is not None:
                 tl.load(ROWS + 2 * Qn + rm, mask=in_q, other=0), tl.load(ROWS + 3 * Qn + rm, mask=in_q, other=0))
 
     @triton.jit
-    def _delta_kernel(Out, DO, DELTA, Qn, H, o_b, o_h, o_n, do_b, do_h, do_n, D: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
+    def _interval_attention_delta(Out, DO, DELTA, Qn, H, o_b, o_h, o_n, do_b, do_h, do_n, D: tl.constexpr,
+                                  BLOCK_M: tl.constexpr):
         """delta = rowsum(O * dO) in float32, read in the operands' dtype (a float32 copy of each, a product
         and a sum as tensor ops move several times the bytes)."""
         pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -225,9 +225,9 @@ if triton is not None:
         return b, h, rm, in_q, lo, hi, b_lo, b_hi, offs_d, q, K + b * k_b + kvh * k_h, V + b * v_b + kvh * v_h
 
     @triton.jit
-    def _forward_kernel(Q, K, V, Out, LSE, ROWS, Qn, M, H, group, scale_log2,
-                        q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _interval_attention_forward(Q, K, V, Out, LSE, ROWS, Qn, M, H, group, scale_log2,
+                                    q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
+                                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         bh = tl.program_id(1)
         b, h, rm, in_q, lo, hi, b_lo, b_hi, offs_d, q, Kh, Vh = _query_tile(
             Q, K, V, ROWS, Qn, H, group, q_b, q_h, q_n, k_b, k_h, v_b, v_h, D, BLOCK_M)
@@ -270,9 +270,9 @@ if triton is not None:
         return dq + tl.dot(ds.to(k.dtype), k)
 
     @triton.jit
-    def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, Qn, M, H, group, scale_log2, scale,
-                   q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
-                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _interval_attention_dq(Q, K, V, DO, DQ, LSE, DELTA, ROWS, Qn, M, H, group, scale_log2, scale,
+                               q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
+                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         bh = tl.program_id(1)
         b, h, rm, in_q, lo, hi, b_lo, b_hi, offs_d, q, Kh, Vh = _query_tile(
             Q, K, V, ROWS, Qn, H, group, q_b, q_h, q_n, k_b, k_h, v_b, v_h, D, BLOCK_M)
@@ -295,9 +295,10 @@ if triton is not None:
                  mask=in_q[:, None])
 
     @triton.jit
-    def _dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, ROWS, TILE_TABLE, Qn, M, H, Hkv, group, scale_log2, scale,
-                     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dk_b, dk_h, dk_n,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _interval_attention_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, ROWS, TILE_TABLE, Qn, M, H, Hkv, group,
+                                 scale_log2, scale,
+                                 q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dk_b, dk_h, dk_n,
+                                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_n, bkv = tl.program_id(0), tl.program_id(1)
         b, kvh = bkv // Hkv, bkv % Hkv
         kk = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -364,7 +365,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tens
     out = _output_like(q)
     lse = torch.empty(b, H, Q, device=q.device, dtype=torch.float32)
     block_m, block_n, warps, stages = launch[:4]
-    _forward_kernel[(triton.cdiv(Q, block_m), b * H)](
+    _interval_attention_forward[(triton.cdiv(Q, block_m), b * H)](
         q, k, v, out, lse, rows, Q, M, H, H // Hkv, scale * LOG2E,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
@@ -387,14 +388,14 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     b, H, Q, d = q.shape
     Hkv, M = k.shape[1], k.shape[2]
     delta = torch.empty(b, H, Q, device=q.device, dtype=torch.float32)
-    _delta_kernel[(triton.cdiv(Q, 64), b * H)](out, do, delta, Q, H, *out.stride()[:3], *do.stride()[:3], D=d,
-                                               BLOCK_M=64)
+    _interval_attention_delta[(triton.cdiv(Q, 64), b * H)](out, do, delta, Q, H, *out.stride()[:3],
+                                                           *do.stride()[:3], D=d, BLOCK_M=64)
     (m2, n2, w2, s2), (m1, n1, w1, s1) = launch[4:8], launch[8:12]
-    _dq_kernel[(triton.cdiv(Q, m2), b * H)](
+    _interval_attention_dq[(triton.cdiv(Q, m2), b * H)](
         q, k, v, do, dq, lse, delta, rows, Q, M, H, H // Hkv, scale * LOG2E, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         D=d, BLOCK_M=m2, BLOCK_N=n2, num_warps=w2, num_stages=s2)
-    _dkdv_kernel[(triton.cdiv(M, n1), b * Hkv)](
+    _interval_attention_dkdv[(triton.cdiv(M, n1), b * Hkv)](
         q, k, v, do, dk, dv, lse, delta, rows, tile_table, Q, M, H, Hkv, H // Hkv, scale * LOG2E, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3],
         D=d, BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1)

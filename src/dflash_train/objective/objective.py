@@ -45,7 +45,8 @@ class ObjectiveConfig:
 
     num_anchors: int = setting(32, "anchors drawn per sequence each time it is seen", at_least(1))
     gamma: float | None = setting(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)", above(0))
-    attention: AttentionBackend = setting("auto", "flex | flex-split | intervals | dense | auto (flex on CUDA, dense "
+    attention: AttentionBackend = setting("auto", "flex | flex-split | intervals | dense | auto (intervals on CUDA "
+                                                  "where they take the drafter's heads, else flex; dense "
                                                   "elsewhere); flex-split: FlexAttention over the context, each "
                                                   "block's own keys in a batched matmul, merged by log-sum-exp; "
                                                   "intervals: Triton kernels over each query's two key intervals")
@@ -67,6 +68,17 @@ def tiled(attention: str) -> bool:
     """Whether an attention backend runs CUDA kernels over tiles of keys (FlexAttention's or the interval
     kernels): the ones a compiled draft layer can hold, and whose context is padded to a tile."""
     return uses_flex(attention) or attention == "intervals"
+
+
+def resolve_backend(attention: str, device: torch.device, head_dim: int) -> str:
+    """The backend an --attention setting runs on this device. auto: the interval kernels on CUDA where they
+    take the drafter's heads (the recipe's step 64.9 -> 51.5 ms against FlexAttention, one H200,
+    docs/performance.md), FlexAttention for other heads (Gemma 3's 256), dense elsewhere."""
+    if attention != "auto":
+        return attention
+    if device.type != "cuda":
+        return "dense"
+    return "intervals" if interval_attention.supports(head_dim) else "flex"
 
 
 def check_backend_heads(attention: str, head_dim: int) -> None:
@@ -119,9 +131,7 @@ class DFlashObjective(nn.Module):
         return self.drafter
 
     def backend(self, device: torch.device) -> str:
-        if self.cfg.attention == "auto":
-            return "flex" if device.type == "cuda" else "dense"
-        return self.cfg.attention
+        return resolve_backend(self.cfg.attention, device, self.drafter.config.head_dim)
 
     def key_context(self, batch: PackedBatch) -> PackedBatch:
         """The context as the attention's keys see it: with FlexAttention or the interval kernels, padded to a

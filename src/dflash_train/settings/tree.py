@@ -59,9 +59,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """The checks across sections (each section checks its own fields)."""
         device, attention = self.run.device, self.objective.attention
-        for name, what in (("compile_drafter", "compiled draft layers need"), ("compile_masks", "compiled masks are")):
+        for name, what in (("compile_drafter", "compiled draft layers need FlexAttention or the interval kernels"),
+                           ("compile_masks", "compiled masks are FlexAttention's")):
             if getattr(self.trainer, name) and (device == "cpu" or attention == "dense"):
-                raise UsageError(f"{config.flag(name)}: {what} FlexAttention on CUDA, not "
+                raise UsageError(f"{config.flag(name)}: {what} on CUDA, not "
                                  + ("--device cpu" if device == "cpu" else "--attention dense (its per-sequence "
                                     "segments would recompile for every pack)"))
         regen = self.regeneration

@@ -52,7 +52,7 @@ class TrainerConfig:
                                          "(CUDA): ~80 launches a mask become a few; experimental, not yet timed")
     precompile: bool = setting(False, "with --compile-drafter on CUDA: compile the drafter's training graphs in a "
                                       "process of its own while the data is regenerated and prepared, so the first "
-                                      "steps find them in the compile caches; not yet timed")
+                                      "steps find them in the compile caches")
     val_conversations: int = setting(0, "conversations held out of training; every --val-every steps the records "
                                         "get val_loss, val_acc and val_expected_tau on them (teacher-forced, as the "
                                         "train estimate, but on data never trained on); 0 = none", at_least(0))
