@@ -292,9 +292,11 @@ def test_compiled_decode_steps_take_the_eager_steps(device):
 
 
 def test_the_warm_up_reaches_every_bucket_of_prompt_lengths():
-    """The longest prompt first (it sizes the caches), then the shortest of each other 128-token bucket."""
+    """The longest prompt first (it sizes the caches), then the shortest of each other 128-token bucket of the
+    prompt and of the drafter's pass over its first L - B tokens."""
     from dflash_train.eval.evaluate import warm_prompts
 
     prompts = [[0] * n for n in (93, 321, 150, 100, 129, 300, 260)]
-    assert [len(p) for p in warm_prompts(prompts)] == [321, 93, 129]
-    assert [len(p) for p in warm_prompts([[1] * 5])] == [5]
+    # 129 and 260: the prompt in a bucket above its first 121 / 252 tokens' pass at B=8
+    assert [len(p) for p in warm_prompts(prompts, 8)] == [321, 93, 129, 150, 260]
+    assert [len(p) for p in warm_prompts([[1] * 5], 8)] == [5]

@@ -181,17 +181,23 @@ class EvalReport:
                 f"(prompt@token: logit gap {gaps}; ties are <= {self.tie_gap:g})")
 
 
-def warm_prompts(prompts: list[list[int]], size: int = KV_BUCKET) -> list[list[int]]:
-    """The prompts a CUDA warm-up decodes in full: the longest first (it sizes the caches that
-    every later decode reuses, with their graphs), then the shortest of every other `size`-token
-    bucket of prompt lengths. A decode captures a graph per key-length bucket it reaches, from its
-    prompt's bucket up; with the longest prompt alone, every bucket below it was captured on the
-    clock, by the first prompt that reached it (an eager run and a capture of a whole step each)."""
+def warm_prompts(prompts: list[list[int]], block_size: int, size: int = KV_BUCKET) -> list[list[int]]:
+    """The prompts a CUDA warm-up decodes in full: the longest first (it sizes the caches that every later
+    decode reuses, with their graphs), then the shortest of every other set of graph keys a prompt starts
+    with. Those are its own `size`-token bucket (a decode captures a graph per key-length bucket it reaches,
+    from its prompt's bucket up) and the drafter's pass over the prompt's first L - B tokens, whose rows and
+    keys are bucketed alike (greedy_loop.first_step). A key first met on the clock costs the timed decode an
+    eager run, a capture and, for a new shape of the span kernel, a Triton compile: with the prompt buckets
+    alone, two such passes cost the SmolLM2 recipe's HumanEval eval ~1 s of its ~3 s of DFlash decoding."""
+    def keys(p: list[int]) -> tuple[int, int, int]:
+        rows = len(p) - min(len(p), block_size)
+        return bucket(len(p), size), bucket(rows, size), bucket(rows + 1, size)
+
     longest = max(prompts, key=len)
-    shortest: dict[int, list[int]] = {}
+    shortest: dict[tuple[int, int, int], list[int]] = {}
     for p in sorted(prompts, key=len):
-        shortest.setdefault(bucket(len(p), size), p)
-    return [longest] + [p for b, p in sorted(shortest.items()) if b != bucket(len(longest), size)]
+        shortest.setdefault(keys(p), p)
+    return [longest] + [p for k, p in sorted(shortest.items()) if k != keys(longest)]
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: EvalConfig,
@@ -208,7 +214,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     # graph captures of the key-length buckets the prompts reach (warm_prompts). On CPU (no
     # graphs) a short run does: a full one would cost a whole prompt's decode.
     cuda = target.device.type == "cuda"
-    warm, new = (warm_prompts(prompts), cfg.max_new_tokens) if cuda else ([prompts[0][:32]], 2 * B)
+    warm, new = (warm_prompts(prompts, B), cfg.max_new_tokens) if cuda else ([prompts[0][:32]], 2 * B)
     if (cfg.compile or cfg.compile_drafter) and not compile_decode(target, drafter, target_steps=cfg.compile):
         raise UsageError(f"{'--compile' if cfg.compile else '--compile-drafter'}: {target.config.model_type} "
                          "targets decode through HF's forward, which is not compiled")
