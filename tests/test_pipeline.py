@@ -226,6 +226,29 @@ def test_a_cache_gives_memory_back_when_the_device_runs_short(tiny_target, prepa
     assert "the GPU ran short of memory; the feature cache gave back" in capsys.readouterr().err
 
 
+def test_the_batch_producer_pins_packs_only_for_a_cuda_consumer(prepared):
+    """Pinned packs let a CUDA step's copies queue behind the previous step (from pageable memory CUDA
+    synchronizes the stream first); a CPU run's packs stay as they are (pinning needs CUDA)."""
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.stream import PackStream
+    from dflash_train.pipeline.target_loop import BatchQueue
+
+    def first(pin: bool):
+        batches = BatchQueue(PackStream(PreparedDataset.open(prepared), 192, 16, 0, 1).packs(1), 2, pin=pin)
+        try:
+            return next(iter(batches))
+        finally:
+            batches.close()
+
+    plain = first(False)
+    assert not plain.batch.input_ids.is_pinned()
+    if torch.cuda.is_available():
+        pinned = first(True)
+        tensors = [pinned.anchors, *(t for t in vars(pinned.batch).values() if t is not None)]
+        assert all(t.is_pinned() for t in tensors)
+        assert torch.equal(pinned.batch.input_ids, plain.batch.input_ids) and torch.equal(pinned.anchors, plain.anchors)
+
+
 def test_a_pack_stream_counts_the_tokens_of_an_epoch(prepared):
     from dflash_train.data.dataset import PreparedDataset
     from dflash_train.pipeline.stream import PackStream

@@ -38,12 +38,15 @@ class InlineSource:
 
     def __init__(self, target: Target, packs, spec: FeatureSpec, cache: FeatureCache | None, prof=NULL_LOOP) -> None:
         self.packs = iter(packs)
+        self.pin = target.device.type == "cuda"
         self.loop = TargetForwardLoop(target, spec, prof, cache=cache)
 
     def get(self, prof=NULL_LOOP) -> Features:
         """The drafter's `hs_queue_wait` here is the whole inline target step: it waits for it."""
         t0 = time.perf_counter()
         pack = next(self.packs)
+        if self.pin:  # BatchQueue's reason: the copies to the GPU then wait for nothing
+            pack = pack.pinned()
         feats, busy = self.loop.compute(pack)
         prof.add("hs_queue_wait", time.perf_counter() - t0)
         return Features(pack, feats, busy)
@@ -58,7 +61,7 @@ class ThreadedSource:
     def __init__(self, target: Target, packs, spec: FeatureSpec, depth: int, prof=NULL_LOOP, trace=NO_TRACE,
                  cache: FeatureCache | None = None) -> None:
         self.handoff = LocalHandoff(depth)
-        self.batches = BatchQueue(packs, depth, prof)
+        self.batches = BatchQueue(packs, depth, prof, pin=target.device.type == "cuda")
         self.loop = TargetForwardLoop(target, spec, prof, trace=trace, cache=cache)
         self.thread = threading.Thread(target=self.loop.run_local, args=(self.batches, self.handoff),
                                        name="target-forward", daemon=True)

@@ -14,7 +14,7 @@ so they do not depend on which worker samples them or on resume). Packs without 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -44,6 +44,10 @@ class Pack:
     @property
     def num_tokens(self) -> int:
         return self.batch.num_tokens
+
+    def pinned(self) -> Pack:
+        """This pack with its tensors in page-locked memory (PackedBatch.pin_memory; CUDA only)."""
+        return replace(self, batch=self.batch.pin_memory(), anchors=self.anchors.pin_memory())
 
 
 class PackStream:

@@ -30,11 +30,17 @@ _DONE = object()
 
 
 class BatchQueue:
-    """The batch producer thread and its bounded queue; iterating yields packs until the stream ends."""
+    """The batch producer thread and its bounded queue; iterating yields packs until the stream ends.
 
-    def __init__(self, packs: Iterable[Pack], depth: int, prof=NULL_LOOP) -> None:
+    pin: the producer moves each pack into page-locked memory (a CUDA consumer), so that the consumer's copies
+    to the GPU are queued behind its work instead of waiting for it: from pageable memory even a non_blocking
+    copy synchronizes the stream, and the GPU then idles while the host launches the next step's first kernels.
+    """
+
+    def __init__(self, packs: Iterable[Pack], depth: int, prof=NULL_LOOP, pin: bool = False) -> None:
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.prof = prof
+        self.pin = pin
         self.stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(iter(packs),), name="batch-producer", daemon=True)
         self._thread.start()
@@ -51,7 +57,7 @@ class BatchQueue:
     def _produce(self, packs: Iterator[Pack]) -> None:
         try:
             for pack in packs:
-                if not self._put(pack):
+                if not self._put(pack.pinned() if self.pin else pack):
                     return
             self._put(_DONE)
         except BaseException as e:  # handed to the consumer, which raises it with its traceback

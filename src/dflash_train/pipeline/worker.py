@@ -208,11 +208,12 @@ def serve_features(spec: WorkerSpec, peers: Peers, target: Target, features: Fea
     packs = stream.packs(total_steps, keep=lambda p: p.index % n == me)
     loop = TargetForwardLoop(target, features, prof, _fault("target"), trace, cache)
     beat = functools.partial(peers.beat, spec.rank)
+    batches = BatchQueue(packs, depth, prof, pin=target.device.type == "cuda")
     if spec.rank != spec.replicas[me][0]:
-        loop.run_follower(BatchQueue(packs, depth, prof), beat)
+        loop.run_follower(batches, beat)
         return
     sender = P2PSender(depth, spec.peer_timeout, spec.describe)
-    loop.run_p2p(BatchQueue(packs, depth, prof), sender, spec.drafter_of, beat)
+    loop.run_p2p(batches, sender, spec.drafter_of, beat)
 
 
 def drafter_packs(spec: WorkerSpec, stream: PackStream, total_steps: int):

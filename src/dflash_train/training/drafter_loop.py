@@ -45,8 +45,8 @@ class DrafterStep:
             self.on_first(features)
             self.on_first = None
         pack = features.pack
-        # non_blocking: a blocking copy from host memory synchronizes the stream, so the host would wait
-        # for the previous step's backward instead of queueing this step behind it
+        # non_blocking from page-locked memory (the sources pin packs for a CUDA target): a copy that waits
+        # would have the host wait for the previous step's backward instead of queueing this step behind it
         batch, anchors = pack.batch.to(device), pack.anchors.to(device, non_blocking=True)
         return batch, anchors, features.features.hidden, features.features.labels
 
