@@ -36,6 +36,8 @@ def test_greedy_random_drafter_is_lossless_and_tau_near_one(tiny_target, make_dr
     assert rep.lossless == "exact" and rep.mismatched_prompts == [] and rep.divergences == []
     assert 1.0 <= rep.tau < 1.2
     assert sum(rep.histogram) == rep.steps and len(rep.per_position_acceptance) == 3
+    assert list(rep.phases_s) == ["warm-up", "decode", "checks"] and rep.phases_s["decode"] > 0  # no replay given
+    assert "eval wall time:             warm-up" in rep.summary()
 
 
 def test_a_divergence_records_the_targets_logit_gap_and_ties_are_told_from_errors(tiny_target):

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.config import MAX_BLOCK_SIZE, at_least, between, setting, validate
+from dflash_train.decode.generate import now
 from dflash_train.decode.speculative import DecodeResult, compile_decode, speculative_generate, target_generate
 from dflash_train.decode.static_lm import KV_BUCKET, bucket
 from dflash_train.errors import UsageError
@@ -127,6 +128,9 @@ class EvalReport:
     tau_lookup: float | None = None
     """T=0: the tau prompt lookup (copying from the prompt and the output so far) gets on the same outputs
     (eval/lookup.py): the drafter any target has for free. None at T > 0."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Where the eval's wall time went: warm-up (untimed decodes: graph captures, kernel compiles), decode (the
+    timed decodes, prefill and both decoders included), replay (the training path, T=0) and the rest."""
 
     def to_json(self, path: str | Path, flag: str = "--json") -> None:
         """Written in place, not atomically: `path` may be a device or a pipe, never renamed over."""
@@ -156,6 +160,8 @@ class EvalReport:
         if self.tau_lookup is not None:
             lines.append(f"prompt lookup, same outputs: tau {self.tau_lookup:.3f} (copying {LOOKUP_NGRAM}-grams of the "
                          "prompt and output)")
+        if self.phases_s:
+            lines.append("eval wall time:             " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases_s.items()))
         return "\n".join(lines)
 
     def by_category(self, categories: list[str]) -> dict[str, float]:
@@ -214,6 +220,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     # graph captures of the key-length buckets the prompts reach (warm_prompts). On CPU (no
     # graphs) a short run does: a full one would cost a whole prompt's decode.
     cuda = target.device.type == "cuda"
+    clock = _Clock(target.device)
     warm, new = (warm_prompts(prompts, B), cfg.max_new_tokens) if cuda else ([prompts[0][:32]], 2 * B)
     if (cfg.compile or cfg.compile_drafter) and not compile_decode(target, drafter, target_steps=cfg.compile):
         raise UsageError(f"{'--compile' if cfg.compile else '--compile-drafter'}: {target.config.model_type} "
@@ -222,7 +229,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
         speculative_generate(target, drafter, prompt, new, cfg.temperature, B, [], gen)
         if cfg.baseline:
             target_generate(target, prompt, new, cfg.temperature, [], gen)
-
+    clock.lap("warm-up")
     spec_runs: list[DecodeResult] = []
     base_runs: list[DecodeResult] = []
     for prompt in tqdm(prompts, desc="eval", unit="prompt", disable=not progress):
@@ -230,6 +237,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
                                               gen))
         if cfg.baseline:
             base_runs.append(target_generate(target, prompt, cfg.max_new_tokens, cfg.temperature, stops, gen))
+    clock.lap("decode")
     report = _report(spec_runs, base_runs, B, cfg)
     if report.mismatched_prompts:
         report.divergences = [divergence(target, prompts[i], i, spec_runs[i].tokens, base_runs[i].tokens)
@@ -240,10 +248,27 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
         outputs = [r.tokens for r in spec_runs]
         report.tau_lookup = lookup_tau(prompts, outputs, B)
         if replay is not None and B == drafter.block_size:
+            clock.lap("checks")
             commits = replay(target, drafter, prompts, outputs, cfg.max_new_tokens)
             report.tau_replay = _mean([c for row in commits for c in row])
             report.per_prompt_tau_replay = [_mean(row) for row in commits]
+            clock.lap("replay")
+    clock.lap("checks")
+    report.phases_s = clock.laps
     return report
+
+
+class _Clock:
+    """Wall-time laps of the eval (each a host sync on CUDA: between phases, never inside a decode)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.laps = device, {}
+        self.t = now(device)
+
+    def lap(self, name: str) -> None:
+        t = now(self.device)
+        self.laps[name] = round(self.laps.get(name, 0.0) + t - self.t, 3)
+        self.t = t
 
 
 @torch.inference_mode()
