@@ -445,6 +445,16 @@ def test_drafter_step(tmp_path):
     assert res["kinds"]["GEMM"]["ms"] > 0
 
 
+def test_eval_clock(tmp_path):
+    """The eval as the train job runs it, its timed decodes and the events on its clock (none on a CPU)."""
+    out = tmp_path / "clock.json"
+    _run(_py("eval_clock.py", "--device", "cpu", "--target", TINY, "--layers", "1", "--prompts", "3",
+             "--new-tokens", "16", "--json", str(out)), tmp_path)
+    res = _json(out, "eval", "events")
+    assert res["eval"]["steps"] >= 3 * 15 // 8 and res["eval"]["dflash_ms_per_step"] > 0
+    assert list(res["eval"]["phases_s"]) == ["warm-up", "decode", "checks"] and res["events"] == []
+
+
 @pytest.mark.slow
 def test_memory_plan_check(tmp_path):
     out = tmp_path / "memory.json"
