@@ -300,5 +300,9 @@ def test_the_warm_up_reaches_every_bucket_of_prompt_lengths():
 
     prompts = [[0] * n for n in (93, 321, 150, 100, 129, 300, 260)]
     # 129 and 260: the prompt in a bucket above its first 121 / 252 tokens' pass at B=8
-    assert [len(p) for p in warm_prompts(prompts, 8)] == [321, 93, 129, 150, 260]
-    assert [len(p) for p in warm_prompts([[1] * 5], 8)] == [5]
+    assert [len(p) for p in warm_prompts(prompts, 8, 128)] == [321, 93, 129, 150, 260]
+    assert [len(p) for p in warm_prompts([[1] * 5], 8, 128)] == [5]
+    # one prompt bucket, but 125's first DFlash step (125 + 8 keys) starts a bucket above 120's
+    assert [len(p) for p in warm_prompts([[0] * 120, [0] * 125], 8, 128)] == [125, 120]
+    # the same first keys, but at the token limit 250's decode reaches 384 keys where 140's stays within 256
+    assert [len(p) for p in warm_prompts([[0] * 140, [0] * 250], 8, 100)] == [250, 140]

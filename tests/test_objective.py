@@ -664,15 +664,24 @@ def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, t
     with pytest.raises(UsageError, match="--compile-drafter"):
         DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,
                          tiny_target.lm_head, tmp_path, 1, compile_drafter=cfg.trainer.compile_drafter)
+    # compiled masks are FlexAttention's: refused where the resolved backend is another (auto picks the interval
+    # kernels for most heads on CUDA, dense on a CPU)
+    with pytest.raises(UsageError, match="--compile-masks: .* runs dense .*pass --attention flex"):
+        DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,
+                         tiny_target.lm_head, tmp_path, 1, compile_masks=True)
 
 
-def test_auto_attention_picks_the_interval_kernels_on_cuda_where_they_take_the_heads():
-    """auto: intervals on CUDA for heads of 16-128 (a power of two), FlexAttention for the others (Gemma 3's 256),
-    dense off CUDA; a named backend stays as named."""
+def test_auto_attention_picks_the_interval_kernels_on_cuda_where_they_take_the_heads(monkeypatch):
+    """auto: intervals on the GPUs their launches were tuned on, for heads of 16-128 (a power of two);
+    FlexAttention on other GPUs and for other heads (Gemma 3's 256); dense off CUDA; a named backend stays."""
+    from dflash_train.models import interval_attention
     from dflash_train.objective.objective import resolve_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(interval_attention, "tuned_for", lambda device: True)  # an H100, without a GPU
     assert [resolve_backend("auto", cuda, d) for d in (16, 64, 128)] == ["intervals"] * 3
     assert [resolve_backend("auto", cuda, d) for d in (80, 256)] == ["flex"] * 2
+    monkeypatch.setattr(interval_attention, "tuned_for", lambda device: False)  # an L4, an A100
+    assert resolve_backend("auto", cuda, 64) == "flex"
     assert resolve_backend("auto", cpu, 64) == "dense"
     assert [resolve_backend(a, cuda, 256) for a in ("flex", "flex-split", "dense")] == ["flex", "flex-split", "dense"]

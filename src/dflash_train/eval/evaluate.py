@@ -187,20 +187,26 @@ class EvalReport:
                 f"(prompt@token: logit gap {gaps}; ties are <= {self.tie_gap:g})")
 
 
-def warm_prompts(prompts: list[list[int]], block_size: int, size: int = KV_BUCKET) -> list[list[int]]:
+def warm_prompts(prompts: list[list[int]], block_size: int, max_new_tokens: int,
+                 size: int = KV_BUCKET) -> list[list[int]]:
     """The prompts a CUDA warm-up decodes in full: the longest first (it sizes the caches that every later
-    decode reuses, with their graphs), then the shortest of every other set of graph keys a prompt starts
-    with. Those are its own `size`-token bucket (a decode captures a graph per key-length bucket it reaches,
-    from its prompt's bucket up) and the drafter's pass over the prompt's first L - B tokens, whose rows and
-    keys are bucketed alike (greedy_loop.first_step). A key first met on the clock costs the timed decode an
-    eager run, a capture and, for a new shape of the span kernel, a Triton compile: with the prompt buckets
-    alone, two such passes cost the SmolLM2 recipe's HumanEval eval ~1 s of its ~3 s of DFlash decoding."""
-    def keys(p: list[int]) -> tuple[int, int, int]:
-        rows = len(p) - min(len(p), block_size)
-        return bucket(len(p), size), bucket(rows, size), bucket(rows + 1, size)
+    decode reuses, with their graphs), then one of every other set of graph keys a prompt's decodes meet. A
+    decode captures a graph per key-length bucket it reaches, from its first step's to its last's, so the set
+    holds the buckets of the prompt's prefill, of both decoders' first and last steps at the token limit, and
+    of the drafter's pass over its first L - B tokens (rows and keys; greedy_loop.first_step). Prompts with
+    the same set meet the same graphs. A key first met on the clock costs the timed decode an eager run, a
+    capture and, for a new shape of a decode kernel, a Triton compile: the prompt buckets alone left ~0.64 s
+    of the SmolLM2 recipe's ~3 s of HumanEval DFlash decoding on the clock (benchmarks/eval_clock.py)."""
+    B = block_size
+
+    def keys(p: list[int]) -> tuple[int, ...]:
+        L = len(p)
+        rows = L - min(L, B)
+        last = L + max_new_tokens
+        return tuple(bucket(n, size) for n in (L, L + 1, L + B, rows, rows + 1, last, last - 1 + 2 * B))
 
     longest = max(prompts, key=len)
-    shortest: dict[tuple[int, int, int], list[int]] = {}
+    shortest: dict[tuple[int, ...], list[int]] = {}
     for p in sorted(prompts, key=len):
         shortest.setdefault(keys(p), p)
     return [longest] + [p for k, p in sorted(shortest.items()) if k != keys(longest)]
@@ -221,7 +227,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
     # graphs) a short run does: a full one would cost a whole prompt's decode.
     cuda = target.device.type == "cuda"
     clock = _Clock(target.device)
-    warm, new = (warm_prompts(prompts, B), cfg.max_new_tokens) if cuda else ([prompts[0][:32]], 2 * B)
+    new = cfg.max_new_tokens if cuda else 2 * B
+    warm = warm_prompts(prompts, B, new) if cuda else [prompts[0][:32]]
     if (cfg.compile or cfg.compile_drafter) and not compile_decode(target, drafter, target_steps=cfg.compile):
         raise UsageError(f"{'--compile' if cfg.compile else '--compile-drafter'}: {target.config.model_type} "
                          "targets decode through HF's forward, which is not compiled")

@@ -63,6 +63,13 @@ def supports(head_dim: int) -> bool:
     return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
 
 
+def tuned_for(device: torch.device) -> bool:
+    """Whether the launches were tuned on this kind of GPU, the one `--attention auto` picks the kernels on:
+    Hopper (sm90, H100/H200), with Triton. Smaller shared memory (sm86/sm89: ~100 KB a block) may not hold
+    the 128-wide dK/dV tiles; --attention intervals still runs them anywhere Triton does."""
+    return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def launches(head_dim: int) -> tuple[Launch, Launch, Launch]:
     """The (forward, dQ, dK/dV) kernels' launches for `head_dim`-wide heads: the fastest forward + backward of
     the last sweep of benchmarks/train_attention.py on an H100 (docs/performance.md), at the SmolLM2 recipe's

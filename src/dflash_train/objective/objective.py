@@ -6,9 +6,10 @@
     out.loss.backward()
 
 The target side (features) and the drafter side (this module) are separate so a pipeline can
-run them in different processes; the math is the same on CPU and GPU. Attention runs through
-FlexAttention block masks (`attention="flex"`, the CUDA default) or the exact dense predicate
-evaluated per packed sequence with SDPA (`"dense"`, the CPU default).
+run them in different processes; the math is the same on CPU and GPU. Attention runs through the
+interval kernels (`attention="intervals"`, the H100/H200 default, models/interval_attention.py),
+FlexAttention block masks (`"flex"`, the other GPUs' default) or the exact dense predicate evaluated per
+packed sequence with SDPA (`"dense"`, the CPU default).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class ObjectiveConfig:
 
     num_anchors: int = setting(32, "anchors drawn per sequence each time it is seen", at_least(1))
     gamma: float | None = setting(None, "slot-weight decay (default 7 for B=16, 5 for B=10, 4 for B=8)", above(0))
-    attention: AttentionBackend = setting("auto", "flex | flex-split | intervals | dense | auto (intervals on CUDA "
-                                                  "where they take the drafter's heads, else flex; dense "
-                                                  "elsewhere); flex-split: FlexAttention over the context, each "
+    attention: AttentionBackend = setting("auto", "flex | flex-split | intervals | dense | auto (intervals on "
+                                                  "H100/H200 where they take the drafter's heads, else flex; "
+                                                  "dense off CUDA); flex-split: FlexAttention over the context, each "
                                                   "block's own keys in a batched matmul, merged by log-sum-exp; "
                                                   "intervals: Triton kernels over each query's two key intervals")
     loss_chunk_rows: int = setting(4096, "block tokens per LM-head + loss chunk", at_least(1))
@@ -71,14 +72,16 @@ def tiled(attention: str) -> bool:
 
 
 def resolve_backend(attention: str, device: torch.device, head_dim: int) -> str:
-    """The backend an --attention setting runs on this device. auto: the interval kernels on CUDA where they
-    take the drafter's heads (the recipe's step 64.9 -> 51.5 ms against FlexAttention, one H200,
-    docs/performance.md), FlexAttention for other heads (Gemma 3's 256), dense elsewhere."""
+    """The backend an --attention setting runs on this device. auto: the interval kernels on the GPUs their
+    launches were tuned on, where they take the drafter's heads (the recipe's step 64.9 -> 51.5 ms against
+    FlexAttention, one H200, docs/performance.md); FlexAttention on other GPUs and for other heads (Gemma 3's
+    256); dense off CUDA."""
     if attention != "auto":
         return attention
     if device.type != "cuda":
         return "dense"
-    return "intervals" if interval_attention.supports(head_dim) else "flex"
+    tuned = interval_attention.supports(head_dim) and interval_attention.tuned_for(device)
+    return "intervals" if tuned else "flex"
 
 
 def check_backend_heads(attention: str, head_dim: int) -> None:

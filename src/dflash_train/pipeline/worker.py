@@ -208,12 +208,11 @@ def serve_features(spec: WorkerSpec, peers: Peers, target: Target, features: Fea
     packs = stream.packs(total_steps, keep=lambda p: p.index % n == me)
     loop = TargetForwardLoop(target, features, prof, _fault("target"), trace, cache)
     beat = functools.partial(peers.beat, spec.rank)
-    batches = BatchQueue(packs, depth, prof, pin=target.device.type == "cuda")
     if spec.rank != spec.replicas[me][0]:
-        loop.run_follower(batches, beat)
+        loop.run_follower(BatchQueue(packs, depth, prof), beat)
         return
     sender = P2PSender(depth, spec.peer_timeout, spec.describe)
-    loop.run_p2p(batches, sender, spec.drafter_of, beat)
+    loop.run_p2p(BatchQueue(packs, depth, prof), sender, spec.drafter_of, beat)
 
 
 def drafter_packs(spec: WorkerSpec, stream: PackStream, total_steps: int):
@@ -227,6 +226,9 @@ def drafter_packs(spec: WorkerSpec, stream: PackStream, total_steps: int):
 
 def receive_features(spec: WorkerSpec, packs, features: FeatureSpec, hidden: int, budget: int, dtype: torch.dtype,
                      device: torch.device, depth: int) -> P2PReceiver:
-    """A drafter-only rank's feature source: each pack's features from the target rank that computed them."""
+    """A drafter-only rank's feature source: each pack's features from the target rank that computed them (its
+    packs pinned for a CUDA drafter: target_loop.BatchQueue says why)."""
+    if device.type == "cuda":
+        packs = (p.pinned() for p in packs)
     return P2PReceiver(packs, spec.target_of, features.width(hidden), budget, dtype, device, depth, spec.peer_timeout,
                        spec.describe, labels=features.labels)

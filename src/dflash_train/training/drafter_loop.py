@@ -24,6 +24,7 @@ from dflash_train.objective.objective import (
     check_backend_device,
     check_backend_heads,
     tiled,
+    uses_flex,
 )
 from dflash_train.pipeline.handoff import Features
 from dflash_train.profiling.hooks import drafter_spans
@@ -80,10 +81,14 @@ class DrafterTrainLoop(Trainer):
         check_backend_heads(objective_cfg.attention, drafter.config.head_dim)
         objective = DFlashObjective(drafter, embed_weight, lm_head, objective_cfg, hooks.prof, compile_masks,
                                     embed_scale)
-        if compile_drafter and not tiled(objective.backend(device)):  # the backend the step will run
+        backend = objective.backend(device)  # the backend the step will run
+        if compile_drafter and not tiled(backend):
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention or the interval kernels "
-                             "on CUDA, not "
-                             f"{objective.backend(device)} attention on {device.type}")
+                             f"on CUDA, not {backend} attention on {device.type}")
+        if compile_masks and not uses_flex(backend):
+            raise UsageError(f"--compile-masks: compiled masks are FlexAttention's; this drafter's attention runs "
+                             f"{backend} (--attention {objective_cfg.attention}): pass --attention flex, or drop "
+                             "--compile-masks")
         self.drafter, self.compile_drafter = drafter, compile_drafter  # before the Trainer restores a state
         step = DrafterStep(objective)
         super().__init__(step, optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
