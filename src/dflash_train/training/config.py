@@ -46,8 +46,8 @@ class TrainerConfig:
     export_dtype: Literal["float32", "bfloat16"] = setting("float32", "dtype of the exported drafter "
                                                                       "(float32 | bfloat16)")
     compile_drafter: bool = setting(False, "torch.compile each draft layer's training forward (one graph for all "
-                                           "layers, FlexAttention traced in; CUDA): fewer launches and host time "
-                                           "per step")
+                                           "layers, its attention kernels traced in; CUDA): fewer launches and host "
+                                           "time per step")
     compile_masks: bool = setting(False, "torch.compile the tile computation of the drafter's FlexAttention masks "
                                          "(CUDA): ~80 launches a mask become a few; experimental, not yet timed")
     precompile: bool = setting(False, "with --compile-drafter on CUDA: compile the drafter's training graphs in a "
