@@ -45,7 +45,12 @@ from dflash_train.models.chat import render_chat
 from dflash_train.models.checkpoint import load_config, load_drafter, save_drafter
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.target import Target
-from dflash_train.objective.objective import check_backend_device, check_backend_heads
+from dflash_train.objective.objective import (
+    check_backend_device,
+    check_backend_heads,
+    check_compile_masks,
+    resolve_backend,
+)
 from dflash_train.profiling.session import profile_session
 from dflash_train.profiling.stall import StallWatch
 from dflash_train.settings.tree import TrainConfig
@@ -104,7 +109,8 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
     state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.run.device)
-    for d in [resolve_device(d) for role, d in roles if role != "target"] if roles else [device]:
+    drafter_devices = [resolve_device(d) for role, d in roles if role != "target"] if roles else [device]
+    for d in drafter_devices:
         check_backend_device(cfg.objective.attention, d)  # before any data is regenerated
     if cfg.drafter.init_drafter and not resume:
         load_config(cfg.drafter.init_drafter, "--init-drafter")  # a bad one fails now, not after the data work
@@ -116,6 +122,9 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
         check_fresh_drafter(cfg, target)  # before the data work
     planned = planned_config(cfg, target, ckpt)  # the drafter to be trained, before it is built
     check_backend_heads(cfg.objective.attention, planned.head_dim)
+    for d in drafter_devices:
+        backend = resolve_backend(cfg.objective.attention, d, planned.head_dim)
+        check_compile_masks(cfg.trainer.compile_masks, cfg.objective.attention, backend)
     prompts = ([render_chat(target, m) for m in load_prompts(cfg.eval.dataset, cfg.eval.limit)]
                if cfg.eval.limit else [])
     if prompts:  # a too-long eval fails now, not after the data work and the training

@@ -91,6 +91,14 @@ def check_backend_heads(attention: str, head_dim: int) -> None:
                          f"drafter's {head_dim}; use --attention flex")
 
 
+def check_compile_masks(compile_masks: bool, attention: str, backend: str) -> None:
+    """--compile-masks compiles FlexAttention's masks: refused where the attention that runs (`backend`, what
+    `attention` resolved to) is another, instead of doing nothing."""
+    if compile_masks and not uses_flex(backend):
+        raise UsageError(f"--compile-masks: compiled masks are FlexAttention's; this drafter's attention runs "
+                         f"{backend} (--attention {attention}): pass --attention flex, or drop --compile-masks")
+
+
 def check_backend_device(attention: str, device: torch.device) -> None:
     """Training needs the backward of its attention backend; FlexAttention and the interval kernels run on
     CUDA only."""

@@ -23,8 +23,8 @@ from dflash_train.objective.objective import (
     ObjectiveConfig,
     check_backend_device,
     check_backend_heads,
+    check_compile_masks,
     tiled,
-    uses_flex,
 )
 from dflash_train.pipeline.handoff import Features
 from dflash_train.profiling.hooks import drafter_spans
@@ -85,10 +85,7 @@ class DrafterTrainLoop(Trainer):
         if compile_drafter and not tiled(backend):
             raise UsageError("--compile-drafter: compiled draft layers need FlexAttention or the interval kernels "
                              f"on CUDA, not {backend} attention on {device.type}")
-        if compile_masks and not uses_flex(backend):
-            raise UsageError(f"--compile-masks: compiled masks are FlexAttention's; this drafter's attention runs "
-                             f"{backend} (--attention {objective_cfg.attention}): pass --attention flex, or drop "
-                             "--compile-masks")
+        check_compile_masks(compile_masks, objective_cfg.attention, backend)
         self.drafter, self.compile_drafter = drafter, compile_drafter  # before the Trainer restores a state
         step = DrafterStep(objective)
         super().__init__(step, optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
