@@ -1,6 +1,8 @@
 """Where a batch-1 DFlash step's time goes: each part's graph replayed back to back, eager and compiled.
 
     python3 benchmarks/decode_parts.py --draft-layers 5 --json benchmarks/results/decode-parts-h200.json
+    python3 benchmarks/decode_parts.py --draft-layers 12 --block-size 8 --sliding-layers 1 --intermediate-size 3072
+                                                  # the SmolLM2 recipe's drafter (configs/smollm2-h200.toml)
 
 Parts: the target's one-token step (the baseline's unit), its B-token verify (logits and
 features), the drafter's step, and the whole T=0 device-loop step (draft, verify, accept).
@@ -117,6 +119,11 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="random:smollm2-135m")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--sliding-layers", type=int, default=0,
+                    help="draft layers with sliding-window attention (the SmolLM2 recipe's drafter: 1)")
+    ap.add_argument("--sliding-window", type=int, default=16)
+    ap.add_argument("--intermediate-size", type=int, default=None,
+                    help="the draft layers' MLP width (default: the target's; the SmolLM2 recipe's: 3072)")
     ap.add_argument("--context", type=int, default=512, help="tokens already in the caches")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--compile", action="store_true")
@@ -132,7 +139,9 @@ def main(argv=None) -> int:
     DEVICE = dev = torch.device(args.device)
     B = args.block_size
     target = load_target(args.target, device=dev)
-    drafter = new_drafter(drafter_config_for(target, num_layers=args.draft_layers, block_size=B), 0, dev)
+    shape = dict(num_sliding_layers=args.sliding_layers, intermediate_size=args.intermediate_size,
+                 sliding_window=args.sliding_window if args.sliding_layers else None)
+    drafter = new_drafter(drafter_config_for(target, num_layers=args.draft_layers, block_size=B, **shape), 0, dev)
     drafter = drafter.to(target.dtype).eval()
     lm = static_lm.for_model(target.model)
     layers = tuple(drafter.config.target_layer_ids)

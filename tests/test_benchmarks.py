@@ -152,8 +152,9 @@ def test_decode_attention_under_the_triton_interpreter(tmp_path):
 @pytest.mark.slow
 def test_decode_parts(tmp_path):
     out = tmp_path / "parts.json"
-    _run(_py("decode_parts.py", "--device", "cpu", "--target", TINY, "--draft-layers", "1", "--block-size", "4",
-             "--context", "32", "--reps", "2", "--json", str(out)), tmp_path)
+    _run(_py("decode_parts.py", "--device", "cpu", "--target", TINY, "--draft-layers", "2", "--block-size", "4",
+             "--sliding-layers", "1", "--intermediate-size", "96", "--context", "32", "--reps", "2",
+             "--json", str(out)), tmp_path)
     assert "device" in _json(out, "target", "device", "date")
 
 
