@@ -28,13 +28,15 @@ class PackedBatch:
         return self.input_ids.numel()
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(*(t.to(device, non_blocking=True) if t is not None else None for t in
-                             (self.input_ids, self.loss_mask, self.seq_ids, self.positions, self.labels)))
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> PackedBatch:
         """The same tensors in page-locked host memory, from which a non_blocking copy to the GPU is queued
         without waiting: from pageable memory CUDA synchronizes the stream before the copy."""
-        return PackedBatch(*(t.pin_memory() if t is not None else None for t in
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, f) -> PackedBatch:
+        return PackedBatch(*(f(t) if t is not None else None for t in
                              (self.input_ids, self.loss_mask, self.seq_ids, self.positions, self.labels)))
 
 

@@ -251,16 +251,15 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
                               for i in report.mismatched_prompts]
         report.tie_gap = TIE_GAP.get(target.dtype, TIE_GAP[torch.float32])
         report.lossless = lossless_status(report.divergences, report.tie_gap)
+    outputs = [r.tokens for r in spec_runs]
     if cfg.temperature == 0:
-        outputs = [r.tokens for r in spec_runs]
         report.tau_lookup = lookup_tau(prompts, outputs, B)
-        if replay is not None and B == drafter.block_size:
-            clock.lap("checks")
-            commits = replay(target, drafter, prompts, outputs, cfg.max_new_tokens)
-            report.tau_replay = _mean([c for row in commits for c in row])
-            report.per_prompt_tau_replay = [_mean(row) for row in commits]
-            clock.lap("replay")
     clock.lap("checks")
+    if cfg.temperature == 0 and replay is not None and B == drafter.block_size:
+        commits = replay(target, drafter, prompts, outputs, cfg.max_new_tokens)
+        report.tau_replay = _mean([c for row in commits for c in row])
+        report.per_prompt_tau_replay = [_mean(row) for row in commits]
+        clock.lap("replay")
     report.phases_s = clock.laps
     return report
 
@@ -274,7 +273,7 @@ class _Clock:
 
     def lap(self, name: str) -> None:
         t = now(self.device)
-        self.laps[name] = round(self.laps.get(name, 0.0) + t - self.t, 3)
+        self.laps[name] = round(t - self.t, 3)
         self.t = t
 
 
