@@ -437,8 +437,8 @@ def test_regenerated_text_with_unicode_line_separators_reads_back(tmp_path):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_host_work_beside_the_decode_writes_the_same_file(tiny_target, tmp_path, temperature):
-    """Each batch's reply text and next-turn prompts on a thread beside the next batch's decode (as on CUDA)
-    give the file the decode alone gives: several batches a turn, three turns, sampled or greedy."""
+    """Each batch's reply text and next-turn prompts in a worker process beside the next batch's decode (as on
+    CUDA) give the file the decode alone gives: several batches a turn, three turns, sampled or greedy."""
     convs = [Conversation(f"c{i}", [user(f"q{i} " * (1 + i % 5)), asst("a"), user("more"), asst("b"), user("last"),
                                     asst("c")]) for i in range(9)]
     cfg = RegenConfig(max_new_tokens=NEW, max_turns=3, batch_size=4, temperature=temperature)
@@ -448,15 +448,19 @@ def test_host_work_beside_the_decode_writes_the_same_file(tiny_target, tmp_path,
         reports[overlap] = regenerate(tiny_target, convs, tmp_path / f"{overlap}.jsonl", cfg, progress=False,
                                       overlap=overlap)
     assert (tmp_path / "True.jsonl").read_bytes() == (tmp_path / "False.jsonl").read_bytes()
-    assert reports[True].turns == reports[False].turns == 27
-    assert reports[True].generated_tokens == reports[False].generated_tokens
+    for field in ("turns", "generated_tokens", "hit_length_limit", "empty_replies"):
+        assert getattr(reports[True], field) == getattr(reports[False], field), field
+    assert reports[True].turns == 27 and reports[True].render_s > 0 and reports[True].text_s > 0
 
 
 def test_a_failure_in_the_host_work_stops_the_run_with_its_error(tiny_target, tmp_path, monkeypatch):
-    def broken(*args):
-        raise OSError("tokenizer gone")
-
-    monkeypatch.setattr(regen, "_replies", broken)
-    with pytest.raises(OSError, match="tokenizer gone"):
-        regenerate(tiny_target, conversations(3, turns=2), tmp_path / "out.jsonl", RegenConfig(max_new_tokens=NEW),
+    """The worker process renders the second turn's prompts; a chat template that refuses one stops the run
+    with the template's own error, and the file keeps nothing of the pool in flight."""
+    refusing = ("{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom here') }}"
+                "{% endif %}{% endfor %}" + tiny_target.tokenizer.chat_template)
+    monkeypatch.setattr(tiny_target.tokenizer, "chat_template", refusing)
+    convs = [Conversation("c0", [user("hello"), asst("a"), user("boom"), asst("b")])]
+    with pytest.raises(Exception, match="no boom here"):
+        regenerate(tiny_target, convs, tmp_path / "out.jsonl", RegenConfig(max_new_tokens=NEW, max_turns=2),
                    progress=False, overlap=True)
+    assert (tmp_path / "out.jsonl").read_bytes() == b""

@@ -63,7 +63,8 @@ def test_regeneration_equals_hf_loop(target):
     cfg = RegenConfig(max_new_tokens=12)
     stops = [int(regen._hf_generate(target, prompts[:1], cfg, [])[0][5])]  # a token row 0 emits: rows stop
     ours = regen._generate(target, prompts, cfg, stops)
-    theirs = regen._replies(target, regen._hf_generate(target, prompts, cfg, stops), set(stops), cfg.max_new_tokens)
+    theirs = regen._replies(target.tokenizer, regen._hf_generate(target, prompts, cfg, stops), set(stops),
+                            cfg.max_new_tokens)
     assert [r.ids for r in ours] == [r.ids for r in theirs]
     assert [r.hit_limit for r in ours] == [r.hit_limit for r in theirs]
     assert not ours[0].hit_limit and ours[0].ids[-1] == stops[0]

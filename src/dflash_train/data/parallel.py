@@ -22,13 +22,14 @@ guarded) ask for default_workers().
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
 import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import chain, islice
 from typing import Any
@@ -63,17 +64,31 @@ def map_tokenized(fn: Callable[[Any, Any], Any], tokenizer, jobs: Iterable, *,
         for job in chain(first, jobs):
             yield job, fn(tokenizer, job)
         return
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as tmp, \
-            ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                                initargs=(_pickled(tokenizer, tmp),)) as pool:
+    with tokenizer_processes(tokenizer, workers) as pool:
         window: deque = deque()
         for job in chain(first, jobs):
-            window.append((job, pool.submit(_call, fn, job)))
+            window.append((job, submit_tokenized(pool, fn, job)))
             if len(window) >= IN_FLIGHT * workers:
                 yield _result(*window.popleft())
         while window:
             yield _result(*window.popleft())
+
+
+@contextlib.contextmanager
+def tokenizer_processes(tokenizer, workers: int, threads: bool = False) -> Iterator[ProcessPoolExecutor]:
+    """`workers` spawned processes, each with its own copy of `tokenizer` (see the module docstring), which
+    runs single-threaded unless `threads` (one worker beside a process that leaves the cores idle);
+    submit_tokenized runs a function on one of them."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as tmp, \
+            ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                                initargs=(_pickled(tokenizer, tmp), threads)) as pool:
+        yield pool
+
+
+def submit_tokenized(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args) -> Future:
+    """fn(the worker's tokenizer, *args) on a tokenizer_processes worker; fn must be a module-level function."""
+    return pool.submit(_call, fn, *args)
 
 
 def _result(job, future) -> tuple[Any, Any]:
@@ -92,12 +107,13 @@ def _pickled(tokenizer, directory: str) -> str:
     return path
 
 
-def _init(tokenizer_path: str) -> None:
+def _init(tokenizer_path: str, threads: bool = False) -> None:
     global _tokenizer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
+    # one thread per worker where the workers are the parallelism
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     with open(tokenizer_path, "rb") as f:
         _tokenizer = pickle.load(f)  # our own file, written by _pickled a moment ago
 
 
-def _call(fn: Callable[[Any, list], list], batch: list) -> list:
-    return fn(_tokenizer, batch)
+def _call(fn: Callable[..., Any], *args) -> Any:
+    return fn(_tokenizer, *args)

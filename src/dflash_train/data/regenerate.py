@@ -28,7 +28,7 @@ Batches: conversations are taken POOL_BATCHES batches at a time, and each turn's
 decoded in batches of `--batch-size` prompts of similar length (shortest first). A batch's KV cache
 and every decode step's attention span its longest prompt, and a later turn's prompt holds the
 whole history so far, whose length the order of the source does not predict. On CUDA a decoded
-batch's host work (its replies' text, its conversations' next prompts) runs on a thread beside the
+batch's host work (its replies' text, its conversations' next prompts) runs in a worker process beside the
 next batch's decode, so the GPU waits only for the last batch's of each turn (_HostWork).
 
 Resumable: the output is an append-only JSONL with one line per finished conversation. Each
@@ -51,16 +51,20 @@ The file format, resume logic, reply points and report are shared with the serve
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
+from dflash_train.data.parallel import submit_tokenized, tokenizer_processes
 from dflash_train.data.regen_common import (
     Message,
     RegenConfig,
@@ -78,7 +82,7 @@ from dflash_train.decode import static_lm
 from dflash_train.decode.generate import generate
 from dflash_train.decode.sampling import pick
 from dflash_train.errors import UsageError
-from dflash_train.models.chat import render_chats, stop_token_ids
+from dflash_train.models.chat import render_chats, render_tokenized, stop_token_ids
 from dflash_train.models.target import Target
 
 __all__ = ["RegenConfig", "RegenReport", "regenerate", "sample_ids"]
@@ -115,7 +119,8 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
                progress: bool = True, overlap: bool | None = None) -> RegenReport:
     """Append every conversation not yet in `out_path`, its assistant turns written by `target`.
 
-    overlap: the host's work (reply text, next prompts) beside the decode (_HostWork); default on CUDA."""
+    overlap: the host's work (reply text, next prompts) in a process beside the decode (_HostWork); default
+    on CUDA."""
     out_path = Path(out_path)
     t0 = time.perf_counter()
     header = {"regenerated_by": target.spec, **cfg.settings()}
@@ -126,7 +131,8 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
     total = len(conversations) * cfg.samples if hasattr(conversations, "__len__") else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    host = _HostWork(target.device.type == "cuda" if overlap is None else overlap, report)
+    host = _HostWork(target.tokenizer, stops, cfg.max_new_tokens, report,
+                     process=target.device.type == "cuda" if overlap is None else overlap)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar, \
             contextlib.closing(host):
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
@@ -178,16 +184,27 @@ def _record(job: _Job, header: dict) -> dict:
 # --- generation --------------------------------------------------------------------------------
 
 class _HostWork:
-    """A decoded batch's host work (its replies' text, its conversations' next prompts), done on one thread
-    beside the next batch's decode (`overlap`: on CUDA the host idles while the GPU decodes; the tokenizer
-    releases the GIL while it encodes and decodes), or at once (on a CPU the decode needs the cores).
-    Either way the same work in the same order: the output does not depend on it. The decode loop's seconds
-    in each call (the work itself, or handing it over and waiting for it) go to report.host_s."""
+    """A decoded batch's host work (its replies' text, its conversations' next prompts: _host_turn), done in one
+    worker process beside the next batch's decode (`process`: on CUDA the host idles while the GPU decodes), or
+    at once (on a CPU the decode needs the cores). Either way the same work in the same order: the output does
+    not depend on it. The decode loop's seconds in each call (the work itself, or handing it over and taking
+    its results) go to report.host_s.
 
-    def __init__(self, overlap: bool, report: RegenReport) -> None:
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="regen-host") if overlap else None
-        self.queued: list[Future] = []
-        self.report = report
+    A process, not a thread: the work is mostly Python that holds the GIL (the chat template's Jinja, lists of
+    tokens), and every PyTorch call of the decode loop lets the GIL go and must take it back, which behind a
+    thread running Python waits out that thread's switch interval (5 ms). On 2 cores an in-place add of 16
+    floats took 4.4 us alone and 2.1 ms beside a thread spinning Python (`benchmarks/gil_convoy.py`); the
+    recipe's regeneration with the host work on a thread prefilled in 27.9 s against 21.4 s the run before,
+    and took 3.0 s against 0.2 to get its batches' caches (H200, 2026-12-06 and 2026-12-05 records)."""
+
+    def __init__(self, tokenizer, stops: list[int], max_new_tokens: int, report: RegenReport,
+                 process: bool) -> None:
+        self.tokenizer, self.limits, self.report = tokenizer, (list(stops), max_new_tokens), report
+        self._stack = contextlib.ExitStack()
+        self.pool = self._stack.enter_context(tokenizer_processes(tokenizer, 1, threads=True)) if process else None
+        if self.pool is not None:
+            self.pool.submit(int)  # the worker starts now (its imports take seconds), while turn 1 is rendered
+        self.queued: list[tuple[list[_Job], int, Future]] = []
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:
@@ -197,28 +214,55 @@ class _HostWork:
         finally:
             self.report.host_s += time.perf_counter() - t
 
-    def now(self, fn: Callable[..., None], *args) -> None:
-        """Host work the decode needs before it goes on (this thread)."""
+    def render(self, target: Target, jobs: list[_Job], k: int) -> None:
+        """Prompts the decode needs before it goes on (turn 1's), rendered in this process."""
         with self._timed():
-            fn(*args)
+            t = time.perf_counter()
+            for job, prompt in zip(jobs, render_chats(target, [job.history + job.segments[k] for job in jobs]),
+                                   strict=True):
+                job.prompt = prompt
+            self.report.render_s += time.perf_counter() - t
 
-    def submit(self, fn: Callable[..., None], *args) -> None:
+    def submit(self, jobs: list[_Job], tokens: list[list[int]], k: int) -> None:
+        """The jobs' generated tokens of turn k: their replies, and the prompts of those with a turn k + 1."""
         with self._timed():
+            later = [(job.history, job.segments[k + 1]) if k + 1 < len(job.segments) else None for job in jobs]
             if self.pool is None:
-                fn(*args)
-            else:
-                self.queued.append(self.pool.submit(fn, *args))
+                self._apply(jobs, k, _host_turn(self.tokenizer, tokens, *self.limits, later))
+            else:  # pickled here, once: the pool's feeder thread would otherwise hold the GIL to do it
+                payload = pickle.dumps((tokens, *self.limits, later), protocol=pickle.HIGHEST_PROTOCOL)
+                self.queued.append((jobs, k, submit_tokenized(self.pool, _host_turn_pickled, payload)))
 
     def wait(self) -> None:
-        """Until every submitted piece is done; re-raises the first one's exception."""
+        """Until every submitted batch's work is in; re-raises the first one's exception."""
         queued, self.queued = self.queued, []
         with self._timed():
-            for future in queued:
-                future.result()
+            for jobs, k, future in queued:
+                try:
+                    out = _unpickle_turn(future.result())
+                except BrokenProcessPool as e:
+                    raise RuntimeError(f"regeneration's host-work process died ({e})") from e
+                self._apply(jobs, k, out)
+
+    def _apply(self, jobs: list[_Job], k: int, out: _TurnOut) -> None:
+        report = self.report
+        report.text_s += out.text_s
+        report.render_s += out.render_s
+        for job, (text, count, hit_limit) in zip(jobs, out.replies, strict=True):
+            job.history.append({"role": "assistant", "content": text})
+            report.turns += 1
+            report.generated_tokens += count
+            report.hit_length_limit += hit_limit
+            report.empty_replies += not text.strip()
+        prompts = iter(out.prompts)
+        for job in jobs:
+            if k + 1 < len(job.segments):
+                job.prompt = next(prompts)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        self._stack.close()
 
 
 @torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
@@ -228,9 +272,9 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
     prompt reaches `bound` tokens, or a later one reaching --max-context, ends its conversation. Each decoded
     batch's replies, and the prompts of its conversations' next turn, are `host` work."""
     for k in range(max(len(j.segments) for j in jobs)):
-        host.wait()  # the last turn's replies are in, and most of this turn's prompts rendered
+        host.wait()  # the last turn's replies are in, and this turn's prompts rendered
         turn = [job for job in jobs if k < len(job.segments)]
-        host.now(_render, target, [job for job in turn if job.prompt is None], k, report)
+        host.render(target, [job for job in turn if job.prompt is None], k)
         active, prompts = [], []
         for job in turn:
             prompt, job.prompt = job.prompt, None
@@ -245,36 +289,48 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
         if not active:
             break
         for rows, tokens in _decoded_batches(target, prompts, cfg, stops, report):
-            host.submit(_finish, target, [active[i] for i in rows], tokens, k, cfg, stops, report)
+            host.submit([active[i] for i in rows], tokens, k)
             on_batch()
     host.wait()
 
 
-def _render(target: Target, jobs: list[_Job], k: int, report: RegenReport) -> None:
-    """Each job's prompt for its reply k: its history so far and the turn's new messages, tokenized in one
-    batch (every core)."""
-    if not jobs:
-        return
-    t = time.perf_counter()
-    for job, prompt in zip(jobs, render_chats(target, [job.history + job.segments[k] for job in jobs]), strict=True):
-        job.prompt = prompt
-    report.render_s += time.perf_counter() - t
+@dataclass
+class _TurnOut:
+    """_host_turn's results: per job (reply text, tokens generated, hit --max-new-tokens), and the next prompt
+    of each job given a later turn, in order."""
+    replies: list[tuple[str, int, bool]]
+    prompts: list[list[int]]
+    text_s: float
+    render_s: float
 
 
-def _finish(target: Target, jobs: list[_Job], tokens: list[list[int]], k: int, cfg: RegenConfig, stops: list[int],
-            report: RegenReport) -> None:
-    """A decoded batch's host work: each job's reply k (text from the generated tokens) into its history, then
-    the prompts of the jobs' next turn."""
+def _host_turn(tokenizer, tokens: list[list[int]], stops: list[int], max_new_tokens: int,
+               later: list[tuple[list[Message], list[Message]] | None]) -> _TurnOut:
+    """A decoded batch's host work: each job's reply from its generated tokens and, where later[i] holds the
+    job's history and its next turn's messages, the prompt of that turn (the history, the reply, the turn)."""
     t = time.perf_counter()
-    replies = _replies(target, tokens, set(stops), cfg.max_new_tokens)
-    report.text_s += time.perf_counter() - t
-    for job, reply in zip(jobs, replies, strict=True):
-        job.history.append({"role": "assistant", "content": reply.text})
-        report.turns += 1
-        report.generated_tokens += len(reply.ids)
-        report.hit_length_limit += reply.hit_limit
-        report.empty_replies += not reply.text.strip()
-    _render(target, [job for job in jobs if k + 1 < len(job.segments)], k + 1, report)
+    replies = _replies(tokenizer, tokens, set(stops), max_new_tokens)
+    t1 = time.perf_counter()
+    chats = [history + [{"role": "assistant", "content": reply.text}] + turn
+             for reply, job in zip(replies, later, strict=True) if job is not None for history, turn in [job]]
+    prompts = render_tokenized(tokenizer, chats)
+    return _TurnOut([(r.text, len(r.ids), r.hit_limit) for r in replies], prompts, t1 - t,
+                    time.perf_counter() - t1)
+
+
+def _host_turn_pickled(tokenizer, payload: bytes) -> bytes:
+    """_host_turn in the worker process, its arguments and results pickled; the prompts go back as one int32
+    array (unpickled in microseconds, where lists of ints take ~60 ms a batch)."""
+    out = _host_turn(tokenizer, *pickle.loads(payload))
+    lengths = np.fromiter(map(len, out.prompts), dtype=np.int64, count=len(out.prompts))
+    flat = np.fromiter(chain.from_iterable(out.prompts), dtype=np.int32, count=int(lengths.sum()))
+    return pickle.dumps((out.replies, flat, lengths, out.text_s, out.render_s), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _unpickle_turn(data: bytes) -> _TurnOut:
+    replies, flat, lengths, text_s, render_s = pickle.loads(data)
+    ids, ends = flat.tolist(), np.cumsum(lengths).tolist()
+    return _TurnOut(replies, [ids[e - n:e] for e, n in zip(ends, lengths.tolist(), strict=True)], text_s, render_s)
 
 
 def _decoded_batches(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops: list[int],
@@ -291,7 +347,7 @@ def _generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, stops:
     """One reply per prompt (the decode of _run_batch, without its history)."""
     replies: dict[int, _Reply] = {}
     for rows, tokens in _decoded_batches(target, prompts, cfg, stops):
-        replies.update(zip(rows, _replies(target, tokens, set(stops), cfg.max_new_tokens), strict=True))
+        replies.update(zip(rows, _replies(target.tokenizer, tokens, set(stops), cfg.max_new_tokens), strict=True))
     return [replies[i] for i in range(len(prompts))]
 
 
@@ -345,11 +401,11 @@ def _hf_generate(target: Target, prompts: list[list[int]], cfg: RegenConfig, sto
     return torch.stack(tokens, dim=1).tolist()  # host sync: one copy of the new tokens per batched turn
 
 
-def _replies(target: Target, rows: list[list[int]], stops: set[int], max_new_tokens: int) -> list[_Reply]:
+def _replies(tokenizer, rows: list[list[int]], stops: set[int], max_new_tokens: int) -> list[_Reply]:
     """Each row's text up to its first stop token (rows that stopped early run on, or are padded, after it).
     One batched decode (tokenize.decode_rows): a fast tokenizer decodes the rows on every core."""
     cuts = [next((i for i, t in enumerate(row) if t in stops), None) for row in rows]
-    texts = decode_rows(target.tokenizer,
+    texts = decode_rows(tokenizer,
                         [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)])
     return [_Reply(text, row, len(row) >= max_new_tokens) if cut is None else _Reply(text, row[:cut + 1], False)
             for text, row, cut in zip(texts, rows, cuts, strict=True)]

@@ -103,9 +103,15 @@ def render_chats(target: Target, conversations: list[list[dict[str, str]]],
     if not getattr(tok, "chat_template", None):
         raise UsageError(f"--target {target.spec}: its tokenizer has no chat template, which renders every prompt "
                          "and conversation; give a chat model, or add a chat_template to its tokenizer_config.json")
+    return render_tokenized(tok, conversations, add_generation_prompt)
+
+
+def render_tokenized(tokenizer, conversations: list[list[dict[str, str]]],
+                     add_generation_prompt: bool = True) -> list[list[int]]:
+    """render_chats with the tokenizer alone (a worker process's copy), its chat template checked by the caller."""
     if not conversations:
         return []
-    out = tok.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt, tokenize=True)
+    out = tokenizer.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt, tokenize=True)
     if hasattr(out, "keys"):
         out = out["input_ids"]
     return [list(ids) for ids in out]
