@@ -84,22 +84,25 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, parts, scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lo.stride(0), C=k_cache.shape[2], HAS_SINKS=sinks is not None, SPLIT=split, SPLITS=splits, BLOCK=block,
+        lo.stride(0), k_cache.shape[2], HAS_SINKS=sinks is not None, SPLIT=split, BLOCK=block,
         **shapes, num_warps=warps, num_stages=stages,
     )
     if split:
         _merge_kernel[(b, hkv)](parts, q if sinks is None else sinks, out, out.stride(0), out.stride(1),
-                                out.stride(2), HAS_SINKS=sinks is not None, SPLITS=splits, **shapes, num_warps=4)
+                                out.stride(2), splits, HAS_SINKS=sinks is not None, **shapes, num_warps=4)
     return out.transpose(1, 2)
 
 
 if triton is not None:
     from dflash_train.decode.attention_kernel import softmax_start, softmax_tile
 
-    @triton.jit
+    # The tile count and the cache's capacity C are run-time values, not specialised on: a decode meets a new
+    # count at every key bucket and a new C with every cache, and each would otherwise compile the kernels
+    # again (~0.3 s each on an H100; an eval's warm-up compiled 18 variants of this one and 6 of the merge).
+    @triton.jit(do_not_specialize=["C"])
     def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, Parts, scale,
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_n, so_h, ss_b, C,
-                     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, SPLITS: tl.constexpr, N: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, N: tl.constexpr,
                      GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # a cache of 2^31 elements or more: 64-bit offsets
         kvh = tl.program_id(1)
@@ -119,9 +122,10 @@ if triton is not None:
         m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS and not SPLIT, ROWS, D)
         end = tl.max(hi, 0)
         first = tl.min(lo, 0) // BLOCK * BLOCK
+        splits = tl.num_programs(2)
         if SPLIT:  # this program's tile (the last program's: every tile on)
             first = tl.maximum(first, split * BLOCK)
-            if split < SPLITS - 1:
+            if split < splits - 1:
                 end = tl.minimum(end, (split + 1) * BLOCK)
         for start in range(first, end, BLOCK):
             slot = start + tl.arange(0, BLOCK)
@@ -132,15 +136,15 @@ if triton is not None:
             v = tl.load(v_base + slot[:, None] * sv_n + dim[None, :], mask=inside[:, None], other=0.0)
             m, s_sum, acc = softmax_tile(m, s_sum, acc, tl.where(seen, s, float("-inf")), v)
         if SPLIT:  # [ROWS, D + 2] a program: the accumulator, then the running max and sum
-            part = Parts + ((row * tl.num_programs(1) + kvh) * SPLITS + split) * ROWS * (D + 2) + r * (D + 2)
+            part = Parts + ((row * tl.num_programs(1) + kvh) * splits + split) * ROWS * (D + 2) + r * (D + 2)
             tl.store(part[:, None] + dim[None, :], acc)
             tl.store(part + D, m)
             tl.store(part + D + 1, s_sum)
         else:
             _store_rows(Out, row, tok, head, dim, live, acc, s_sum, so_b, so_n, so_h)
 
-    @triton.jit
-    def _merge_kernel(Parts, Sinks, Out, so_b, so_n, so_h, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr,
+    @triton.jit(do_not_specialize=["splits"])
+    def _merge_kernel(Parts, Sinks, Out, so_b, so_n, so_h, splits, HAS_SINKS: tl.constexpr,
                       N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
         """The split programs' sums of one (row, KV head) as one softmax, in tile order."""
         row = tl.program_id(0).to(tl.int64)
@@ -151,8 +155,8 @@ if triton is not None:
         head = kvh * GROUP + r % GROUP
         dim = tl.arange(0, D)
         m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS, ROWS, D)
-        base = Parts + (row * tl.num_programs(1) + kvh) * SPLITS * ROWS * (D + 2) + r * (D + 2)
-        for split in range(SPLITS):
+        base = Parts + (row * tl.num_programs(1) + kvh) * splits * ROWS * (D + 2) + r * (D + 2)
+        for split in range(splits):
             part = base + split * ROWS * (D + 2)
             m_part = tl.load(part + D)
             m_new = tl.maximum(m, m_part)
