@@ -27,3 +27,23 @@ def test_compiled_chains_match_eager_values_and_gradients():
     assert set(fused._COMPILED) == {"eager_rms_norm", "eager_norm_rope", "eager_swiglu"}
     for a, b in zip(compiled[0] + list(compiled[1]), eager[0] + list(eager[1]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_inside_eager_chains_a_cuda_tensor_gets_the_plain_function_and_nothing_compiles(monkeypatch):
+    """eval's replay runs the chains eagerly: a no-grad forward outside training's autocast would otherwise compile
+    each chain again. The switch is undone on exit, and it is per thread."""
+    import threading
+
+    class OnCuda:  # _pick asks only whether the tensor is on CUDA
+        is_cuda = True
+
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused, "compile_serialized", lambda fn, dynamic: ("compiled", fn))
+    with fused.eager_chains():
+        assert fused._pick(fused.eager_rms_norm, OnCuda()) is fused.eager_rms_norm
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(fused._pick(fused.eager_swiglu, OnCuda())))
+        other.start()
+        other.join()
+        assert seen == [("compiled", fused.eager_swiglu)]  # another thread (training's) keeps its graphs
+    assert fused._pick(fused.eager_rms_norm, OnCuda()) == ("compiled", fused.eager_rms_norm)

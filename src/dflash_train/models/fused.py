@@ -14,7 +14,9 @@ The drafter's forward is training's and decoding's alike, so these live with the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +50,26 @@ def eager_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 _COMPILED: dict[str, Callable] = {}
+_EAGER = threading.local()  # eager_chains() sets .on for its thread
 # the token dimension of each tensor argument, dynamic from the first compile
 _TOKEN_DIMS = {"eager_rms_norm": {0: -2}, "eager_norm_rope": {0: 1, 3: 1, 4: 1}, "eager_swiglu": {0: -2, 1: -2}}
 
 
+@contextlib.contextmanager
+def eager_chains() -> Iterator[None]:
+    """Inside: the chains run eagerly on CUDA too. For one-off forwards in another grad mode or autocast than
+    training's (eval's replay through the training path: no grad, no autocast), for which torch.compile would
+    compile every chain again (guards on both), seconds each on a fresh machine, to save milliseconds."""
+    before = getattr(_EAGER, "on", False)
+    _EAGER.on = True
+    try:
+        yield
+    finally:
+        _EAGER.on = before
+
+
 def _pick(fn: Callable, x: torch.Tensor) -> Callable:
-    if not x.is_cuda or torch.compiler.is_compiling():
+    if not x.is_cuda or torch.compiler.is_compiling() or getattr(_EAGER, "on", False):
         return fn  # inside a caller's torch.compile: its trace fuses the plain function
     if fn.__name__ not in _COMPILED:  # compiled on first CUDA use, not at import
         _COMPILED[fn.__name__] = compile_serialized(fn, dynamic=_TOKEN_DIMS[fn.__name__])
