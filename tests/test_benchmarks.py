@@ -224,6 +224,14 @@ def test_pack_padding_counts_one_pack():
     assert [got[k] for k in ("packs", "real_tokens", "padded_batch_tokens", "packed_row_tokens")] == [1, 330, 900, 384]
 
 
+def test_gil_convoy(tmp_path):
+    out = tmp_path / "convoy.json"
+    _run(_py("gil_convoy.py", "--calls", "50", "--json", str(out)), tmp_path)
+    rows = _json(out, "us_per_call", "date", "command")["us_per_call"]
+    assert {"alone", "beside a process"} <= set(rows) and len(rows) == 5
+    assert all(us > 0 for us in rows.values())
+
+
 @pytest.mark.slow
 def test_regen_widths(tmp_path):
     out = tmp_path / "widths.json"

@@ -32,6 +32,7 @@ from dflash_train.errors import UsageError
 from dflash_train.eval.lookup import LOOKUP_NGRAM, lookup_tau
 from dflash_train.models.chat import stop_token_ids
 from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.fused import eager_chains
 from dflash_train.models.target import Target
 
 # the decode's commits replayed through the training path (training/replay.py: replay_commits), per prompt the
@@ -218,7 +219,17 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 
     replay: (target, drafter, prompts, the decode's outputs, max_new_tokens) -> per prompt the tokens each verify
     step commits through the training path (training/replay.py: replay_commits), the report's tau_replay at T=0
-    and the drafter's block size."""
+    and the drafter's block size.
+
+    The drafter's modules run their elementwise chains eagerly here (fused.eager_chains): the decode engines
+    call a module's norm once a step, and compiling the chains for decoding's grad mode took seconds a chain
+    on a fresh machine (the recipe's eval, 2026-12-06)."""
+    with eager_chains():
+        return _evaluate(target, drafter, prompts, cfg, progress, replay)
+
+
+def _evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], cfg: EvalConfig,
+              progress: bool, replay: Replay | None) -> EvalReport:
     B = cfg.block_size or drafter.block_size
     stops = stop_token_ids(target)
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
