@@ -120,7 +120,8 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     """Append every conversation not yet in `out_path`, its assistant turns written by `target`.
 
     overlap: the host's work (reply text, next prompts) in a process beside the decode (_HostWork); default
-    on CUDA."""
+    on CUDA. That process is spawned, so it imports the caller's main module: a script that calls this needs
+    the `if __name__ == "__main__":` guard (data/parallel.py)."""
     out_path = Path(out_path)
     t0 = time.perf_counter()
     header = {"regenerated_by": target.spec, **cfg.settings()}
