@@ -54,7 +54,7 @@ import contextlib
 import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from itertools import chain, islice
@@ -194,17 +194,16 @@ class _HostWork:
     A process, not a thread: the work is mostly Python that holds the GIL (the chat template's Jinja, lists of
     tokens), and every PyTorch call of the decode loop lets the GIL go and must take it back, which behind a
     thread running Python waits out that thread's switch interval (5 ms). On 2 cores an in-place add of 16
-    floats took 4.4 us alone and 2.1 ms beside a thread spinning Python (`benchmarks/gil_convoy.py`); the
-    recipe's regeneration with the host work on a thread prefilled in 27.9 s against 21.4 s the run before,
-    and took 3.0 s against 0.2 to get its batches' caches (H200, 2026-12-06 and 2026-12-05 records)."""
+    floats took 2.9 us alone, 2.5 ms beside a thread spinning Python and 3.6 us beside a process
+    (`benchmarks/gil_convoy.py`); the recipe's regeneration on one H100 prefilled in 17.9 s with the process
+    against 23.9 s with the thread (docs/performance.md, Regeneration)."""
 
     def __init__(self, tokenizer, stops: list[int], max_new_tokens: int, report: RegenReport,
                  process: bool) -> None:
         self.tokenizer, self.limits, self.report = tokenizer, (list(stops), max_new_tokens), report
+        self.process = process
         self._stack = contextlib.ExitStack()
-        self.pool = self._stack.enter_context(tokenizer_processes(tokenizer, 1, threads=True)) if process else None
-        if self.pool is not None:
-            self.pool.submit(int)  # the worker starts now (its imports take seconds), while turn 1 is rendered
+        self.pool: ProcessPoolExecutor | None = None  # started with the first prompts: a finished file needs none
         self.queued: list[tuple[list[_Job], int, Future]] = []
 
     @contextlib.contextmanager
@@ -217,6 +216,9 @@ class _HostWork:
 
     def render(self, target: Target, jobs: list[_Job], k: int) -> None:
         """Prompts the decode needs before it goes on (turn 1's), rendered in this process."""
+        if self.process and self.pool is None:
+            self.pool = self._stack.enter_context(tokenizer_processes(self.tokenizer, 1, threads=True))
+            self.pool.submit(int)  # the worker starts now (its imports take seconds), while turn 1 is rendered
         with self._timed():
             t = time.perf_counter()
             for job, prompt in zip(jobs, render_chats(target, [job.history + job.segments[k] for job in jobs]),
