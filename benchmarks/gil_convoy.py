@@ -32,8 +32,9 @@ def per_call_us(calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def spin(stop) -> None:
-    """Python that never lets the GIL go by itself."""
+def spin(stop, started) -> None:
+    """Python that never lets the GIL go by itself (`started` set once it runs)."""
+    started.set()
     s = 0
     while not stop.is_set():
         for i in range(1000):
@@ -41,18 +42,28 @@ def spin(stop) -> None:
 
 
 def beside(make, calls: int) -> float:
-    """per_call_us while `make(stop)`'s worker spins; the worker is started, given 0.2 s to run, and stopped."""
-    stop_thread = threading.Event()
-    stop_process = multiprocessing.get_context("spawn").Event()
-    worker = make(stop_thread, stop_process)
+    """per_call_us while the worker `make(stop, started)` gives (a thread or a spawned process) spins; timed once
+    it has started (a spawned process imports this script and torch first), then stopped."""
+    process = multiprocessing.get_context("spawn")
+    is_thread = make is _thread
+    stop, started = (threading.Event(), threading.Event()) if is_thread else (process.Event(), process.Event())
+    worker = make(stop, started)
     worker.start()
-    time.sleep(0.2 if isinstance(worker, threading.Thread) else 2.0)  # a spawned interpreter starts slowly
+    started.wait()
+    time.sleep(0.1)  # the worker spinning, not still between set() and its loop
     try:
         return per_call_us(calls)
     finally:
-        stop_thread.set()
-        stop_process.set()
+        stop.set()
         worker.join()
+
+
+def _thread(stop, started) -> threading.Thread:
+    return threading.Thread(target=spin, args=(stop, started))
+
+
+def _process(stop, started):
+    return multiprocessing.get_context("spawn").Process(target=spin, args=(stop, started))
 
 
 def main() -> int:
@@ -65,11 +76,9 @@ def main() -> int:
     rows = {"alone": per_call_us(20 * args.calls)}
     for interval in (default, 1e-3, 2e-4):
         sys.setswitchinterval(interval)
-        rows[f"beside a thread, switch interval {interval * 1e3:g} ms"] = beside(
-            lambda stop, _: threading.Thread(target=spin, args=(stop,)), args.calls)
+        rows[f"beside a thread, switch interval {interval * 1e3:g} ms"] = beside(_thread, args.calls)
     sys.setswitchinterval(default)
-    ctx = multiprocessing.get_context("spawn")
-    rows["beside a process"] = beside(lambda _, stop: ctx.Process(target=spin, args=(stop,)), 20 * args.calls)
+    rows["beside a process"] = beside(_process, 20 * args.calls)
     for name, us in rows.items():
         print(f"{name:45s} {us:10.1f} us a call")
     if args.json:

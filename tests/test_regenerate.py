@@ -441,26 +441,33 @@ def test_host_work_beside_the_decode_writes_the_same_file(tiny_target, tmp_path,
     CUDA) give the file the decode alone gives: several batches a turn, three turns, sampled or greedy."""
     convs = [Conversation(f"c{i}", [user(f"q{i} " * (1 + i % 5)), asst("a"), user("more"), asst("b"), user("last"),
                                     asst("c")]) for i in range(9)]
-    cfg = RegenConfig(max_new_tokens=NEW, max_turns=3, batch_size=4, temperature=temperature)
+    # sampled: two samples of each conversation; a context limit that ends some before their last turn
+    samples = 2 if temperature else 1
+    cfg = RegenConfig(max_new_tokens=NEW, max_turns=3, batch_size=4, temperature=temperature, samples=samples,
+                      max_context=100)
     reports = {}
     for overlap in (False, True):
         torch.manual_seed(0)
         reports[overlap] = regenerate(tiny_target, convs, tmp_path / f"{overlap}.jsonl", cfg, progress=False,
                                       overlap=overlap)
     assert (tmp_path / "True.jsonl").read_bytes() == (tmp_path / "False.jsonl").read_bytes()
-    for field in ("turns", "generated_tokens", "hit_length_limit", "empty_replies"):
+    for field in ("written", "turns", "generated_tokens", "prompt_tokens", "hit_length_limit", "empty_replies",
+                  "context_cut"):
         assert getattr(reports[True], field) == getattr(reports[False], field), field
-    assert reports[True].turns == 27 and reports[True].render_s > 0 and reports[True].text_s > 0
+    assert reports[True].written == 9 * samples and 0 < reports[True].context_cut < 9 * samples
+    assert reports[True].render_s > 0 and reports[True].text_s > 0
 
 
 def test_a_failure_in_the_host_work_stops_the_run_with_its_error(tiny_target, tmp_path, monkeypatch):
+    from jinja2 import TemplateError
+
     """The worker process renders the second turn's prompts; a chat template that refuses one stops the run
     with the template's own error, and the file keeps nothing of the pool in flight."""
     refusing = ("{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom here') }}"
                 "{% endif %}{% endfor %}" + tiny_target.tokenizer.chat_template)
     monkeypatch.setattr(tiny_target.tokenizer, "chat_template", refusing)
     convs = [Conversation("c0", [user("hello"), asst("a"), user("boom"), asst("b")])]
-    with pytest.raises(Exception, match="no boom here"):
+    with pytest.raises(TemplateError, match="no boom here"):
         regenerate(tiny_target, convs, tmp_path / "out.jsonl", RegenConfig(max_new_tokens=NEW, max_turns=2),
                    progress=False, overlap=True)
     assert (tmp_path / "out.jsonl").read_bytes() == b""

@@ -214,7 +214,9 @@ DEBUG_STACKS_ENV = EnvKnob("DFLASH_TRAIN_DEBUG_STACKS", "seconds after which eac
 FAULT_ENV = EnvKnob("DFLASH_TRAIN_FAULT", "ROLE:PACK: raise in that worker loop at that pack (tests)")
 CACHE_ENV = EnvKnob("DFLASH_TRAIN_CACHE", "download cache (default $XDG_CACHE_HOME/dflash-train)")
 TOKENIZE_WORKERS_ENV = EnvKnob("DFLASH_TRAIN_TOKENIZE_WORKERS",
-                               "processes preparing data tokenize in (default: cores - 1, at most 16; 1 = this one)")
+                               "processes preparing data tokenize in (default: cores - 1, at most 16; 1 = this "
+                               "one, and regeneration's reply text and prompts on CUDA too, instead of a worker "
+                               "process beside the decode)")
 FLEX_OPTIONS_ENV = EnvKnob("DFLASH_FLEX_KERNEL_OPTIONS",
                           "the drafter's FlexAttention kernel options in training, a JSON object (e.g. "
                           '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}; default: torch\'s own tiles, always its standard '

@@ -14,10 +14,12 @@ reads them, so a 1.6 MB tokenizer in the arguments made the starts one after ano
 on 2 cores: 4.55 s to the first results of 2 workers against 2.39 s from a file). On the H200
 machine that is ~15 starts of ~2.5 s in a row: the likely reason its preparation took 48 s
 instead of the 10-15 s predicted. Each worker's tokenizer runs single-threaded, so the workers do
-not oversubscribe the cores. A spawned worker imports the caller's main module, so a script
+not oversubscribe the cores; a lone worker beside a process that leaves the cores idle (regeneration's
+host work on CUDA) keeps the tokenizer's own threads. A spawned worker imports the caller's main module, so a script
 that calls this without an `if __name__ == "__main__":` guard would start the job again in every
 worker: library functions default to one process, and the commands (whose entry points are
-guarded) ask for default_workers().
+guarded) ask for default_workers(). Regeneration on CUDA starts one such worker by default
+(data/regenerate.py).
 """
 
 from __future__ import annotations
@@ -109,8 +111,10 @@ def _pickled(tokenizer, directory: str) -> str:
 
 def _init(tokenizer_path: str, threads: bool = False) -> None:
     global _tokenizer
-    # one thread per worker where the workers are the parallelism
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
+    if threads:  # a lone worker: the tokenizer's own threads, unless the user turned them off
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    else:  # one thread per worker: the workers are the parallelism
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with open(tokenizer_path, "rb") as f:
         _tokenizer = pickle.load(f)  # our own file, written by _pickled a moment ago
 

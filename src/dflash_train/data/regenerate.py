@@ -64,6 +64,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dflash_train.config import TOKENIZE_WORKERS_ENV
 from dflash_train.data.parallel import submit_tokenized, tokenizer_processes
 from dflash_train.data.regen_common import (
     Message,
@@ -120,8 +121,8 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     """Append every conversation not yet in `out_path`, its assistant turns written by `target`.
 
     overlap: the host's work (reply text, next prompts) in a process beside the decode (_HostWork); default
-    on CUDA. That process is spawned, so it imports the caller's main module: a script that calls this needs
-    the `if __name__ == "__main__":` guard (data/parallel.py)."""
+    on CUDA unless DFLASH_TRAIN_TOKENIZE_WORKERS=1. That process is spawned, so it imports the caller's main
+    module: a script that calls this needs the `if __name__ == "__main__":` guard (data/parallel.py)."""
     out_path = Path(out_path)
     t0 = time.perf_counter()
     header = {"regenerated_by": target.spec, **cfg.settings()}
@@ -132,8 +133,9 @@ def regenerate(target: Target, conversations: Iterable[Conversation], out_path: 
     torch.manual_seed(cfg.seed)  # sampling draws from torch's global generator
     total = len(conversations) * cfg.samples if hasattr(conversations, "__len__") else None
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    host = _HostWork(target.tokenizer, stops, cfg.max_new_tokens, report,
-                     process=target.device.type == "cuda" if overlap is None else overlap)
+    if overlap is None:
+        overlap = target.device.type == "cuda" and TOKENIZE_WORKERS_ENV.count() != 1
+    host = _HostWork(target.tokenizer, stops, cfg.max_new_tokens, report, process=overlap)
     with open(out_path, "ab") as out, tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar, \
             contextlib.closing(host):
         todo = pending(with_samples(conversations, cfg.samples), done, report, bar)
@@ -194,7 +196,7 @@ class _HostWork:
     A process, not a thread: the work is mostly Python that holds the GIL (the chat template's Jinja, lists of
     tokens), and every PyTorch call of the decode loop lets the GIL go and must take it back, which behind a
     thread running Python waits out that thread's switch interval (5 ms). On 2 cores an in-place add of 16
-    floats took 2.9 us alone, 2.5 ms beside a thread spinning Python and 3.6 us beside a process
+    floats took 2.5 us alone, 5.4 ms beside a thread spinning Python and 2.9 us beside a process
     (`benchmarks/gil_convoy.py`); the recipe's regeneration on one H100 prefilled in 17.9 s with the process
     against 23.9 s with the thread (docs/performance.md, Regeneration)."""
 
@@ -204,7 +206,7 @@ class _HostWork:
         self.process = process
         self._stack = contextlib.ExitStack()
         self.pool: ProcessPoolExecutor | None = None  # started with the first prompts: a finished file needs none
-        self.queued: list[tuple[list[_Job], int, Future]] = []
+        self.queued: list[tuple[list[_Job], list, Future]] = []  # jobs, their later turns, the work
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:
@@ -214,11 +216,17 @@ class _HostWork:
         finally:
             self.report.host_s += time.perf_counter() - t
 
+    def _start(self) -> None:
+        """The worker process, started with the first prompts (its imports take seconds: they run while turn 1 is
+        rendered here and decoded), so that a run with nothing to regenerate spawns none."""
+        with self._timed(), _worker_errors():
+            self.pool = self._stack.enter_context(tokenizer_processes(self.tokenizer, 1, threads=True))
+            self.pool.submit(int)
+
     def render(self, target: Target, jobs: list[_Job], k: int) -> None:
         """Prompts the decode needs before it goes on (turn 1's), rendered in this process."""
         if self.process and self.pool is None:
-            self.pool = self._stack.enter_context(tokenizer_processes(self.tokenizer, 1, threads=True))
-            self.pool.submit(int)  # the worker starts now (its imports take seconds), while turn 1 is rendered
+            self._start()
         with self._timed():
             t = time.perf_counter()
             for job, prompt in zip(jobs, render_chats(target, [job.history + job.segments[k] for job in jobs]),
@@ -231,23 +239,24 @@ class _HostWork:
         with self._timed():
             later = [(job.history, job.segments[k + 1]) if k + 1 < len(job.segments) else None for job in jobs]
             if self.pool is None:
-                self._apply(jobs, k, _host_turn(self.tokenizer, tokens, *self.limits, later))
-            else:  # pickled here, once: the pool's feeder thread would otherwise hold the GIL to do it
-                payload = pickle.dumps((tokens, *self.limits, later), protocol=pickle.HIGHEST_PROTOCOL)
-                self.queued.append((jobs, k, submit_tokenized(self.pool, _host_turn_pickled, payload)))
+                self._apply(jobs, later, _host_turn(self.tokenizer, tokens, *self.limits, later))
+                return
+            # pickled here, once: the pool's feeder thread would otherwise hold the GIL to do it
+            payload = pickle.dumps((tokens, *self.limits, later), protocol=pickle.HIGHEST_PROTOCOL)
+            with _worker_errors():
+                self.queued.append((jobs, later, submit_tokenized(self.pool, _host_turn_pickled, payload)))
 
     def wait(self) -> None:
         """Until every submitted batch's work is in; re-raises the first one's exception."""
         queued, self.queued = self.queued, []
         with self._timed():
-            for jobs, k, future in queued:
-                try:
+            for jobs, later, future in queued:
+                with _worker_errors():
                     out = _unpickle_turn(future.result())
-                except BrokenProcessPool as e:
-                    raise RuntimeError(f"regeneration's host-work process died ({e})") from e
-                self._apply(jobs, k, out)
+                self._apply(jobs, later, out)
 
-    def _apply(self, jobs: list[_Job], k: int, out: _TurnOut) -> None:
+    def _apply(self, jobs: list[_Job], later: list, out: _TurnOut) -> None:
+        """A batch's results into its jobs: each reply, and the next prompt of each job `later` gave a turn."""
         report = self.report
         report.text_s += out.text_s
         report.render_s += out.render_s
@@ -257,15 +266,24 @@ class _HostWork:
             report.generated_tokens += count
             report.hit_length_limit += hit_limit
             report.empty_replies += not text.strip()
-        prompts = iter(out.prompts)
-        for job in jobs:
-            if k + 1 < len(job.segments):
-                job.prompt = next(prompts)
+        continuing = [job for job, turn in zip(jobs, later, strict=True) if turn is not None]
+        for job, prompt in zip(continuing, out.prompts, strict=True):
+            job.prompt = prompt
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         self._stack.close()
+
+
+@contextlib.contextmanager
+def _worker_errors() -> Iterator[None]:
+    """A host-work process that died (or could not start) as one clear error."""
+    try:
+        yield
+    except BrokenProcessPool as e:
+        raise RuntimeError(f"regeneration's host-work process died ({e}); {TOKENIZE_WORKERS_ENV.name}=1 does "
+                           "that work in this process instead") from e
 
 
 @torch.no_grad()  # not inference_mode: the StaticLM cache outlives this call (generate runs under no_grad)
@@ -301,6 +319,7 @@ def _run_batch(target: Target, jobs: list[_Job], cfg: RegenConfig, stops: list[i
 class _TurnOut:
     """_host_turn's results: per job (reply text, tokens generated, hit --max-new-tokens), and the next prompt
     of each job given a later turn, in order."""
+
     replies: list[tuple[str, int, bool]]
     prompts: list[list[int]]
     text_s: float
@@ -314,16 +333,21 @@ def _host_turn(tokenizer, tokens: list[list[int]], stops: list[int], max_new_tok
     t = time.perf_counter()
     replies = _replies(tokenizer, tokens, set(stops), max_new_tokens)
     t1 = time.perf_counter()
-    chats = [history + [{"role": "assistant", "content": reply.text}] + turn
-             for reply, job in zip(replies, later, strict=True) if job is not None for history, turn in [job]]
+    chats = []
+    for reply, job in zip(replies, later, strict=True):
+        if job is not None:
+            history, turn = job
+            chats.append(history + [{"role": "assistant", "content": reply.text}] + turn)
     prompts = render_tokenized(tokenizer, chats)
     return _TurnOut([(r.text, len(r.ids), r.hit_limit) for r in replies], prompts, t1 - t,
                     time.perf_counter() - t1)
 
 
 def _host_turn_pickled(tokenizer, payload: bytes) -> bytes:
-    """_host_turn in the worker process, its arguments and results pickled; the prompts go back as one int32
-    array (unpickled in microseconds, where lists of ints take ~60 ms a batch)."""
+    """_host_turn in the worker process, its arguments and results pickled: the executor's result thread then
+    unpickles only bytes while the decode runs, where a batch's lists of ints held the GIL for ~60 ms. The
+    prompts go back as one int32 array, turned into lists at the turn's end (_unpickle_turn), when the GPU
+    waits anyway."""
     out = _host_turn(tokenizer, *pickle.loads(payload))
     lengths = np.fromiter(map(len, out.prompts), dtype=np.int64, count=len(out.prompts))
     flat = np.fromiter(chain.from_iterable(out.prompts), dtype=np.int32, count=int(lengths.sum()))

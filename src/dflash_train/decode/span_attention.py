@@ -99,8 +99,7 @@ if triton is not None:
     # The tile count, the cache's capacity C and the spans' row stride are run-time values, not specialised on:
     # a decode meets a new count at every key bucket, a new C with every cache, and spans of one row whose
     # stride (any value: the dimension has size 1) is 1, a multiple of 16 or neither; each would otherwise
-    # compile the kernels again (~0.3 s each on an H100; an eval's warm-up compiled 18 variants of this one
-    # and 6 of the merge, 10 and 2 with the first two run-time).
+    # compile the kernels again (~0.3 s each on an H100; docs/evaluation.md, Warm-up).
     @triton.jit(do_not_specialize=["C", "ss_b"])
     def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, Parts, scale,
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_n, so_h, ss_b, C,

@@ -223,7 +223,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], c
 
     The drafter's modules run their elementwise chains eagerly here (fused.eager_chains): the decode engines
     call a module's norm once a step, and compiling the chains for decoding's grad mode took seconds a chain
-    on a fresh machine (the recipe's eval, 2026-12-06)."""
+    on a fresh machine (docs/evaluation.md)."""
     with eager_chains():
         return _evaluate(target, drafter, prompts, cfg, progress, replay)
 

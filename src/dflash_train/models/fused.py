@@ -7,7 +7,9 @@ float32 is ~8 kernels (cast, square, mean, add, rsqrt, multiply, cast, scale), R
 read and write each tensor once. The `eager_*` functions are the math (run on CPU, and the
 reference the tests compare against); `rms_norm`, `norm_rope` and `swiglu` run them, on CUDA
 compiled once per process behind the compile lock (`models/compiled.py`) with the token dimension
-dynamic from the start, so a new token count compiles nothing.
+dynamic from the start, so a new token count compiles nothing. torch.compile guards on the grad mode
+and autocast, so code that runs the drafter in others (the eval: decoding and its replay through the
+training path) runs the chains eagerly inside `eager_chains()` instead of compiling them again.
 
 The drafter's forward is training's and decoding's alike, so these live with the drafter in models/.
 """
@@ -57,9 +59,9 @@ _TOKEN_DIMS = {"eager_rms_norm": {0: -2}, "eager_norm_rope": {0: 1, 3: 1, 4: 1},
 
 @contextlib.contextmanager
 def eager_chains() -> Iterator[None]:
-    """Inside: the chains run eagerly on CUDA too. For one-off forwards in another grad mode or autocast than
-    training's (eval's replay through the training path: no grad, no autocast), for which torch.compile would
-    compile every chain again (guards on both), seconds each on a fresh machine, to save milliseconds."""
+    """Inside (this thread only): the chains run eagerly on CUDA too. For forwards in another grad mode or
+    autocast than training's (the whole eval: its decode engines and its replay), for which torch.compile
+    would compile every chain again, seconds each on a fresh machine, to save microseconds."""
     before = getattr(_EAGER, "on", False)
     _EAGER.on = True
     try:
@@ -69,8 +71,9 @@ def eager_chains() -> Iterator[None]:
 
 
 def _pick(fn: Callable, x: torch.Tensor) -> Callable:
+    # eager off CUDA, inside a caller's torch.compile (its trace fuses the plain function) and in eager_chains()
     if not x.is_cuda or torch.compiler.is_compiling() or getattr(_EAGER, "on", False):
-        return fn  # inside a caller's torch.compile: its trace fuses the plain function
+        return fn
     if fn.__name__ not in _COMPILED:  # compiled on first CUDA use, not at import
         _COMPILED[fn.__name__] = compile_serialized(fn, dynamic=_TOKEN_DIMS[fn.__name__])
     return _COMPILED[fn.__name__]
