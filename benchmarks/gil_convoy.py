@@ -42,12 +42,9 @@ def spin(stop, started) -> None:
 
 
 def beside(make, calls: int) -> float:
-    """per_call_us while the worker `make(stop, started)` gives (a thread or a spawned process) spins; timed once
-    it has started (a spawned process imports this script and torch first), then stopped."""
-    process = multiprocessing.get_context("spawn")
-    is_thread = make is _thread
-    stop, started = (threading.Event(), threading.Event()) if is_thread else (process.Event(), process.Event())
-    worker = make(stop, started)
+    """per_call_us while the worker `make()` gives (with its stop and started events) spins; timed once it has
+    started (a spawned process imports this script and torch first), then stopped."""
+    worker, stop, started = make()
     worker.start()
     started.wait()
     time.sleep(0.1)  # the worker spinning, not still between set() and its loop
@@ -58,12 +55,15 @@ def beside(make, calls: int) -> float:
         worker.join()
 
 
-def _thread(stop, started) -> threading.Thread:
-    return threading.Thread(target=spin, args=(stop, started))
+def _thread() -> tuple[threading.Thread, threading.Event, threading.Event]:
+    stop, started = threading.Event(), threading.Event()
+    return threading.Thread(target=spin, args=(stop, started)), stop, started
 
 
-def _process(stop, started):
-    return multiprocessing.get_context("spawn").Process(target=spin, args=(stop, started))
+def _process():
+    ctx = multiprocessing.get_context("spawn")
+    stop, started = ctx.Event(), ctx.Event()
+    return ctx.Process(target=spin, args=(stop, started)), stop, started
 
 
 def main() -> int:

@@ -30,8 +30,8 @@ def test_compiled_chains_match_eager_values_and_gradients():
 
 
 def test_inside_eager_chains_a_cuda_tensor_gets_the_plain_function_and_nothing_compiles(monkeypatch):
-    """eval's replay runs the chains eagerly: a no-grad forward outside training's autocast would otherwise compile
-    each chain again. The switch is undone on exit, and it is per thread."""
+    """The eval runs the chains eagerly: a no-grad forward outside training's autocast would otherwise compile each
+    chain again. The switch is undone on exit, and it is per thread."""
     import threading
 
     class OnCuda:  # _pick asks only whether the tensor is on CUDA

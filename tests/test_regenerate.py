@@ -459,10 +459,10 @@ def test_host_work_beside_the_decode_writes_the_same_file(tiny_target, tmp_path,
 
 
 def test_a_failure_in_the_host_work_stops_the_run_with_its_error(tiny_target, tmp_path, monkeypatch):
-    from jinja2 import TemplateError
-
     """The worker process renders the second turn's prompts; a chat template that refuses one stops the run
     with the template's own error, and the file keeps nothing of the pool in flight."""
+    from jinja2 import TemplateError
+
     refusing = ("{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom here') }}"
                 "{% endif %}{% endfor %}" + tiny_target.tokenizer.chat_template)
     monkeypatch.setattr(tiny_target.tokenizer, "chat_template", refusing)

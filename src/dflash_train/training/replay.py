@@ -19,7 +19,6 @@ import torch
 from dflash_train.data.packing import PackedBatch
 from dflash_train.eval.lookup import decode_commits
 from dflash_train.models.drafter import DFlashDrafter
-from dflash_train.models.fused import eager_chains
 from dflash_train.models.target import Target
 from dflash_train.objective.blocks import IGNORE, Blocks, build_blocks
 from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig
@@ -36,13 +35,13 @@ def replay_commits(target: Target, drafter: DFlashDrafter, prompts: list[list[in
     """eval.evaluate's `replay` (eval/ sits below the objective and the target's feature forward, so its callers
     pass this in). Per prompt, the tokens each verify step commits when decoding `outputs` (each prompt's greedy
     tokens, the first from its prefill; at most `max_new_tokens`) with the drafter's blocks from the training
-    path, as the decode counts them: their mean is the replay's tau."""
+    path, as the decode counts them: their mean is the replay's tau. evaluate() runs it inside
+    fused.eager_chains(), outside training's grad mode and autocast."""
     # dense masks: one short sequence at a time, each of its own length (FlexAttention would compile per shape)
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
                           embed_scale=target.embed_scale)
-    with eager_chains():  # a few short forwards: compiling the chains for them took seconds each
-        return [decode_commits(len(out), accepted_runs(target, obj, prompt, out, max_new_tokens).__getitem__)
-                for prompt, out in zip(prompts, outputs, strict=True)]
+    return [decode_commits(len(out), accepted_runs(target, obj, prompt, out, max_new_tokens).__getitem__)
+            for prompt, out in zip(prompts, outputs, strict=True)]
 
 
 def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int],
