@@ -17,8 +17,10 @@ forwards compiled apiece, over the whole cache; the graph capture stays ours).
 
 `--without LEVER` (repeatable) times the step with one of the fast path's levers turned off, to measure
 what each buys with the others in place: `pack` (the drafter's stacked q/k/v and gate/up), `target-pack`
-(the target's), `split` (span attention a program a key tile), `accept` (the device loop's acceptance as one
-kernel).
+(the target's), `split` (span attention a program a key tile), `merge` (those tiles' sums merged by the split
+kernel's last program instead of a second kernel), `tails` (the drafter's o_proj and down_proj each one kernel
+with the residual add and norm after them), `target-tails` (the target's), `accept` (the device loop's
+acceptance as one kernel).
 """
 
 from __future__ import annotations
@@ -94,21 +96,27 @@ def _step_in_place(loop, prompt: list[int], max_new_tokens: int):
     return step
 
 
-LEVERS = ("pack", "target-pack", "split", "accept")
+LEVERS = ("pack", "target-pack", "split", "merge", "tails", "target-tails", "accept")
+
+
+# the levers that are a keyword of an engine's constructor: (engine, keyword)
+_ENGINE_LEVERS = {"pack": (static_drafter.StaticDrafter, "packed"), "target-pack": (static_lm.StaticLM, "packed"),
+                  "tails": (static_drafter.StaticDrafter, "tails"), "target-tails": (static_lm.StaticLM, "tails")}
 
 
 def _turn_off(lever: str) -> None:
     """Patch one lever of the fast path out, for this process (the benchmark's own: the engines keep their
     defaults everywhere else)."""
-    if lever == "pack":
-        make = static_drafter.StaticDrafter.__init__
-        static_drafter.StaticDrafter.__init__ = lambda self, *a, **k: make(self, *a, **k | {"packed": False})
-    elif lever == "target-pack":
-        make_lm = static_lm.StaticLM.__init__
-        static_lm.StaticLM.__init__ = lambda self, *a, **k: make_lm(self, *a, **k | {"packed": False})
+    if lever in _ENGINE_LEVERS:
+        engine, keyword = _ENGINE_LEVERS[lever]
+        make = engine.__init__
+        engine.__init__ = lambda self, *a, **k: make(self, *a, **k | {keyword: False})
     elif lever == "split":
         attend = span_attention.span_attention
         span_attention.span_attention = lambda *a, kv_len=None, **k: attend(*a, **k)
+    elif lever == "merge":
+        attend_split = span_attention.span_attention
+        span_attention.span_attention = lambda *a, counters=None, **k: attend_split(*a, **k)
     elif lever == "accept":
         accept = greedy_accept.accept_
         greedy_accept.accept_ = lambda pred, state, kernel=True: accept(pred, state, kernel=False)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import interpreted, run_interpreted
 
+from dflash_train.decode import arrivals
 from dflash_train.decode import span_attention as sa
 
 triton = pytest.importorskip("triton")
@@ -18,10 +19,11 @@ def test_kernel_equals_the_batched_matmul_attention():
     """Causal spans (a token step, an 8-token verify, a 16-token block of 4 groups; Gemma 3's 256-wide heads,
     whose tiles hold fewer slots, and Qwen3's 128-wide ones), windows within a tile and across tiles, sink logits,
     float32 and float16, queries in the transposed layout the projections give; slots before the first span's
-    tile and past the last span are never read (NaN there changes nothing)."""
+    tile and past the last span are never read (NaN there changes nothing). Split into a program a tile, the
+    tiles' sums merged by a second kernel or by each (row, KV head)'s last program give the same bits."""
     run_interpreted("""
         import torch
-        from dflash_train.decode import span_attention as sa
+        from dflash_train.decode import arrivals, span_attention as sa
         from dflash_train.decode.static_lm import Mask, cached_attention
 
         torch.manual_seed(0)
@@ -40,6 +42,10 @@ def test_kernel_equals_the_batched_matmul_attention():
                     got = sa.span_attention(q, k, v, lo, hi, 0.125, sinks)
                     split = sa.span_attention(q, k, v, lo, hi, 0.125, sinks, kv_len=C)  # a program a tile
                     assert (split.float() - want).abs().max().item() < atol, (b, n, dtype, window, "split")
+                    counts = arrivals.counters(b * hkv, q.device)  # the last program of each (row, KV head) merges
+                    for _ in range(2):  # and leaves its count zeroed for the next call
+                        last = sa.span_attention(q, k, v, lo, hi, 0.125, sinks, kv_len=C, counters=counts)
+                        assert torch.equal(last, split) and not counts.any(), (b, n, dtype, window, "last merges")
                     assert got.shape == want.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
                     err = (got.float() - want).abs().max().item()
                     assert err < atol, (b, n, dtype, window, err)
@@ -99,15 +105,41 @@ def test_on_cuda_a_verify_query_gets_what_a_token_step_gets():
             assert torch.equal(step[:, :, -1:], alone), (window, kv_len)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_each_last_program_merges_what_the_merge_kernel_does():
+    """On the GPU, where a (row, KV head)'s tile programs race to finish, the last one merges their sums bit for
+    bit as the merge kernel does, call after call (each leaves its counts zeroed), eagerly and replayed as a
+    CUDA graph: 2 rows x 3 KV heads x 8 tiles."""
+    torch.manual_seed(2)
+    dev, H, hkv, d, C = torch.device("cuda"), 9, 3, 64, 1024
+    k, v = (torch.randn(2, hkv, C, d, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    q = torch.randn(2, 8, H, d, dtype=torch.bfloat16, device=dev).transpose(1, 2)
+    hi = torch.stack([torch.arange(900, 908), torch.arange(1000, 1008)]).to(dev) + 1
+    lo = torch.zeros_like(hi)
+    want = sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C)
+    counts = arrivals.counters(2 * hkv, dev)
+    for _ in range(50):
+        assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C, counters=counts), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C, counters=counts)
+    for _ in range(50):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, want)
+    assert not counts.any()
+
+
 @pytest.mark.slow
 @interpreted
 def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
-    """A T=0 DFlash decode of the tiny target with a sliding-layer drafter: through the span kernel and the fused
-    K/V writes (the target's prefill stays on SDPA) and through the PyTorch math, the same tokens and
-    acceptances in float32, and the kernel ran in both the target's and the drafter's steps."""
+    """A T=0 DFlash decode of the tiny target with a sliding-layer drafter: through the span kernel, the fused
+    K/V writes and the fused layer tails (the target's prefill stays on SDPA) and through the PyTorch math, the
+    same tokens and acceptances in float32, and the kernels ran in both the target's and the drafter's steps."""
     out = run_interpreted("""
         import torch
-        from dflash_train.decode import generate as gen, greedy_loop, span_attention as sa, static_drafter, static_lm
+        from dflash_train.decode import generate as gen, greedy_loop, linear_norm, span_attention as sa, static_drafter
+        from dflash_train.decode import static_lm
         from dflash_train.decode.speculative import speculative_generate
         from dflash_train.models.factory import drafter_config_for, new_drafter
         from dflash_train.models.loading import load_target
@@ -122,6 +154,9 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
         calls = []  # (query tokens, the K cache's storage) of every kernel call
         kernel = sa.span_attention
         sa.span_attention = lambda *a, **k: calls.append((a[0].shape[2], a[1].data_ptr())) or kernel(*a, **k)
+        tails = set()  # the rows of every linear_norm.layer_tail call
+        tail = linear_norm.layer_tail
+        linear_norm.layer_tail = lambda *a, **k: tails.add(a[0].shape[1]) or tail(*a, **k)
         for fast in (False, True):
             greedy_loop.release(drafter)
             static_lm.use(static_lm.StaticLM(target.model, attention_kernel=fast, fused=fast))
@@ -139,10 +174,11 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
         target_keys = {t.data_ptr() for cache in (loop.caches[0], fast._cache) for t in cache.keys}
         draft_keys = {t.data_ptr() for t in loop.caches[1].keys}
         print(*(sorted({n for n, key in calls if key in keys}) for keys in (target_keys, draft_keys)))
+        print(sorted(tails))
         """)
     # the target's one-token steps and 4-token verifies (its prefills stay on SDPA); the drafter's prefix pass
-    # (1 query) and its blocks
-    assert out.split("] [") == ["[1, 4", "1, 4]\n"], out
+    # (1 query) and its blocks; the layers' tails through linear_norm in the same steps
+    assert out.split("] [") == ["[1, 4", "1, 4]\n[1, 4]\n"], out
 
 
 @pytest.mark.slow

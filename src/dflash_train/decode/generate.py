@@ -131,7 +131,7 @@ def _compact(cache: StaticCache, keep: torch.Tensor, index: torch.Tensor, nxt: t
         buf[:m, :, :slots] = buf[keep, :, :slots]  # the gather copies first: moving rows down in place is safe
     index = index[keep]
     width = max(lens[i] for i in index.tolist())  # the K/V span the remaining rows need: maybe narrower
-    rows = StaticCache(keys=[k[:m] for k in cache.keys], values=[v[:m] for v in cache.values])
+    rows = StaticCache(keys=[k[:m] for k in cache.keys], values=[v[:m] for v in cache.values], counters=cache.counters)
     return rows, index, nxt[keep], pos[keep], width
 
 

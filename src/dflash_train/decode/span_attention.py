@@ -57,7 +57,8 @@ def tile_slots(head_dim: int) -> int:
 
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lo: torch.Tensor,
                    hi: torch.Tensor, scale: float, sinks: torch.Tensor | None = None, block: int | None = None,
-                   warps: int = 4, stages: int = 2, kv_len: int | None = None) -> torch.Tensor:
+                   warps: int = 4, stages: int = 2, kv_len: int | None = None,
+                   counters: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, H, n, d] (any strides); k/v_cache [b, Hkv, C, d] (last dim contiguous); lo, hi [b, n]: query j
     of row i sees slots lo[i, j] <= s < hi[i, j] (0 <= lo < hi <= C). sinks [H]: a logit per head that joins
     the softmax's denominator and no key (gpt_oss). -> [b, H, n, d] in q's dtype: a view of [b, n, H, d]
@@ -65,7 +66,9 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     tile (tile_slots(d) by default). kv_len: a bound the spans keep below (the step's key bucket): with two
     tiles or more below it, each tile is a program of its own and a second kernel merges their sums in tile
     order (slots past kv_len, if any, are read by the last tile's program). A tile a query does not see
-    leaves its merged sums exactly as they were, so its output does not depend on kv_len."""
+    leaves its merged sums exactly as they were, so its output does not depend on kv_len. counters
+    (arrivals.counters', at least b * Hkv): the merge runs in the split kernel, by whichever program of a (row,
+    KV head) finishes last (decode/arrivals.py), with the same sums in the same order: one launch, not two."""
     b, H, n, d = q.shape
     hkv = k_cache.shape[1]
     group = H // hkv
@@ -79,21 +82,25 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # split: also at one tile if there are sinks (they join in the merge), so that no bucket changes a bit
     split = splits > 1 or (kv_len is not None and sinks is not None)
     parts = q.new_empty((b, hkv, splits, rows, d + 2) if split else (1,), dtype=torch.float32)
+    last_merges = split and counters is not None
+    if last_merges and counters.numel() < b * hkv:
+        raise ValueError(f"span_attention: {counters.numel()} counters for {b * hkv} (row, KV head) pairs")
     shapes = dict(N=n, GROUP=group, ROWS=rows, D=d)
     _span_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, parts, scale,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, lo, hi, q if sinks is None else sinks, out, parts, counters if last_merges else lo,
+        scale, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lo.stride(0), k_cache.shape[2], HAS_SINKS=sinks is not None, SPLIT=split, BLOCK=block,
-        **shapes, num_warps=warps, num_stages=stages,
+        lo.stride(0), k_cache.shape[2], HAS_SINKS=sinks is not None, SPLIT=split, LAST_MERGES=last_merges,
+        BLOCK=block, **shapes, num_warps=warps, num_stages=stages,
     )
-    if split:
+    if split and not last_merges:
         _merge_kernel[(b, hkv)](parts, q if sinks is None else sinks, out, out.stride(0), out.stride(1),
                                 out.stride(2), splits, HAS_SINKS=sinks is not None, **shapes, num_warps=4)
     return out.transpose(1, 2)
 
 
 if triton is not None:
+    from dflash_train.decode.arrivals import last_to_arrive
     from dflash_train.decode.attention_kernel import softmax_start, softmax_tile
 
     # The tile count, the cache's capacity C and the spans' row stride are run-time values, not specialised on:
@@ -101,9 +108,9 @@ if triton is not None:
     # stride (any value: the dimension has size 1) is 1, a multiple of 16 or neither; each would otherwise
     # compile the kernels again (~0.3 s each on an H100; docs/evaluation.md, Warm-up).
     @triton.jit(do_not_specialize=["C", "ss_b"])
-    def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, Parts, scale,
+    def _span_kernel(Q, K, V, Lo, Hi, Sinks, Out, Parts, Counters, scale,
                      sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_n, so_h, ss_b, C,
-                     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, N: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, LAST_MERGES: tl.constexpr, N: tl.constexpr,
                      GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # a cache of 2^31 elements or more: 64-bit offsets
         kvh = tl.program_id(1)
@@ -141,6 +148,10 @@ if triton is not None:
             tl.store(part[:, None] + dim[None, :], acc)
             tl.store(part + D, m)
             tl.store(part + D + 1, s_sum)
+            if LAST_MERGES:  # the (row, KV head)'s last program merges (decode/arrivals.py)
+                if last_to_arrive(Counters + row * tl.num_programs(1) + kvh, splits):
+                    _merge_parts(Parts, Sinks, Out, row, kvh, tl.num_programs(1), splits, so_b, so_n, so_h,
+                                 HAS_SINKS, N, GROUP, ROWS, D)
         else:
             _store_rows(Out, row, tok, head, dim, live, acc, s_sum, so_b, so_n, so_h)
 
@@ -148,23 +159,29 @@ if triton is not None:
     def _merge_kernel(Parts, Sinks, Out, so_b, so_n, so_h, splits, HAS_SINKS: tl.constexpr,
                       N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
         """The split programs' sums of one (row, KV head) as one softmax, in tile order."""
-        row = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
+        _merge_parts(Parts, Sinks, Out, tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1), splits,
+                     so_b, so_n, so_h, HAS_SINKS, N, GROUP, ROWS, D)
+
+    @triton.jit
+    def _merge_parts(Parts, Sinks, Out, row, kvh, kv_heads, splits, so_b, so_n, so_h, HAS_SINKS: tl.constexpr,
+                     N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
+        """Parts' sums of (row, kvh) as one softmax, in tile order, into Out. The loads go to L2 (.cg): the
+        parts were written by other programs, on other SMs."""
         r = tl.arange(0, ROWS)
         live = r < N * GROUP
         tok = tl.where(live, r // GROUP, 0)
         head = kvh * GROUP + r % GROUP
         dim = tl.arange(0, D)
         m, s_sum, acc = softmax_start(Sinks, head, live, HAS_SINKS, ROWS, D)
-        base = Parts + (row * tl.num_programs(1) + kvh) * splits * ROWS * (D + 2) + r * (D + 2)
+        base = Parts + (row * kv_heads + kvh) * splits * ROWS * (D + 2) + r * (D + 2)
         for split in range(splits):
             part = base + split * ROWS * (D + 2)
-            m_part = tl.load(part + D)
+            m_part = tl.load(part + D, cache_modifier=".cg")
             m_new = tl.maximum(m, m_part)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
             alpha, beta = tl.exp(m - m_safe), tl.exp(m_part - m_safe)
-            s_sum = s_sum * alpha + tl.load(part + D + 1) * beta
-            acc = acc * alpha[:, None] + tl.load(part[:, None] + dim[None, :]) * beta[:, None]
+            s_sum = s_sum * alpha + tl.load(part + D + 1, cache_modifier=".cg") * beta
+            acc = acc * alpha[:, None] + tl.load(part[:, None] + dim[None, :], cache_modifier=".cg") * beta[:, None]
             m = m_new
         _store_rows(Out, row, tok, head, dim, live, acc, s_sum, so_b, so_n, so_h)
 

@@ -16,13 +16,14 @@ computes what a q-wide block would. A query sees slots < start + q (the committe
 the block, non-causally); sliding-window layers also keep their causal window over positions,
 as the eager drafter does. The math is the
 eager drafter's own modules; only the cache and the masks are ours. On CUDA in half precision a layer is
-10 kernels where eager it is ~16: each residual add runs fused with the norm after it
-(fused_target.add_rms_norm: the same math up to the order of the norm's sum), q/k/v and gate/up are one
-GEMM each for small layers (packed.PackedWeights), the q/k norms, RoPE and the K/V writes are one
-kernel (fused_drafter.norm_rope_store_: the committed context rows and the block; the rejected rows, which
-the block would overwrite, are skipped), and attention is one kernel reading each query's span of slots, a
-program a tile and a merge (span_attention); the step's positions, slots, spans and RoPE rows come from one
-kernel too (fused_drafter.step_setup). On CPU the same function runs eagerly: one path, the same math.
+6 kernels where eager it is ~16: q/k/v and gate/up are one GEMM each for small layers
+(packed.PackedWeights); the q/k norms, RoPE and the K/V writes are one kernel (fused_drafter.norm_rope_store_:
+the committed context rows and the block; the rejected rows, which the block would overwrite, are skipped);
+attention is one kernel reading each query's span of slots, a program a key tile, the last of them merging
+(span_attention); o_proj with the residual add and the norm after it is one kernel, and SwiGLU's product,
+down_proj, its add and the next layer's norm another (linear_norm: the same math up to the order of the
+sums). The step's positions, slots, spans and RoPE rows come from one kernel too (fused_drafter.step_setup).
+On CPU the same function runs eagerly: one path, the same math.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import weakref
 import torch
 from torch import nn
 
-from dflash_train.decode import fused_drafter, fused_target, graphs, span_attention
+from dflash_train.decode import fused_drafter, fused_target, graphs, linear_norm, span_attention
 from dflash_train.decode import packed as packed_weights
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.static_lm import Mask, Spans, StaticCache, cached_attention
@@ -64,7 +65,7 @@ class StaticDrafter(CompiledSteps):
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: nn.Module, head: nn.Module, graphs: bool | None = None,
-                 fused: bool = True, spans: bool = True, packed: bool = True) -> None:
+                 fused: bool = True, spans: bool = True, packed: bool = True, tails: bool = True) -> None:
         self.drafter, self.embed, self.head = drafter, embed, head
         cfg = drafter.config
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
@@ -78,6 +79,9 @@ class StaticDrafter(CompiledSteps):
         # on the fused path, small layers' q/k/v and gate/up as one GEMM each (packed.PackedWeights)
         self._packed = packed_weights.PackedWeights.of(drafter.layers) if self._fused and packed else None
         self._spans = spans  # on the fused path, attention through span_attention where it applies (else masks)
+        # on the fused path, o_proj and down_proj each one kernel with the residual add and the norm after them
+        # (linear_norm.layer_tail)
+        self._tails = self._fused and tails and linear_norm.takes(drafter.layers)
         self._cache: StaticCache | None = None
 
     @property
@@ -171,11 +175,16 @@ class StaticDrafter(CompiledSteps):
             qs = fused_drafter.norm_rope_store_(qs[:, c:], ks, vs, attn.q_norm, attn.k_norm, cos, sin, cache.keys[i],
                                                 cache.values[i], slots)
             out = self._attend(qs, masks[layer.layer_type], cache, i, kv_len)
-            x, h = fused_target.add_rms_norm(x, attn.out(out), layer.post_attention_layernorm, True)
-            m = fused_target.swiglu_mlp(layer.mlp, h, True, packed and packed.gate_up)
             last = i + 1 == len(d.layers)
-            x, h = fused_target.add_rms_norm(x, m, d.norm if last else d.layers[i + 1].input_layernorm, True,
-                                             out_h=None if last else rows[:, c:])
+            next_norm, next_h = (d.norm, None) if last else (d.layers[i + 1].input_layernorm, rows[:, c:])
+            if self._tails and linear_norm.applies(x.shape[1], attn.o_proj.weight):
+                o = out.transpose(1, 2).reshape(*x.shape[:2], -1)  # span_attention's [b, q, heads, d]: no copy
+                x, h = linear_norm.layer_tail(x, o, layer, next_norm, cache.counters, packed and packed.gate_up,
+                                              out_h=next_h)
+            else:
+                x, h = fused_target.add_rms_norm(x, attn.out(out), layer.post_attention_layernorm, True)
+                m = fused_target.swiglu_mlp(layer.mlp, h, True, packed and packed.gate_up)
+                x, h = fused_target.add_rms_norm(x, m, next_norm, True, out_h=next_h)
         return h
 
     def _eager_layers(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -201,7 +210,7 @@ class StaticDrafter(CompiledSteps):
         scale = self.head_dim**-0.5
         if isinstance(seen, Spans):  # writes [1, q, heads, d]: attn.out's reshape copies nothing
             return span_attention.span_attention(qs, cache.keys[i], cache.values[i], seen.lo, seen.hi, scale,
-                                                 kv_len=kv_len)
+                                                 kv_len=kv_len, counters=cache.counters)
         return cached_attention(qs, cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len], seen, scale)
 
     def refresh(self) -> None:

@@ -39,7 +39,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.decode import architectures, attention_kernel, fused_target, graphs, span_attention
+from dflash_train.decode import (
+    architectures,
+    arrivals,
+    attention_kernel,
+    fused_target,
+    graphs,
+    linear_norm,
+    span_attention,
+)
 from dflash_train.decode import packed as packed_weights
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.graphs import GraphStore
@@ -90,6 +98,7 @@ class StaticCache(GraphStore):
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # a drafter's RoPE rows by slot (StaticDrafter._rope_rows)
+    counters: torch.Tensor | None = None  # the split kernels' counts (decode/arrivals.py)
 
     @property
     def batch(self) -> int:
@@ -109,7 +118,8 @@ class StaticCache(GraphStore):
         """Zeroed K/V for `layers` layers, capacity rounded up to CACHE_BUCKET slots."""
         shape = (batch, kv_heads, bucket(capacity, CACHE_BUCKET), head_dim)
         make = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        return cls(keys=[make() for _ in range(layers)], values=[make() for _ in range(layers)])
+        return cls(keys=[make() for _ in range(layers)], values=[make() for _ in range(layers)],
+                   counters=arrivals.counters(batch * kv_heads, device))
 
     def fits(self, batch: int, capacity: int, device: torch.device) -> bool:
         """Whether a decode of `batch` rows and `capacity` slots on `device` can reuse this cache (and its graphs)."""
@@ -168,7 +178,7 @@ class StaticLM(CompiledSteps):
     """Decode forwards of a frozen HF causal LM over a StaticCache (see module docstring)."""
 
     def __init__(self, model: nn.Module, graphs: bool | None = None, attention_kernel: bool = True,
-                 fused: bool = True, packed: bool = True) -> None:
+                 fused: bool = True, packed: bool = True, tails: bool = True) -> None:
         if not supports(model):
             raise ValueError(f"StaticLM does not support {model.config.model_type} targets")
         self.model = model
@@ -192,6 +202,10 @@ class StaticLM(CompiledSteps):
         self._packed = (packed_weights.PackedWeights.of(self.base.layers, gate_up=self._fused_mlp)
                         if self._fused and packed else None)
         self._capturable = architectures.capturable(model)
+        # with the fused kernels, a few rows' o_proj and down_proj each one kernel with the residual add and the
+        # norm after them (linear_norm.layer_tail): Llama-style layers, no sandwich norms, no routed experts
+        self._tails = (tails and self._fused and self._fused_mlp and not self.family.sandwich
+                       and not self.family.routed_mlp and linear_norm.takes(self.base.layers))
 
     @property
     def device(self) -> torch.device:
@@ -248,11 +262,16 @@ class StaticLM(CompiledSteps):
         x, h = self._add_norm(x, None, self.base.layers[0].input_layernorm, fused)
         for i, layer in enumerate(self.base.layers):
             kind = self.layer_types[i]
-            a = self._attention(layer.self_attn, h, *ropes[kind], slots, visible[kind], cache.keys[i], cache.values[i],
-                                kv_len, fused, packed and packed.layers[i])
+            tail = fused and self._tails and linear_norm.applies(ids.numel(), layer.self_attn.o_proj.weight)
+            a = self._attention(layer.self_attn, h, *ropes[kind], slots, visible[kind], cache, i, kv_len, fused,
+                                packed and packed.layers[i], project=not tail)
             last_layer = i + 1 == self.n_layers
             next_norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
-            x, h = self._residuals(layer, x, a, next_norm, fused, packed and packed.layers[i].gate_up)
+            gate_up = packed and packed.layers[i].gate_up
+            if tail:
+                x, h = linear_norm.layer_tail(x, a, layer, next_norm, cache.counters, gate_up, kind=self.family.norm)
+            else:
+                x, h = self._residuals(layer, x, a, next_norm, fused, gate_up)
             if i in layers:
                 feats[i] = h if last_layer else x  # HF's hidden_states[N] is the final-normed output
         features = torch.cat([feats[i] for i in layers], dim=-1) if layers else None
@@ -338,10 +357,12 @@ class StaticLM(CompiledSteps):
                                                                  self.head_dim, self.dtype, ids.device)
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                   visible: Mask | Lengths | Spans | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   kv_len: int, fused: bool, packed: packed_weights.PackedLayer | None) -> torch.Tensor:
+                   visible: Mask | Lengths | Spans | None, cache: StaticCache, i: int, kv_len: int, fused: bool,
+                   packed: packed_weights.PackedLayer | None, project: bool = True) -> torch.Tensor:
+        """The layer's attention output through o_proj [b, q, H]; project False: o_proj's input."""
         b, q, _ = h.shape
         d = self.head_dim
+        k_cache, v_cache = cache.keys[i], cache.values[i]
         qs, ks, vs = (t.view(b, q, -1, d) for t in packed_weights.projections(attn, h, packed))
         if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
@@ -363,11 +384,12 @@ class StaticLM(CompiledSteps):
                                                     window=visible.window, sinks=sinks)
         elif isinstance(visible, Spans):  # writes [b, q, heads, d]: the reshape below copies nothing
             out = span_attention.span_attention(qs, k_cache, v_cache, visible.lo, visible.hi, attn.scaling, sinks,
-                                                kv_len=kv_len)
+                                                kv_len=kv_len, counters=cache.counters)
         else:
             out = cached_attention(qs, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], visible, attn.scaling,
                                    sinks)
-        return attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+        out = out.transpose(1, 2).reshape(b, q, -1)
+        return attn.o_proj(out) if project else out
 
     # --- graphs ----------------------------------------------------------------------------
 
