@@ -108,25 +108,30 @@ def test_on_cuda_a_verify_query_gets_what_a_token_step_gets():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_each_last_program_merges_what_the_merge_kernel_does():
     """On the GPU, where a (row, KV head)'s tile programs race to finish, the last one merges their sums bit for
-    bit as the merge kernel does, call after call (each leaves its counts zeroed), eagerly and replayed as a
-    CUDA graph: 2 rows x 3 KV heads x 8 tiles."""
+    bit as the merge kernel does, for calls alternating between two inputs (a stale part left by the other
+    input's call would show), eagerly and replayed as a CUDA graph; every call leaves its counts zeroed:
+    2 rows x 3 KV heads x 8 tiles."""
     torch.manual_seed(2)
     dev, H, hkv, d, C = torch.device("cuda"), 9, 3, 64, 1024
-    k, v = (torch.randn(2, hkv, C, d, dtype=torch.bfloat16, device=dev) for _ in range(2))
-    q = torch.randn(2, 8, H, d, dtype=torch.bfloat16, device=dev).transpose(1, 2)
     hi = torch.stack([torch.arange(900, 908), torch.arange(1000, 1008)]).to(dev) + 1
     lo = torch.zeros_like(hi)
-    want = sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C)
+    inputs = [(torch.randn(2, 8, H, d, dtype=torch.bfloat16, device=dev).transpose(1, 2),
+               *(torch.randn(2, hkv, C, d, dtype=torch.bfloat16, device=dev) for _ in range(2))) for _ in range(2)]
+    wants = [sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C) for q, k, v in inputs]
     counts = arrivals.counters(2 * hkv, dev)
-    for _ in range(50):
-        assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C, counters=counts), want)
+    for i in range(100):
+        q, k, v = inputs[i % 2]
+        assert torch.equal(sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C, counters=counts), wants[i % 2])
+    q, k, v = (t.clone() for t in inputs[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = sa.span_attention(q, k, v, lo, hi, 0.125, kv_len=C, counters=counts)
-    for _ in range(50):
+    for i in range(100):
+        for dst, src in zip((q, k, v), inputs[i % 2], strict=True):
+            dst.copy_(src)
         out.zero_()
         graph.replay()
-        assert torch.equal(out, want)
+        assert torch.equal(out, wants[i % 2])
     assert not counts.any()
 
 

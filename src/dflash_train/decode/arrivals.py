@@ -5,7 +5,9 @@ Each program stores its part, then counts itself in: a CTA barrier (every thread
 atomic add whose release publishes them. The program that completes the count sees every part (the atomic's
 acquire), reduces them in a fixed order (so the result does not depend on which program came last) and zeroes
 the count, so the counts need zeroing once, when allocated: a decode cache holds them (StaticCache.counters),
-and the calls of one stream, which run one after another, share them.
+and the calls of one stream, which run one after another, share them. Two kernels sharing counts must never
+overlap: not on two streams at once, nor through programmatic dependent launch. A count left above zero
+(a launch aborted midway) would leave every later call unreduced.
 """
 
 from __future__ import annotations

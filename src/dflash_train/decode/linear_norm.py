@@ -63,7 +63,7 @@ def takes(layers: Sequence[nn.Module]) -> bool:
     projections (the caller knows the activation is SiLU)."""
     def free(module: nn.Module, name: str) -> bool:
         linear = getattr(module, name, None)
-        return isinstance(linear, nn.Linear) and linear.bias is None
+        return isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.is_contiguous()
     return all(free(layer.self_attn, "o_proj") and all(free(layer.mlp, p) for p in ("gate_proj", "up_proj",
                                                                                      "down_proj"))
                for layer in layers)
@@ -85,9 +85,11 @@ def linear_add_norm(a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, norm
     rows = a2.shape[0]
     u2 = a2 if up is None else up.reshape(-1, k)
     if (a2.stride(-1) != 1 or u2.stride(-1) != 1 or not weight.is_contiguous() or not x.is_contiguous()
-            or x.numel() != rows * n or rows > MAX_ROWS or (up is not None and up.shape != a.shape)):
+            or x.numel() != rows * n or rows > MAX_ROWS or (up is not None and up.shape != a.shape)
+            or triton.next_power_of_2(n) > NORM_TILE):
         raise ValueError(f"linear_add_norm: rows {tuple(a.shape)} (each contiguous, at most {MAX_ROWS}), weight "
-                         f"{tuple(weight.shape)} and x {tuple(x.shape)} (contiguous) do not fit")
+                         f"{tuple(weight.shape)} (at most {NORM_TILE} wide) and x {tuple(x.shape)} (contiguous) do "
+                         "not fit")
     tiles, slices = triton.cdiv(n, BLOCK_N), triton.cdiv(k, SLICE)
     if counters.numel() < tiles + 1:
         raise ValueError(f"linear_add_norm: {counters.numel()} counters for {tiles + 1}")

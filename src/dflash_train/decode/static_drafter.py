@@ -177,7 +177,7 @@ class StaticDrafter(CompiledSteps):
             out = self._attend(qs, masks[layer.layer_type], cache, i, kv_len)
             last = i + 1 == len(d.layers)
             next_norm, next_h = (d.norm, None) if last else (d.layers[i + 1].input_layernorm, rows[:, c:])
-            if self._tails and linear_norm.applies(x.shape[1], attn.o_proj.weight):
+            if self._tails and cache.counters is not None and linear_norm.applies(x.shape[1], attn.o_proj.weight):
                 o = out.transpose(1, 2).reshape(*x.shape[:2], -1)  # span_attention's [b, q, heads, d]: no copy
                 x, h = linear_norm.layer_tail(x, o, layer, next_norm, cache.counters, packed and packed.gate_up,
                                               out_h=next_h)
