@@ -17,10 +17,10 @@ forwards compiled apiece, over the whole cache; the graph capture stays ours).
 
 `--without LEVER` (repeatable) times the step with one of the fast path's levers turned off, to measure
 what each buys with the others in place: `pack` (the drafter's stacked q/k/v and gate/up), `target-pack`
-(the target's), `split` (span attention a program a key tile), `merge` (those tiles' sums merged by the split
+(the target's), `split` (span attention a program a key tile), `accept` (the device loop's acceptance as one
+kernel); with DFLASH_TRAIN_SPLIT_REDUCE=1 (decode/arrivals.py), `merge` (those tiles' sums merged by the split
 kernel's last program instead of a second kernel), `tails` (the drafter's o_proj and down_proj each one kernel
-with the residual add and norm after them), `target-tails` (the target's), `accept` (the device loop's
-acceptance as one kernel).
+with the residual add and norm after them) and `target-tails` (the target's).
 """
 
 from __future__ import annotations

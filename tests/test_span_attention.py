@@ -142,6 +142,8 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
     K/V writes and the fused layer tails (the target's prefill stays on SDPA) and through the PyTorch math, the
     same tokens and acceptances in float32, and the kernels ran in both the target's and the drafter's steps."""
     out = run_interpreted("""
+        import os
+        os.environ["DFLASH_TRAIN_SPLIT_REDUCE"] = "1"  # the split kernels' last programs reduce (arrivals.py)
         import torch
         from dflash_train.decode import generate as gen, greedy_loop, linear_norm, span_attention as sa, static_drafter
         from dflash_train.decode import static_lm

@@ -217,9 +217,14 @@ TOKENIZE_WORKERS_ENV = EnvKnob("DFLASH_TRAIN_TOKENIZE_WORKERS",
                                "processes preparing data tokenize in (default: cores - 1, at most 16; 1 = this "
                                "one, and regeneration's reply text and prompts on CUDA too, instead of a worker "
                                "process beside the decode)")
+SPLIT_REDUCE_ENV = EnvKnob("DFLASH_TRAIN_SPLIT_REDUCE",
+                           "1 = the batch-1 decode's split kernels reduce in their last program: span attention's "
+                           "merge, and each layer's o_proj and down_proj with the residual add and norm after them "
+                           "as one kernel (decode/arrivals.py; default 0: a merge kernel, cuBLAS and the norm "
+                           "kernels)")
 FLEX_OPTIONS_ENV = EnvKnob("DFLASH_FLEX_KERNEL_OPTIONS",
                           "the drafter's FlexAttention kernel options in training, a JSON object (e.g. "
                           '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}; default: torch\'s own tiles, always its standard '
                           'kernel; a "BACKEND" given here replaces that)')
 ENVIRONMENT = (PROFILE_INTERVAL_ENV, TRACEBACK_ENV, DEBUG_STACKS_ENV, FAULT_ENV, CACHE_ENV, TOKENIZE_WORKERS_ENV,
-               FLEX_OPTIONS_ENV)
+               SPLIT_REDUCE_ENV, FLEX_OPTIONS_ENV)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.config import SPLIT_REDUCE_ENV
+
 try:
     import triton
     import triton.language as tl
@@ -26,6 +28,12 @@ MIN_COUNTS = 128  # linear_norm's column tiles plus one, for widths up to 8,128
 def counters(n: int, device: torch.device) -> torch.Tensor:
     """Zeroed counts for calls that need up to `n` of them (at least MIN_COUNTS)."""
     return torch.zeros(max(n, MIN_COUNTS), dtype=torch.int32, device=device)
+
+
+def cache_counters(n: int, device: torch.device) -> torch.Tensor | None:
+    """A decode cache's counts (`counters`) where DFLASH_TRAIN_SPLIT_REDUCE turns the last-program reductions on,
+    else None: the split kernels then reduce through a kernel of their own, as without counts."""
+    return counters(n, device) if SPLIT_REDUCE_ENV.flag(False) else None
 
 
 if triton is not None:

@@ -16,14 +16,16 @@ computes what a q-wide block would. A query sees slots < start + q (the committe
 the block, non-causally); sliding-window layers also keep their causal window over positions,
 as the eager drafter does. The math is the
 eager drafter's own modules; only the cache and the masks are ours. On CUDA in half precision a layer is
-6 kernels where eager it is ~16: q/k/v and gate/up are one GEMM each for small layers
+10 kernels where eager it is ~16: q/k/v and gate/up are one GEMM each for small layers
 (packed.PackedWeights); the q/k norms, RoPE and the K/V writes are one kernel (fused_drafter.norm_rope_store_:
 the committed context rows and the block; the rejected rows, which the block would overwrite, are skipped);
-attention is one kernel reading each query's span of slots, a program a key tile, the last of them merging
-(span_attention); o_proj with the residual add and the norm after it is one kernel, and SwiGLU's product,
-down_proj, its add and the next layer's norm another (linear_norm: the same math up to the order of the
-sums). The step's positions, slots, spans and RoPE rows come from one kernel too (fused_drafter.step_setup).
-On CPU the same function runs eagerly: one path, the same math.
+attention is one kernel reading each query's span of slots, a program a key tile and a merge (span_attention);
+each residual add runs fused with the norm after it (fused_target.add_rms_norm). Where the cache holds counts
+(DFLASH_TRAIN_SPLIT_REDUCE, decode/arrivals.py) a layer is 6: the merge runs in the tile kernel, o_proj with
+the residual add and the norm after it is one kernel, and SwiGLU's product, down_proj, its add and the next
+layer's norm another (linear_norm: the same math up to the order of the sums). The step's positions, slots,
+spans and RoPE rows come from one kernel too (fused_drafter.step_setup). On CPU the same function runs
+eagerly: one path, the same math.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class StaticCache(GraphStore):
         shape = (batch, kv_heads, bucket(capacity, CACHE_BUCKET), head_dim)
         make = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         return cls(keys=[make() for _ in range(layers)], values=[make() for _ in range(layers)],
-                   counters=arrivals.counters(batch * kv_heads, device))
+                   counters=arrivals.cache_counters(batch * kv_heads, device))
 
     def fits(self, batch: int, capacity: int, device: torch.device) -> bool:
         """Whether a decode of `batch` rows and `capacity` slots on `device` can reuse this cache (and its graphs)."""
