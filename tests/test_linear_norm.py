@@ -85,3 +85,20 @@ def test_on_cuda_the_result_does_not_depend_on_which_program_finishes_last():
         graph.replay()
         assert torch.equal(out[0], wants[i % 2][0]) and torch.equal(out[1], wants[i % 2][1])
     assert not counts.any()
+
+
+def test_a_decode_cache_holds_counts_only_with_split_reduce(monkeypatch):
+    """DFLASH_TRAIN_SPLIT_REDUCE decides whether a decode cache holds the split kernels' counts (zeroed, one a
+    (row, KV head) at least): without them span attention merges in a kernel of its own and no layer tail runs."""
+    from dflash_train.decode.static_lm import StaticCache
+
+    def allocate():
+        return StaticCache.allocate(2, 300, 3, 64, 16, torch.float32, torch.device("cpu"))
+
+    monkeypatch.delenv("DFLASH_TRAIN_SPLIT_REDUCE", raising=False)
+    assert allocate().counters is None
+    monkeypatch.setenv("DFLASH_TRAIN_SPLIT_REDUCE", "1")
+    counts = allocate().counters
+    assert counts.dtype == torch.int32 and counts.numel() >= 900 and not counts.any()
+    monkeypatch.setenv("DFLASH_TRAIN_SPLIT_REDUCE", "0")
+    assert allocate().counters is None
