@@ -165,8 +165,9 @@ if triton is not None:
     @triton.jit
     def _merge_parts(Parts, Sinks, Out, row, kvh, kv_heads, splits, so_b, so_n, so_h, HAS_SINKS: tl.constexpr,
                      N: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
-        """Parts' sums of (row, kvh) as one softmax, in tile order, into Out. The loads go to L2 (.cg): the
-        parts were written by other programs, on other SMs."""
+        """Parts' sums of (row, kvh) as one softmax, in tile order, into Out. The loads read L2 (.cg), where
+        programs on other SMs wrote the parts; in the split kernel the count's acquire orders them after those
+        writes (decode/arrivals.py)."""
         r = tl.arange(0, ROWS)
         live = r < N * GROUP
         tok = tl.where(live, r // GROUP, 0)
