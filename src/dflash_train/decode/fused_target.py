@@ -153,11 +153,16 @@ if triton is not None:
         x32 = x.to(tl.float32)
         y = x32 * tl.rsqrt(tl.sum(x32 * x32, 0) / width + eps)
         w = tl.load(W + col, mask=live, other=0.0).to(tl.float32)
+        tl.store(OutH + row * width + col, norm_product(y, w, OutH, F32_PRODUCT, OFFSET), mask=live)
+
+    @triton.jit
+    def norm_product(y, w, Out, F32_PRODUCT: tl.constexpr, OFFSET: tl.constexpr):
+        """The normed rows y (float32) times the norm's weight w (float32), in Out's dtype, as eager rounds it."""
         if F32_PRODUCT:  # eager: normed * (OFFSET + weight) in float32, then the cast (Gemma: OFFSET 1)
             h = y * (OFFSET + w)
         else:  # eager: weight * normed.to(dtype), in that dtype
-            h = w * y.to(OutH.dtype.element_ty).to(tl.float32)
-        tl.store(OutH + row * width + col, h.to(OutH.dtype.element_ty), mask=live)
+            h = w * y.to(Out.dtype.element_ty).to(tl.float32)
+        return h.to(Out.dtype.element_ty)
 
     @triton.jit
     def rope_halves(x1, x2, Like, Cos, Sin, tok, i, inside, HALF: tl.constexpr):

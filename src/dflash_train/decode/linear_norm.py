@@ -37,11 +37,10 @@ BLOCK_K = 64
 NORM_TILE = 4096  # elements of the norm's [rows, width] tile a pass: 32 float32 registers a thread at 4 warps
 
 
-def applies(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a step of `rows` rows projects through this weight [N, K] in the kernel: few rows, a contiguous
-    weight whose width fits the norm's tile."""
-    return (triton is not None and rows <= MAX_ROWS and weight.is_contiguous()
-            and triton.next_power_of_2(weight.shape[0]) <= NORM_TILE)
+def applies(rows: int, counters: torch.Tensor | None) -> bool:
+    """Whether a step of `rows` rows runs its layer tails (of layers `takes` took) through the kernel: few rows,
+    and a cache holding counts (arrivals.cache_counters)."""
+    return triton is not None and rows <= MAX_ROWS and counters is not None
 
 
 def layer_tail(x: torch.Tensor, attn_out: torch.Tensor, layer: nn.Module, next_norm: nn.Module,
@@ -60,13 +59,14 @@ def layer_tail(x: torch.Tensor, attn_out: torch.Tensor, layer: nn.Module, next_n
 
 def takes(layers: Sequence[nn.Module]) -> bool:
     """Whether layer_tail computes these layers' tails: bias-free o_proj and a SwiGLU MLP of bias-free
-    projections (the caller knows the activation is SiLU)."""
+    projections (the caller knows the activation is SiLU), contiguous weights, a width that fits the norm's
+    tile."""
     def free(module: nn.Module, name: str) -> bool:
         linear = getattr(module, name, None)
         return isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.is_contiguous()
-    return all(free(layer.self_attn, "o_proj") and all(free(layer.mlp, p) for p in ("gate_proj", "up_proj",
-                                                                                     "down_proj"))
-               for layer in layers)
+    return triton is not None and all(
+        free(layer.self_attn, "o_proj") and all(free(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+        and triton.next_power_of_2(layer.self_attn.o_proj.weight.shape[0]) <= NORM_TILE for layer in layers)
 
 
 def linear_add_norm(a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, norm: nn.Module,
@@ -105,12 +105,13 @@ def linear_add_norm(a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, norm
         a2, u2, weight, x, norm.weight, out_x, out_h, parts, delta, counters, rows, n, k, a2.stride(0),
         u2.stride(0), eps, SWIGLU=up is not None, F32_PRODUCT=kind != "llama", OFFSET=1.0 if kind == "gemma" else 0.0,
         BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SLICE=SLICE, SLICES=slices, WIDTH=width,
-        NORM_ROWS=max(1, min(MAX_ROWS, NORM_TILE // width)), num_warps=4)
+        NORM_ROWS=min(MAX_ROWS, NORM_TILE // width), num_warps=4)
     return out_x, out_h
 
 
 if triton is not None:
     from dflash_train.decode.arrivals import last_to_arrive
+    from dflash_train.decode.fused_target import norm_product
 
     @triton.jit(do_not_specialize=["rows"])
     def _linear_add_norm_kernel(A, Up, W, X, Wn, OutX, OutH, Parts, Delta, Counters, rows, n, k, sa, su, eps,
@@ -159,8 +160,4 @@ if triton is not None:
             tl.store(OutX + r * n + col, x, mask=live)
             x32 = x.to(tl.float32)
             y = x32 * tl.rsqrt(tl.sum(x32 * x32, 1) / n + eps)[:, None]
-            if F32_PRODUCT:  # eager: normed * (OFFSET + weight) in float32, then the cast (Gemma: OFFSET 1)
-                h = y * (OFFSET + w)
-            else:  # eager: weight * normed.to(dtype), in that dtype
-                h = w * y.to(OutH.dtype.element_ty).to(tl.float32)
-            tl.store(OutH + r * n + col, h.to(OutH.dtype.element_ty), mask=live)
+            tl.store(OutH + r * n + col, norm_product(y, w, OutH, F32_PRODUCT, OFFSET), mask=live)

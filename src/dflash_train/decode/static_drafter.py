@@ -170,6 +170,7 @@ class StaticDrafter(CompiledSteps):
             self.refresh()  # an eager call (or a capture's warm-up): its weights are the drafter's own
         rows = torch.cat([ctx, torch.empty_like(x)], dim=1)  # [1, c + q, H]
         x, h = fused_target.add_rms_norm(x, None, d.layers[0].input_layernorm, True, out_h=rows[:, c:])
+        tails = self._tails and linear_norm.applies(x.shape[1], cache.counters)
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             packed = self._packed and self._packed.layers[i]
@@ -179,7 +180,7 @@ class StaticDrafter(CompiledSteps):
             out = self._attend(qs, masks[layer.layer_type], cache, i, kv_len)
             last = i + 1 == len(d.layers)
             next_norm, next_h = (d.norm, None) if last else (d.layers[i + 1].input_layernorm, rows[:, c:])
-            if self._tails and cache.counters is not None and linear_norm.applies(x.shape[1], attn.o_proj.weight):
+            if tails:
                 o = out.transpose(1, 2).reshape(*x.shape[:2], -1)  # span_attention's [b, q, heads, d]: no copy
                 x, h = linear_norm.layer_tail(x, o, layer, next_norm, cache.counters, packed and packed.gate_up,
                                               out_h=next_h)

@@ -260,10 +260,9 @@ class StaticLM(CompiledSteps):
             packed.refresh()  # an eager forward (every decode's prefill, a capture's warm-up): the model's weights
         feats = {}
         x, h = self._add_norm(x, None, self.base.layers[0].input_layernorm, fused)
+        tail = fused and self._tails and linear_norm.applies(ids.numel(), cache.counters)
         for i, layer in enumerate(self.base.layers):
             kind = self.layer_types[i]
-            tail = (fused and self._tails and cache.counters is not None
-                    and linear_norm.applies(ids.numel(), layer.self_attn.o_proj.weight))
             a = self._attention(layer.self_attn, h, *ropes[kind], slots, visible[kind], cache, i, kv_len, fused,
                                 packed and packed.layers[i], project=not tail)
             last_layer = i + 1 == self.n_layers
