@@ -20,7 +20,8 @@ what each buys with the others in place: `pack` (the drafter's stacked q/k/v and
 (the target's), `split` (span attention a program a key tile), `accept` (the device loop's acceptance as one
 kernel); with DFLASH_TRAIN_SPLIT_REDUCE=1 (decode/arrivals.py), `merge` (those tiles' sums merged by the split
 kernel's last program instead of a second kernel), `tails` (the drafter's o_proj and down_proj each one kernel
-with the residual add and norm after them) and `target-tails` (the target's).
+with the residual add and norm after them), `target-tails` (the target's) and `project` (both engines' q/k/v
+GEMM with its q/k norms, RoPE and K/V writes as one kernel, where the tails run).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from datetime import date
 
 import torch
 
-from dflash_train.decode import graphs, greedy_accept, greedy_loop, span_attention, static_drafter, static_lm
+from dflash_train.decode import (
+    graphs,
+    greedy_accept,
+    greedy_loop,
+    linear_rope,
+    span_attention,
+    static_drafter,
+    static_lm,
+)
 from dflash_train.decode.graphs import GraphStore
 from dflash_train.decode.speculative import compile_decode
 from dflash_train.models.factory import drafter_config_for, new_drafter
@@ -96,7 +105,7 @@ def _step_in_place(loop, prompt: list[int], max_new_tokens: int):
     return step
 
 
-LEVERS = ("pack", "target-pack", "split", "merge", "tails", "target-tails", "accept")
+LEVERS = ("pack", "target-pack", "split", "merge", "tails", "target-tails", "project", "accept")
 
 
 # the levers that are a keyword of an engine's constructor: (engine, keyword)
@@ -117,6 +126,8 @@ def _turn_off(lever: str) -> None:
     elif lever == "merge":
         attend_split = span_attention.span_attention
         span_attention.span_attention = lambda *a, counters=None, **k: attend_split(*a, **k)
+    elif lever == "project":  # both engines' q/k/v GEMMs apart from their RoPE and K/V write kernels
+        linear_rope.takes = lambda head_dim: False
     elif lever == "accept":
         accept = greedy_accept.accept_
         greedy_accept.accept_ = lambda pred, state, kernel=True: accept(pred, state, kernel=False)

@@ -145,7 +145,8 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
         import os
         os.environ["DFLASH_TRAIN_SPLIT_REDUCE"] = "1"  # the split kernels' last programs reduce (arrivals.py)
         import torch
-        from dflash_train.decode import generate as gen, greedy_loop, linear_norm, span_attention as sa, static_drafter
+        from dflash_train.decode import generate as gen, greedy_loop, linear_norm, linear_rope, span_attention as sa
+        from dflash_train.decode import static_drafter
         from dflash_train.decode import static_lm
         from dflash_train.decode.speculative import speculative_generate
         from dflash_train.models.factory import drafter_config_for, new_drafter
@@ -164,6 +165,9 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
         tails = set()  # the rows of every linear_norm.layer_tail call
         tail = linear_norm.layer_tail
         linear_norm.layer_tail = lambda *a, **k: tails.add(a[0].shape[1]) or tail(*a, **k)
+        projections = set()  # the rows of every linear_rope.project_rope_store call
+        project = linear_rope.project_rope_store
+        linear_rope.project_rope_store = lambda *a, **k: projections.add(a[0].shape[1]) or project(*a, **k)
         for fast in (False, True):
             greedy_loop.release(drafter)
             static_lm.use(static_lm.StaticLM(target.model, attention_kernel=fast, fused=fast))
@@ -181,11 +185,12 @@ def test_dflash_decoding_through_the_kernel_gives_the_pytorch_tokens():
         target_keys = {t.data_ptr() for cache in (loop.caches[0], fast._cache) for t in cache.keys}
         draft_keys = {t.data_ptr() for t in loop.caches[1].keys}
         print(*(sorted({n for n, key in calls if key in keys}) for keys in (target_keys, draft_keys)))
-        print(sorted(tails))
+        print(sorted(tails), sorted(projections))
         """)
     # the target's one-token steps and 4-token verifies (its prefills stay on SDPA); the drafter's prefix pass
-    # (1 query) and its blocks; the layers' tails through linear_norm in the same steps
-    assert out.split("] [") == ["[1, 4", "1, 4]\n[1, 4]\n"], out
+    # (1 query) and its blocks; the layers' tails through linear_norm in the same steps, their q/k/v through
+    # linear_rope (the drafter's: the 4 context rows and the 4-slot block)
+    assert out.split("] [") == ["[1, 4", "1, 4]\n[1, 4", "1, 4, 8]\n"], out
 
 
 @pytest.mark.slow

@@ -111,17 +111,22 @@ if triton is not None:
 
     @triton.jit
     def _normed_rope(base, W, eps, Cos, Sin, tok, i, live, HALF: tl.constexpr):
-        """Per-head RMSNorm (weight W) then RoPE of the heads at base: eager_norm_rope's roundings."""
-        dt = base.dtype.element_ty
-        inside = i < HALF
+        """normed_rope_halves of the heads at base."""
         x1 = tl.load(base + i, mask=live, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + i, mask=live, other=0.0).to(tl.float32)
+        return normed_rope_halves(x1, x2, base, W, eps, Cos, Sin, tok, i, i < HALF, HALF)
+
+    @triton.jit
+    def normed_rope_halves(x1, x2, Like, W, eps, Cos, Sin, tok, i, inside, HALF: tl.constexpr):
+        """Per-head RMSNorm (weight W) then RoPE of heads given as their halves x1, x2 (float32 holding values of
+        Like's dtype, a head a row): eager_norm_rope's roundings. Returns the halves in Like's dtype."""
+        dt = Like.dtype.element_ty
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(W + i, mask=inside, other=0.0).to(tl.float32)
         w2 = tl.load(W + HALF + i, mask=inside, other=0.0).to(tl.float32)
         y1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)  # eager: weight * normed.to(dtype)
         y2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        return rope_halves(y1, y2, base, Cos, Sin, tok, i, inside, HALF)
+        return rope_halves(y1, y2, Like, Cos, Sin, tok, i, inside, HALF)
 
     @triton.jit
     def _norm_rope_store_kernel(Qr, Kr, Vr, Wq, Wk, Cos, Sin, KC, VC, Slots, Qo, eps_q, eps_k, m, n, heads,

@@ -124,6 +124,21 @@ if triton is not None:
         dt = X.dtype.element_ty
         r = tl.arange(0, BLOCK_M)[:, None]
         c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = slice_product(A, Up, W, r, c[:, None], part, rows, n, k, sa, su, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, SLICE)
+        # [slices, BLOCK_M, tiles * BLOCK_N]: every slice's sums of this tile
+        tl.store(Parts + (part * BLOCK_M + r) * tiles * BLOCK_N + c[None, :], acc)
+        if last_to_arrive(Counters + tile, SLICES):
+            total = tile_sum(Parts, r, c[None, :], tiles * BLOCK_N, BLOCK_M, SLICES)
+            tl.store(Delta + r * n + c[None, :], total.to(dt), mask=(r < rows) & (c[None, :] < n))
+            if last_to_arrive(Counters + tiles, tiles):
+                _add_norm_rows(X, Delta, Wn, OutX, OutH, rows, n, eps, F32_PRODUCT, OFFSET, WIDTH, NORM_ROWS)
+
+    @triton.jit
+    def slice_product(A, Up, W, r, c, part, rows, n, k, sa, su, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLICE: tl.constexpr):
+        """Rows r [BLOCK_M, 1] of A (or of SwiGLU's product silu(A) * Up) times the weight rows c [BLOCK_N, 1]
+        of W [n, k], over this program's K slice `part`: float32 [BLOCK_M, BLOCK_N]."""
+        dt = A.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for j in tl.static_range(SLICE // BLOCK_K):  # unrolled: the slice's loads go out together
             kk = part * SLICE + j * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
@@ -133,17 +148,18 @@ if triton is not None:
                 g = a.to(tl.float32)
                 s = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
                 a = (s * tl.load(Up + r * su + kk, mask=inside, other=0.0).to(tl.float32)).to(dt)
-            w = tl.load(W + c[:, None] * k + kk, mask=(c[:, None] < n) & (kk < k), other=0.0)
+            w = tl.load(W + c * k + kk, mask=(c < n) & (kk < k), other=0.0)
             acc = tl.dot(a, tl.trans(w), acc)
-        # [slices, BLOCK_M, tiles * BLOCK_N]: every slice's sums of this tile
-        tl.store(Parts + (part * BLOCK_M + r) * tiles * BLOCK_N + c[None, :], acc)
-        if last_to_arrive(Counters + tile, SLICES):
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for p in tl.static_range(SLICES):  # in slice order, whichever program came last
-                total += tl.load(Parts + (p * BLOCK_M + r) * tiles * BLOCK_N + c[None, :], cache_modifier=".cg")
-            tl.store(Delta + r * n + c[None, :], total.to(dt), mask=(r < rows) & (c[None, :] < n))
-            if last_to_arrive(Counters + tiles, tiles):
-                _add_norm_rows(X, Delta, Wn, OutX, OutH, rows, n, eps, F32_PRODUCT, OFFSET, WIDTH, NORM_ROWS)
+        return acc
+
+    @triton.jit
+    def tile_sum(Parts, r, c, width, BLOCK_M: tl.constexpr, SLICES: tl.constexpr):
+        """The slices' sums at rows r, columns c of Parts [SLICES, BLOCK_M, width], added in slice order (so
+        whichever program came last gets the same bits). .cg: the other programs' stores, read through L2."""
+        total = tl.load(Parts + r * width + c, cache_modifier=".cg")
+        for p in tl.static_range(1, SLICES):
+            total += tl.load(Parts + (p * BLOCK_M + r) * width + c, cache_modifier=".cg")
+        return total
 
     @triton.jit
     def _add_norm_rows(X, Delta, Wn, OutX, OutH, rows, n, eps, F32_PRODUCT: tl.constexpr, OFFSET: tl.constexpr,

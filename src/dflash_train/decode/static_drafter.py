@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch import nn
 
-from dflash_train.decode import fused_drafter, fused_target, graphs, linear_norm, span_attention
+from dflash_train.decode import fused_drafter, fused_target, graphs, linear_norm, linear_rope, span_attention
 from dflash_train.decode import packed as packed_weights
 from dflash_train.decode.compiled_steps import CompiledSteps
 from dflash_train.decode.static_lm import Mask, Spans, StaticCache, cached_attention
@@ -84,6 +84,9 @@ class StaticDrafter(CompiledSteps):
         # on the fused path, o_proj and down_proj each one kernel with the residual add and the norm after them
         # (linear_norm.layer_tail)
         self._tails = self._fused and tails and linear_norm.takes(drafter.layers)
+        # with the tails, the packed q/k/v GEMM with the q/k norms, RoPE and the K/V writes (linear_rope)
+        self._projected = (self._tails and self._packed is not None and linear_rope.takes(self.head_dim)
+                           and all(layer.self_attn.q_proj.bias is None for layer in drafter.layers))
         self._cache: StaticCache | None = None
 
     @property
@@ -171,12 +174,18 @@ class StaticDrafter(CompiledSteps):
         rows = torch.cat([ctx, torch.empty_like(x)], dim=1)  # [1, c + q, H]
         x, h = fused_target.add_rms_norm(x, None, d.layers[0].input_layernorm, True, out_h=rows[:, c:])
         tails = self._tails and linear_norm.applies(x.shape[1], cache.counters)
+        projected = self._projected and linear_norm.applies(rows.shape[1], cache.counters)
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             packed = self._packed and self._packed.layers[i]
-            qs, ks, vs = packed_weights.projections(attn, rows, packed)  # q of the context rows too: a few rows
-            qs = fused_drafter.norm_rope_store_(qs[:, c:], ks, vs, attn.q_norm, attn.k_norm, cos, sin, cache.keys[i],
-                                                cache.values[i], slots)
+            if projected:  # the q/k/v GEMM, norms, RoPE and the K/V writes as one kernel
+                qs = linear_rope.project_rope_store(rows, packed.qkv, attn.q_proj.out_features // self.head_dim, cos,
+                                                    sin, cache.keys[i], cache.values[i], slots, cache.counters,
+                                                    queries=x.shape[1], q_norm=attn.q_norm, k_norm=attn.k_norm)
+            else:
+                qs, ks, vs = packed_weights.projections(attn, rows, packed)  # q of the context rows too: a few rows
+                qs = fused_drafter.norm_rope_store_(qs[:, c:], ks, vs, attn.q_norm, attn.k_norm, cos, sin,
+                                                    cache.keys[i], cache.values[i], slots)
             out = self._attend(qs, masks[layer.layer_type], cache, i, kv_len)
             last = i + 1 == len(d.layers)
             next_norm, next_h = (d.norm, None) if last else (d.layers[i + 1].input_layernorm, rows[:, c:])

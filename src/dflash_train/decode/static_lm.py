@@ -46,6 +46,7 @@ from dflash_train.decode import (
     fused_target,
     graphs,
     linear_norm,
+    linear_rope,
     span_attention,
 )
 from dflash_train.decode import packed as packed_weights
@@ -206,6 +207,9 @@ class StaticLM(CompiledSteps):
         # norm after them (linear_norm.layer_tail): Llama-style layers, no sandwich norms, no routed experts
         self._tails = (tails and self._fused and self._fused_mlp and not self.family.sandwich
                        and not self.family.routed_mlp and linear_norm.takes(self.base.layers))
+        # with the tails, the packed q/k/v GEMM with the q/k norms, RoPE and the K/V writes (linear_rope)
+        self._projected = (self._tails and self._packed is not None and linear_rope.takes(self.head_dim)
+                           and all(layer.self_attn.q_proj.bias is None for layer in self.base.layers))
 
     @property
     def device(self) -> torch.device:
@@ -264,7 +268,7 @@ class StaticLM(CompiledSteps):
         for i, layer in enumerate(self.base.layers):
             kind = self.layer_types[i]
             a = self._attention(layer.self_attn, h, *ropes[kind], slots, visible[kind], cache, i, kv_len, fused,
-                                packed and packed.layers[i], project=not tail)
+                                packed and packed.layers[i], split=tail)
             last_layer = i + 1 == self.n_layers
             next_norm = self.base.norm if last_layer else self.base.layers[i + 1].input_layernorm
             gate_up = packed and packed.layers[i].gate_up
@@ -358,15 +362,21 @@ class StaticLM(CompiledSteps):
 
     def _attention(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                    visible: Mask | Lengths | Spans | None, cache: StaticCache, i: int, kv_len: int, fused: bool,
-                   packed: packed_weights.PackedLayer | None, project: bool = True) -> torch.Tensor:
-        """The layer's attention output through o_proj [b, q, H]; project False: o_proj's input."""
+                   packed: packed_weights.PackedLayer | None, split: bool = False) -> torch.Tensor:
+        """The layer's attention output through o_proj [b, q, H]; split (the split-reduction kernels run: a few
+        rows, a cache with counts): o_proj's input, and the q/k/v projection through linear_rope where it runs."""
         b, q, _ = h.shape
         d = self.head_dim
         k_cache, v_cache = cache.keys[i], cache.values[i]
+        # the new K/V first: a query at pos p sees slot p
+        if split and self._projected:  # the q/k/v GEMM, norms, RoPE and the K/V writes as one kernel
+            qs = linear_rope.project_rope_store(h, packed.qkv, attn.q_proj.out_features // d, cos, sin, k_cache,
+                                                v_cache, pos, cache.counters, q_norm=getattr(attn, "q_norm", None),
+                                                k_norm=getattr(attn, "k_norm", None))
+            return self._attend(attn, qs, visible, cache, i, kv_len, project=False)
         qs, ks, vs = (t.view(b, q, -1, d) for t in packed_weights.projections(attn, h, packed))
         if hasattr(attn, "q_norm"):  # qwen3, gemma3: per-head RMSNorm before RoPE
             qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-        # the new K/V first: a query at pos p sees slot p
         if fused:  # RoPE on q and k, and k and v into the cache, as one kernel
             fused_target.rope_store_(qs, ks, vs, cos, sin, k_cache, v_cache, pos)
             qs = qs.transpose(1, 2)  # [b, heads, q, d]
@@ -376,6 +386,14 @@ class StaticLM(CompiledSteps):
             slots = pos[:, None, :, None].expand(b, self.kv_heads, q, d)
             k_cache.scatter_(2, slots, ks)
             v_cache.scatter_(2, slots, vs)
+        return self._attend(attn, qs, visible, cache, i, kv_len, project=not split)
+
+    def _attend(self, attn: nn.Module, qs: torch.Tensor, visible: Mask | Lengths | Spans | None, cache: StaticCache,
+                i: int, kv_len: int, project: bool) -> torch.Tensor:
+        """Queries qs [b, heads, q, d] attending to layer i's cache; through o_proj [b, q, H] where `project`, else
+        o_proj's input."""
+        b, _, q, _ = qs.shape
+        k_cache, v_cache = cache.keys[i], cache.values[i]
         sinks = attn.sinks if self.family.sinks else None  # [heads]
         if visible is None:  # a prefill from position 0: causal over the q slots just written
             out = causal_attention(qs, k_cache[:, :, :q], v_cache[:, :, :q], attn.scaling)
