@@ -154,8 +154,9 @@ def test_decode_parts(tmp_path):
     out = tmp_path / "parts.json"
     _run(_py("decode_parts.py", "--device", "cpu", "--target", TINY, "--draft-layers", "2", "--block-size", "4",
              "--sliding-layers", "1", "--intermediate-size", "96", "--context", "32", "--reps", "2",
-             "--without", "tails", "--without", "target-tails", "--without", "merge", "--json", str(out)), tmp_path)
-    assert _json(out, "target", "device", "date")["without"] == ["tails", "target-tails", "merge"]
+             "--without", "tails", "--without", "target-tails", "--without", "merge", "--without", "project", "--json",
+             str(out)), tmp_path)
+    assert _json(out, "target", "device", "date")["without"] == ["tails", "target-tails", "merge", "project"]
 
 
 @pytest.mark.slow

@@ -21,9 +21,10 @@ eager drafter's own modules; only the cache and the masks are ours. On CUDA in h
 the committed context rows and the block; the rejected rows, which the block would overwrite, are skipped);
 attention is one kernel reading each query's span of slots, a program a key tile and a merge (span_attention);
 each residual add runs fused with the norm after it (fused_target.add_rms_norm). Where the cache holds counts
-(DFLASH_TRAIN_SPLIT_REDUCE, decode/arrivals.py) a layer is 6: the merge runs in the tile kernel, o_proj with
-the residual add and the norm after it is one kernel, and SwiGLU's product, down_proj, its add and the next
-layer's norm another (linear_norm: the same math up to the order of the sums). The step's positions, slots,
+(DFLASH_TRAIN_SPLIT_REDUCE, decode/arrivals.py) a layer is 5: the q/k/v GEMM with the norms, RoPE and the K/V
+writes is one kernel (linear_rope), the merge runs in the tile kernel, o_proj with the residual add and the norm
+after it is one kernel, and SwiGLU's product, down_proj, its add and the next layer's norm another (linear_norm:
+the same math up to the order of the sums). The step's positions, slots,
 spans and RoPE rows come from one kernel too (fused_drafter.step_setup). On CPU the same function runs
 eagerly: one path, the same math.
 """
