@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import interpreted, run_interpreted
 
 from dflash_train.data.packing import PackedBatch
 from dflash_train.objective.anchors import eligible_anchors, sample_anchors, sample_packed_anchors
@@ -439,12 +440,44 @@ def test_fused_chunk_math_equals_the_in_place_chunk():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on CUDA")
-def test_compiled_chunk_equals_the_eager_chunk_on_cuda():
-    from dflash_train.objective.loss import _compiled_fn, _eager_chunk_ce
+@pytest.mark.slow
+@interpreted
+def test_the_chunk_kernel_computes_the_chunk_math():
+    """ce_kernel's one-pass kernel (Triton's interpreter, on the CPU) against _chunk_ce: a vocabulary of several
+    blocks and a short last one, with and without a bias, float32 and float16 logits, ignored rows, a tie for the
+    maximum (the first index wins, as torch's argmax), a label on the last column."""
+    run_interpreted("""
+        import torch
+        from dflash_train.objective import ce_kernel
+        from dflash_train.objective.blocks import IGNORE
+        from dflash_train.objective.loss import _chunk_ce
+
+        torch.manual_seed(2)
+        vocab = 2 * ce_kernel.BLOCK_V + 301
+        for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):
+            logits = (torch.randn(7, vocab) * 4).to(dtype)
+            logits[1, [5, ce_kernel.BLOCK_V + 9]] = 40.0  # a tie across blocks
+            labels = torch.randint(0, vocab, (7,))
+            labels[1], labels[2], labels[3] = 5, vocab - 1, IGNORE
+            weights = torch.rand(7) * (labels != IGNORE)
+            for bias in (None, torch.randn(vocab).to(dtype)):
+                got = ce_kernel.chunk_ce(logits, bias, labels, weights)
+                want = _chunk_ce(logits, bias, labels, weights)
+                assert abs(got[0].item() - want[0].item()) <= tol * abs(want[0].item()), (got[0], want[0])
+                assert torch.equal(got[1], want[1]) and not got[1][3]
+                assert got[1][1] or bias is not None  # the tie's first index, 5, is the label (a bias breaks it)
+                assert got[2].dtype == dtype
+                torch.testing.assert_close(got[2].float(), want[2].float(), rtol=tol, atol=tol)
+        """)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the chunk kernel runs on CUDA")
+def test_the_chunk_kernel_equals_the_eager_chunk_on_cuda():
+    from dflash_train.objective import ce_kernel
+    from dflash_train.objective.loss import _eager_chunk_ce
 
     args = _chunk_inputs("cuda")
-    ce, correct, grad = _compiled_fn("ce")(*args)
+    ce, correct, grad = ce_kernel.chunk_ce(*args)
     ref_ce, ref_correct, ref_grad = _eager_chunk_ce(*args, need_grad=True)
     torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-5)
     assert torch.equal(correct, ref_correct)

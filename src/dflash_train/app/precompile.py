@@ -5,7 +5,7 @@
     precompile.finish(handle)                                          # before the first training step
 
 On a fresh machine the first training steps wait for torch.compile: the draft layers (forward and
-backward, their attention traced in), the LM-head loss chunk and the fused chains (50.7 s of the SmolLM2
+backward, their attention traced in), the LM-head loss's kernels and the fused chains (50.7 s of the SmolLM2
 recipe's first 50 steps on an H200, 2026-12-05). None of that depends on the data, only on the
 drafter's and the target's shapes. The process started here runs one training step of a drafter of the
 same config on a synthetic pack under the same code, settings and autocast; what it compiles lands in

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dflash_train.models.compiled import compile_serialized
+from dflash_train.objective import ce_kernel
 from dflash_train.objective.blocks import IGNORE
 
 
@@ -54,9 +55,8 @@ def _ce_and_correct(x: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 def _chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor):
     """One chunk: sum w*CE, argmax == label per row, and w * (softmax - onehot) in the logits' dtype.
 
-    Pure elementwise + row reductions over [c, V], written for torch.compile: on CUDA it becomes a
-    reduction kernel (logsumexp, argmax, target logit) and one pointwise kernel (the gradient), so
-    the fp32 logits are never written out; the eager code below makes ~8 passes over them.
+    The reference math: on CUDA ce_kernel.chunk_ce computes it in one kernel, on the CPU _eager_chunk_ce in
+    place over one float32 buffer.
     """
     x = _fp32_logits(logits, bias)
     y, lse, ce, correct = _ce_and_correct(x, labels, weights)
@@ -83,10 +83,11 @@ _compiled: dict[str, object] = {}
 
 
 def _compiled_fn(name: str):
-    """_chunk_ce / _chunk_kd under torch.compile, compiled on first CUDA use (not at import)."""
+    """_chunk_kd under torch.compile (a reduction and a pointwise kernel over [c, V]: the float32 logits never
+    written out), compiled on first CUDA use (not at import)."""
     if name not in _compiled:
         # rows dynamic: the last chunk is shorter
-        fn, dims = {"ce": (_chunk_ce, {0: 0, 2: 0, 3: 0}), "kd": (_chunk_kd, {0: 0, 1: 0, 3: 0, 4: 0})}[name]
+        fn, dims = {"kd": (_chunk_kd, {0: 0, 1: 0, 3: 0, 4: 0})}[name]
         _compiled[name] = compile_serialized(fn, dynamic=dims)
     return _compiled[name]
 
@@ -137,8 +138,8 @@ class _FusedHeadCE(torch.autograd.Function):
                 t_logits = states[rows[sl]].to(weight.dtype) @ weight.T  # the target's own logits
                 kd = _compiled_fn("kd") if fused else _chunk_kd
                 ce, correct[sl], g = kd(logits, t_logits, bias, labels[sl], weights[sl], kd_weight)
-            elif fused:
-                ce, correct[sl], g = _compiled_fn("ce")(logits, bias, labels[sl], weights[sl])
+            elif fused and ce_kernel.applies(logits):
+                ce, correct[sl], g = ce_kernel.chunk_ce(logits, bias, labels[sl], weights[sl])
             else:
                 ce, correct[sl], g = _eager_chunk_ce(logits, bias, labels[sl], weights[sl], need_grad)
             total += ce
