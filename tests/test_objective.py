@@ -468,6 +468,13 @@ def test_the_chunk_kernel_computes_the_chunk_math():
                 assert got[1][1] or bias is not None  # the tie's first index, 5, is the label (a bias breaks it)
                 assert got[2].dtype == dtype
                 torch.testing.assert_close(got[2].float(), want[2].float(), rtol=tol, atol=tol)
+        # a first block of -inf logits (a bias masking words out): finite, as the reference
+        bias = torch.zeros(vocab)
+        bias[:ce_kernel.BLOCK_V] = float("-inf")
+        labels = torch.full((7,), vocab - 1)
+        got, want = ce_kernel.chunk_ce(logits, bias, labels, weights), _chunk_ce(logits, bias, labels, weights)
+        assert torch.isfinite(got[0]) and abs(got[0].item() - want[0].item()) <= 1e-3 * abs(want[0].item())
+        torch.testing.assert_close(got[2].float(), want[2].float(), rtol=1e-3, atol=1e-3)
         """)
 
 

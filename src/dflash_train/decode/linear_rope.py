@@ -52,10 +52,13 @@ def project_rope_store(h: torch.Tensor, qkv: torch.Tensor, heads: int, cos: torc
     n = m if queries is None else queries
     if (not h.is_contiguous() or not qkv.is_contiguous() or qkv.shape != (tiles * d, width)
             or b * m > linear_norm.MAX_ROWS or not takes(d) or not (cos.is_contiguous() and sin.is_contiguous())
-            or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or (q_norm is None) != (k_norm is None)):
+            or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or (q_norm is None) != (k_norm is None)
+            or cos.shape != (b, m, d) or sin.shape != cos.shape or slots.shape != (b, m) or k_cache.shape[0] != b
+            or v_cache.shape != k_cache.shape or not 0 <= n <= m or not h.dtype == qkv.dtype == k_cache.dtype):
         raise ValueError(f"project_rope_store: rows {tuple(h.shape)} (contiguous, at most {linear_norm.MAX_ROWS}), "
                          f"weight {tuple(qkv.shape)} for {heads} + 2 x {kv_heads} heads of {d} (a power of two), "
-                         "cos, sin and the cache's last dimension contiguous, both q/k norms or neither")
+                         "cos, sin [b, m, d] and the cache's last dimension contiguous, slots [b, m], one dtype, "
+                         "both q/k norms or neither")
     if counters.numel() < tiles:
         raise ValueError(f"project_rope_store: {counters.numel()} counters for {tiles}")
     slices = triton.cdiv(width, linear_norm.SLICE)
@@ -100,7 +103,7 @@ if triton is not None:
             x1 = tile_sum(Parts, r, head * 2 * HALF + i, width, BLOCK_M, SLICES).to(dt).to(tl.float32)
             x2 = tile_sum(Parts, r, head * 2 * HALF + HALF + i, width, BLOCK_M, SLICES).to(dt).to(tl.float32)
             live = (r < rows) & (i < HALF)
-            seq, j = r // m, r % m
+            seq, j = (r // m).to(tl.int64), r % m  # int64: a cache's offsets may pass 2^31
             if head < heads:  # a query head of the last n rows of a sequence
                 if NORM:
                     o1, o2 = normed_rope_halves(x1, x2, Qo, Wq, eps_q, Cos, Sin, r, i, live, HALF)
@@ -114,9 +117,9 @@ if triton is not None:
                 live = live & (slot >= 0)
                 if head < heads + kv_heads:  # a key head, rotated
                     if NORM:
-                        o1, o2 = normed_rope_halves(x1, x2, KC, Wk, eps_k, Cos, Sin, r, i, live, HALF)
+                        o1, o2 = normed_rope_halves(x1, x2, Qo, Wk, eps_k, Cos, Sin, r, i, live, HALF)
                     else:
-                        o1, o2 = rope_halves(x1, x2, KC, Cos, Sin, r, i, live, HALF)
+                        o1, o2 = rope_halves(x1, x2, Qo, Cos, Sin, r, i, live, HALF)  # Qo: the activations' dtype
                     dst = KC + seq * skc_b + (head - heads) * skc_h + slot * skc_n
                     _store_halves(dst, i, o1, o2, live, HALF)
                 else:

@@ -30,8 +30,7 @@ BLOCK_V = 2048  # logits a program holds at a time: 16 float32 a thread at 4 war
 
 
 def applies(logits: torch.Tensor) -> bool:
-    """Whether the kernel runs for these logits: CUDA (or Triton's interpreter on the CPU), a half or float32
-    dtype, rows contiguous."""
+    """Whether the kernel runs for these logits: CUDA (or Triton's interpreter on the CPU), rows contiguous."""
     return triton is not None and logits.stride(-1) == 1 and triton_runs_on(logits.device)
 
 
@@ -40,6 +39,8 @@ def chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tens
     """loss._chunk_ce: (sum of w * CE, argmax == label per row, w * (softmax - onehot) in the logits' dtype) of
     logits [c, V] (rows contiguous), bias [V] or None, labels [c] (IGNORE: no label) and weights [c]."""
     rows, vocab = logits.shape
+    labels, weights = labels.contiguous(), weights.contiguous()  # read at a row's index
+    bias = None if bias is None else bias.contiguous()
     grad = torch.empty_like(logits)
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
     correct = torch.empty(rows, dtype=torch.bool, device=logits.device)
@@ -66,7 +67,9 @@ if triton is not None:
         label = tl.load(Labels + row)
         y = tl.maximum(label, 0)
         w = tl.load(Weights + row).to(tl.float32)
-        top = tl.full([], float("-inf"), tl.float32)  # the running maximum, and the sum of exp(x - top)
+        # the running maximum (finite from the start: a first block of -inf logits would make exp(top - top) NaN),
+        # and the sum of exp(x - top)
+        top = tl.full([], -3.0e38, tl.float32)
         total = tl.zeros([], tl.float32)
         first = tl.zeros([], tl.int64)  # the maximum's first index
         for v0 in range(0, vocab, BLOCK_V):
