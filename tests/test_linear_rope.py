@@ -84,7 +84,7 @@ def test_kernel_equals_the_gemm_then_the_rope_and_store_kernels():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_result_does_not_depend_on_which_program_finishes_last():
-    """On the GPU, 45 programs race to finish: calls alternating between two inputs, eager or replayed as a CUDA
+    """On the GPU, 135 programs race to finish: calls alternating between two inputs, eager or replayed as a CUDA
     graph, each give their input's bits, within bf16 rounding of the GEMM then rope_store_."""
     namespace = {}
     exec(textwrap.dedent(_SETUP), namespace)  # noqa: S102 - the setup shared with the interpreted test

@@ -218,10 +218,11 @@ TOKENIZE_WORKERS_ENV = EnvKnob("DFLASH_TRAIN_TOKENIZE_WORKERS",
                                "one, and regeneration's reply text and prompts on CUDA too, instead of a worker "
                                "process beside the decode)")
 SPLIT_REDUCE_ENV = EnvKnob("DFLASH_TRAIN_SPLIT_REDUCE",
-                           "1 = the batch-1 decode's split kernels reduce in their last program: span attention's "
-                           "merge, each layer's o_proj and down_proj with the residual add and norm after them, "
-                           "and its q/k/v GEMM with RoPE and the K/V writes, as one kernel each (decode/arrivals.py; "
-                           "default 0: a merge kernel, cuBLAS and the norm, RoPE and K/V write kernels)")
+                           "0 = the batch-1 decode's split kernels reduce in kernels of their own: a merge kernel for "
+                           "span attention, cuBLAS and the norm, RoPE and K/V write kernels for each layer (default "
+                           "1: span attention's merge, each layer's o_proj and down_proj with the residual add and "
+                           "norm after them, and its q/k/v GEMM with RoPE and the K/V writes, as one kernel each; "
+                           "decode/arrivals.py)")
 FLEX_OPTIONS_ENV = EnvKnob("DFLASH_FLEX_KERNEL_OPTIONS",
                           "the drafter's FlexAttention kernel options in training, a JSON object (e.g. "
                           '{"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}; default: torch\'s own tiles, always its standard '

@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - the CPU build of torch comes without triton
     triton = None
 
-MIN_COUNTS = 128  # linear_norm's column tiles plus one, for widths up to 8,128
+MIN_COUNTS = 256  # linear_norm's column tiles plus one, for widths up to its NORM_TILE (4,096)
 
 
 def counters(n: int, device: torch.device) -> torch.Tensor:
@@ -31,9 +31,9 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
 
 
 def cache_counters(n: int, device: torch.device) -> torch.Tensor | None:
-    """A decode cache's counts (`counters`) where DFLASH_TRAIN_SPLIT_REDUCE turns the last-program reductions on,
-    else None: the split kernels then reduce through a kernel of their own, as without counts."""
-    return counters(n, device) if SPLIT_REDUCE_ENV.flag(False) else None
+    """A decode cache's counts (`counters`) unless DFLASH_TRAIN_SPLIT_REDUCE=0 turns the last-program reductions
+    off, else None: the split kernels then reduce through a kernel of their own, as without counts."""
+    return counters(n, device) if SPLIT_REDUCE_ENV.flag(True) else None
 
 
 if triton is not None:

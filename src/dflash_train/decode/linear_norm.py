@@ -7,7 +7,10 @@ GEMM, ~1.7 us for each add+norm and ~1.3 us for the SwiGLU product, plus a gap o
 each. Here a step's few rows (M <= MAX_ROWS) go through one kernel where three (o_proj, add+norm) and four
 (SwiGLU, down_proj, add+norm) ran:
 - the product is split over (column tile, K slice) programs, so that the weight's bytes stream through many
-  SMs at once (a 64-column, 256-deep slice a program: 108 programs for SmolLM2's MLP width 3,072);
+  SMs at once (a 32-column, 64-deep slice a program: 864 programs for a 3,072-wide MLP's down_proj at SmolLM2's
+  width; on an H100, 2026-12-07, 64 x 256 slices were slower than cuBLAS and the norm kernels, 32 x 64 faster:
+  at batch 1 the weights' latency, not their bandwidth, sets the time, and more programs keep more loads in
+  flight);
 - the last program of a column tile to finish sums the tile's slices, in slice order, and rounds the sum to the
   activations' dtype (what the GEMM would write);
 - the last column tile to finish adds the residual and norms every row (fused_target._add_rms_norm_kernel's
@@ -31,8 +34,8 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
     triton = None
 
 MAX_ROWS = 16  # rows a call: one tl.dot tile tall (a draft block of 16, an 8-token verify)
-BLOCK_N = 64  # output columns a program
-SLICE = 256  # K a program (BLOCK_K at a time)
+BLOCK_N = 32  # output columns a program
+SLICE = 64  # K a program (BLOCK_K at a time)
 BLOCK_K = 64
 NORM_TILE = 4096  # elements of the norm's [rows, width] tile a pass: 32 float32 registers a thread at 4 warps
 

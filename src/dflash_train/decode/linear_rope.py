@@ -4,7 +4,7 @@ packed q/k/v GEMM, the per-head q/k norms where the layer has them, RoPE on q an
 With the layer tails of linear_norm.py a decode layer is six kernels: the q/k/v GEMM, the RoPE and K/V write
 kernel (fused_target.rope_store_, or fused_drafter.norm_rope_store_ with the q/k norms), span attention, o_proj
 with its add and norm, the gate/up GEMM, and the MLP's tail. Here the first two are one, split as linear_norm's
-products are, over (head, K slice) programs: a program a head's columns (head_dim of them) and a 256-deep slice
+products are, over (head, K slice) programs: a program a head's columns (head_dim of them) and a 64-deep slice
 of the hidden size, the last of a head's programs to finish (decode/arrivals.py) summing the slices in order,
 rounding the sum to the activations' dtype (what the GEMM writes), then norming, rotating and storing that head
 of every row: a query head to the queries' buffer, a key head (rotated) or a value head to the cache. A head's
