@@ -127,7 +127,7 @@ def _turn_off(lever: str) -> None:
         attend_split = span_attention.span_attention
         span_attention.span_attention = lambda *a, counters=None, **k: attend_split(*a, **k)
     elif lever == "project":  # both engines' q/k/v GEMMs apart from their RoPE and K/V write kernels
-        linear_rope.takes = lambda head_dim: False
+        linear_rope.takes = lambda layers, head_dim: False
     elif lever == "accept":
         accept = greedy_accept.accept_
         greedy_accept.accept_ = lambda pred, state, kernel=True: accept(pred, state, kernel=False)

@@ -493,11 +493,11 @@ def test_the_chunk_kernel_equals_the_eager_chunk_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk runs on CUDA")
 def test_compiled_distillation_chunk_equals_the_eager_one_on_cuda():
-    from dflash_train.objective.loss import _chunk_kd, _compiled_fn
+    from dflash_train.objective.loss import _chunk_kd, _compiled_kd
 
     logits, bias, labels, weights = _chunk_inputs("cuda")
     teacher = torch.randn_like(logits.float()).mul(4).to(logits.dtype)
-    got = _compiled_fn("kd")(logits, teacher, bias, labels, weights, 0.5)
+    got = _compiled_kd()(logits, teacher, bias, labels, weights, 0.5)
     want = _chunk_kd(logits, teacher, bias, labels, weights, 0.5)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1], want[1])

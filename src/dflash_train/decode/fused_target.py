@@ -62,12 +62,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, f
         out_h = torch.empty_like(x)
     elif out_h.shape != x.shape or not out_h.is_contiguous():
         raise ValueError(f"add_rms_norm: out_h {tuple(out_h.shape)} must be contiguous and of x's shape")
-    eps = norm.eps if hasattr(norm, "eps") else norm.variance_epsilon  # Gemma's name, Llama's
+    eps = norm_eps(norm)
     _add_rms_norm_kernel[(rows,)](x, x if delta is None else delta, norm.weight, out_x, out_h, width, eps,
                                   HAS_DELTA=delta is not None, F32_PRODUCT=kind != "llama",
                                   OFFSET=1.0 if kind == "gemma" else 0.0, BLOCK=triton.next_power_of_2(width),
                                   num_warps=4)
     return out_x, out_h
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """An RMSNorm module's epsilon, under the drafter's and Gemma's name or Llama's."""
+    return norm.eps if hasattr(norm, "eps") else norm.variance_epsilon
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

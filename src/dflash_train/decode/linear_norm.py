@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.decode import fused_target
+
 try:
     import triton
     import triton.language as tl
@@ -103,7 +105,7 @@ def linear_add_norm(a: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, norm
     parts = torch.empty(slices, MAX_ROWS, tiles * BLOCK_N, dtype=torch.float32, device=x.device)
     delta = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     width = triton.next_power_of_2(n)
-    eps = norm.eps if hasattr(norm, "eps") else norm.variance_epsilon  # Gemma's name, Llama's
+    eps = fused_target.norm_eps(norm)
     _linear_add_norm_kernel[(tiles, slices)](
         a2, u2, weight, x, norm.weight, out_x, out_h, parts, delta, counters, rows, n, k, a2.stride(0),
         u2.stride(0), eps, SWIGLU=up is not None, F32_PRODUCT=kind != "llama", OFFSET=1.0 if kind == "gemma" else 0.0,

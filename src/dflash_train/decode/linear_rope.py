@@ -16,10 +16,12 @@ GEMM's output; the product's sum runs in another order than cuBLAS's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from dflash_train.decode import linear_norm
+from dflash_train.decode import fused_target, linear_norm
 
 try:
     import triton
@@ -28,9 +30,12 @@ except ImportError:  # pragma: no cover - the CPU build of torch comes without t
     triton = None
 
 
-def takes(head_dim: int) -> bool:
-    """Whether heads of this size fit the kernel: a program's columns are one head, a power of two."""
-    return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256
+def takes(layers: Sequence[nn.Module], head_dim: int) -> bool:
+    """Whether project_rope_store computes these layers' q/k/v: bias-free projections (packed.PackedLayer.qkv
+    holds no bias then), heads of a size that fits the kernel (a program's columns are one head, a power of
+    two)."""
+    return (triton is not None and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+            and all(layer.self_attn.q_proj.bias is None for layer in layers))
 
 
 def project_rope_store(h: torch.Tensor, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -51,7 +56,7 @@ def project_rope_store(h: torch.Tensor, qkv: torch.Tensor, heads: int, cos: torc
     tiles = heads + 2 * kv_heads
     n = m if queries is None else queries
     if (not h.is_contiguous() or not qkv.is_contiguous() or qkv.shape != (tiles * d, width)
-            or b * m > linear_norm.MAX_ROWS or not takes(d) or not (cos.is_contiguous() and sin.is_contiguous())
+            or b * m > linear_norm.MAX_ROWS or not takes((), d) or not (cos.is_contiguous() and sin.is_contiguous())
             or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or (q_norm is None) != (k_norm is None)
             or cos.shape != (b, m, d) or sin.shape != cos.shape or slots.shape != (b, m) or k_cache.shape[0] != b
             or v_cache.shape != k_cache.shape or not 0 <= n <= m or not h.dtype == qkv.dtype == k_cache.dtype):
@@ -66,17 +71,13 @@ def project_rope_store(h: torch.Tensor, qkv: torch.Tensor, heads: int, cos: torc
     q = h.new_empty(b, n, heads, d)
     normed = q_norm is not None
     norm_w = (q_norm.weight, k_norm.weight) if normed else (qkv, qkv)  # unread without norms
-    eps = (_eps(q_norm), _eps(k_norm)) if normed else (0.0, 0.0)
+    eps = (fused_target.norm_eps(q_norm), fused_target.norm_eps(k_norm)) if normed else (0.0, 0.0)
     _project_rope_store_kernel[(tiles, slices)](
         h, qkv, parts, counters, cos, sin, *norm_w, k_cache, v_cache, slots.to(torch.int32).contiguous(), q, b * m,
         m, n, width, *eps, heads, kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), NORM=normed, BLOCK_M=linear_norm.MAX_ROWS,
         BLOCK_K=linear_norm.BLOCK_K, SLICE=linear_norm.SLICE, SLICES=slices, HALF=d // 2, num_warps=4)
     return q.transpose(1, 2)
-
-
-def _eps(norm: nn.Module) -> float:
-    return norm.eps if hasattr(norm, "eps") else norm.variance_epsilon  # the drafter's and Gemma's name, Llama's
 
 
 if triton is not None:

@@ -86,8 +86,7 @@ class StaticDrafter(CompiledSteps):
         # (linear_norm.layer_tail)
         self._tails = self._fused and tails and linear_norm.takes(drafter.layers)
         # with the tails, the packed q/k/v GEMM with the q/k norms, RoPE and the K/V writes (linear_rope)
-        self._projected = (self._tails and self._packed is not None and linear_rope.takes(self.head_dim)
-                           and all(layer.self_attn.q_proj.bias is None for layer in drafter.layers))
+        self._projected = self._tails and self._packed is not None and linear_rope.takes(drafter.layers, self.head_dim)
         self._cache: StaticCache | None = None
 
     @property

@@ -207,10 +207,10 @@ class StaticLM(CompiledSteps):
         # norm after them (linear_norm.layer_tail): Llama-style layers, no sandwich norms, no routed experts
         self._tails = (tails and self._fused and self._fused_mlp and not self.family.sandwich
                        and not self.family.routed_mlp and linear_norm.takes(self.base.layers))
-        # with the tails, the packed q/k/v GEMM with the q/k norms, RoPE and the K/V writes (linear_rope)
-        self._projected = (self._tails and self._packed is not None and linear_rope.takes(self.head_dim)
-                           and self.family.norm == "llama"  # the kernel's q/k norms round as Llama's
-                           and all(layer.self_attn.q_proj.bias is None for layer in self.base.layers))
+        # with the tails, the packed q/k/v GEMM with the q/k norms (rounded as Llama's), RoPE and the K/V writes
+        # (linear_rope)
+        self._projected = (self._tails and self._packed is not None and self.family.norm == "llama"
+                           and linear_rope.takes(self.base.layers, self.head_dim))
 
     @property
     def device(self) -> torch.device:

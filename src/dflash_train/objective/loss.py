@@ -20,6 +20,7 @@ teacher's logits are computed per chunk beside the drafter's, never stored.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,17 +80,11 @@ def _chunk_kd(logits: torch.Tensor, teacher: torch.Tensor, bias: torch.Tensor | 
     return kd_weight * soft + (1 - kd_weight) * hard, correct, grad.to(logits.dtype)
 
 
-_compiled: dict[str, object] = {}
-
-
-def _compiled_fn(name: str):
+@functools.cache
+def _compiled_kd():
     """_chunk_kd under torch.compile (a reduction and a pointwise kernel over [c, V]: the float32 logits never
     written out), compiled on first CUDA use (not at import)."""
-    if name not in _compiled:
-        # rows dynamic: the last chunk is shorter
-        fn, dims = {"kd": (_chunk_kd, {0: 0, 1: 0, 3: 0, 4: 0})}[name]
-        _compiled[name] = compile_serialized(fn, dynamic=dims)
-    return _compiled[name]
+    return compile_serialized(_chunk_kd, dynamic={0: 0, 1: 0, 3: 0, 4: 0})  # rows dynamic: the last chunk is shorter
 
 
 def _eager_chunk_ce(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, weights: torch.Tensor,
@@ -136,7 +131,7 @@ class _FusedHeadCE(torch.autograd.Function):
             if teacher is not None:
                 states, rows, kd_weight = teacher
                 t_logits = states[rows[sl]].to(weight.dtype) @ weight.T  # the target's own logits
-                kd = _compiled_fn("kd") if fused else _chunk_kd
+                kd = _compiled_kd() if fused else _chunk_kd
                 ce, correct[sl], g = kd(logits, t_logits, bias, labels[sl], weights[sl], kd_weight)
             elif fused and ce_kernel.applies(logits):
                 ce, correct[sl], g = ce_kernel.chunk_ce(logits, bias, labels[sl], weights[sl])
