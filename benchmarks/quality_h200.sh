@@ -31,10 +31,11 @@ mkdir -p "$run"
 # written beside RUN_DIR while the job runs (RUN_DIR.train.log, RUN_DIR.gpu.log) and moved in once it succeeded.
 logs=("$run.train.log" "$run.gpu.log")
 rm -f "${logs[@]}"
-# the GPU's memory every 5 s through the train job (quality.json's peak_gpu_memory_gb)
+# the GPU's memory, SM clock, power and temperature every 5 s through the train job (quality.json's
+# peak_gpu_memory_gb and sm_clock_mhz: a clock that sags under sustained load slows steps that a short bench does not)
 smi=""
 if command -v nvidia-smi > /dev/null; then
-  nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -l 5 > "$run.gpu.log" 2>/dev/null &
+  nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -l 5 > "$run.gpu.log" 2>/dev/null &
   smi=$!
 fi
 # why each torch.compile graph compiled again, in train.log: on a fresh H200 the draft layers compiled anew at
@@ -73,6 +74,15 @@ def peak_memory_gb(log: Path) -> float | None:
     return round(max(used) / 1024, 1) if used else None
 
 
+def sm_clock_mhz(log: Path) -> dict | None:
+    """The SM clock's min / median / max (MHz) over the nvidia-smi log's samples while the GPU was busy (utilization
+    above 50%); None without such samples (a CPU run, an older log without the clock's column)."""
+    rows = [x.split(",") for x in log.read_text().splitlines()] if log.is_file() else []
+    mhz = sorted(float(r[3]) for r in rows if len(r) >= 4 and r[2].strip().isdigit() and int(r[2]) > 50
+                 and r[3].strip().replace(".", "", 1).isdigit())
+    return {"min": mhz[0], "median": mhz[len(mhz) // 2], "max": mhz[-1]} if mhz else None
+
+
 def regen_line(log: Path) -> str | None:
     """The job's `regenerate: ...` summary, or None when it reused a regenerated file."""
     lines = [x for x in log.read_text(errors="replace").splitlines() if "] regenerate: regenerated" in x]
@@ -93,6 +103,7 @@ out = {"tau_humaneval": after["tau"], "tau_mtbench": mt["tau"],
        "phases_s": json.loads((run / "phases.json").read_text()),  # the job's own split of its time (app/phases.py)
        "regenerate": regen_line(run / "train.log"),  # its summary line: rate, prefill/decode split, compactions
        "peak_gpu_memory_gb": peak_memory_gb(run / "gpu.log"),  # sampled every 5 s by nvidia-smi
+       "sm_clock_mhz": sm_clock_mhz(run / "gpu.log"),  # the same samples, those with the GPU over 50% busy
        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
        "date": datetime.date.today().isoformat(), "command": command}
 (run / "quality.json").write_text(json.dumps(out, indent=1) + "\n")
