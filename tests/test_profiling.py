@@ -142,6 +142,34 @@ def test_a_window_that_compiles_says_so_and_its_verdict_is_compiling():
     assert verdict({**waiting, "compiles": {"graphs": 1, "seconds": 2.0}}).kind == "drafter-bound"
 
 
+def test_a_full_garbage_collection_lands_in_its_window_and_the_run_report():
+    """A gen-2 collection is counted in the window it ran in, with its pause, and only there; the window math
+    drops a window where the collector barely ran."""
+    import gc
+
+    from dflash_train.profiling.gc_pauses import gc_window
+    from dflash_train.profiling.report import summarize
+
+    quiet = {"collections": [5, 1, 0], "seconds": 0.002, "full": 0}
+    assert gc_window({"collections": [0, 0, 0], "seconds": 0.0, "full": 0}, quiet, []) is None
+    assert gc_window(quiet, {"collections": [9, 1, 1], "seconds": 0.252, "full": 1}, [0.25]) == {
+        "collections": [4, 0, 1], "seconds": 0.25, "full_max_ms": 250.0}
+    clock = Clock()
+    stats = ProfileStats("main", clock=clock)
+    prof = stats.loop("drafter")
+    with prof.span("drafter_forward"):
+        gc.collect()
+    clock.t += 1.0
+    rec = attach_verdict(window_record(stats, stats.take_window()))
+    assert rec["gc"]["collections"][2] >= 1 and rec["gc"]["seconds"] > 0
+    assert "full)" in format_record(rec)
+    assert "gc (sum over windows)" in summarize([rec])
+    with prof.span("drafter_forward"):
+        pass
+    clock.t += 1.0
+    assert "gc" not in window_record(stats, stats.take_window())
+
+
 def test_interval_from_env_and_flag_precedence(monkeypatch):
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     assert resolve_interval(None) is None  # off by default

@@ -122,6 +122,17 @@ def _compiles_line(recs: list[Record]) -> list[str]:
             + (f" ({where})" if where else "")]
 
 
+def _gc_line(recs: list[Record]) -> list[str]:
+    """Python's collector summed over the process's windows: its pauses, and the longest full collection."""
+    windows = [r["gc"] for r in recs if isinstance(r.get("gc"), dict)]
+    if not windows:
+        return []
+    full = sum(w["collections"][2] for w in windows)
+    longest = max(w["full_max_ms"] for w in windows)
+    return [f"    gc (sum over windows): {sum(w['seconds'] for w in windows):.2f} s paused, {full} full collections"
+            + (f", the longest {longest:.0f} ms" if full else "")]
+
+
 def _extras(recs: list[Record], loop: str) -> list[str]:
     """Rates (mean over the windows that report them) and gauges (max over windows)."""
     rates: dict[str, list[float]] = defaultdict(list)
@@ -171,7 +182,7 @@ def summarize(records: list[Record]) -> str:
         for loop in loops_of(recs):
             lines.append(f"{process} [{loop}]  profiled {wall:.1f} s over {len(recs)} windows")
             lines += _stage_table(recs, loop, wall) + _extras(recs, loop)
-        lines += _allocator_line(recs) + _compiles_line(recs)
+        lines += _allocator_line(recs) + _compiles_line(recs) + _gc_line(recs)
         lines.append("")
     lines.append("verdicts")
     for process, recs in groups.items():

@@ -84,6 +84,8 @@ class ProfileReporter:
                     self.tb.add_scalar(f"profile/{loop}/{name}", rate, step)
                 for name, g in data["gauges"].items():
                     self.tb.add_scalar(f"profile/{loop}/{name}", g["mean"], step)
+            if "gc" in record:
+                self.tb.add_scalar("profile/gc/seconds", record["gc"]["seconds"], step)
             for name, value in record.get("allocator", {}).items():
                 if name != "window":
                     self.tb.add_scalar(f"profile/allocator/{name}", value, step)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.profiling import gc_pauses
 from dflash_train.profiling.allocator import allocator_window
 from dflash_train.profiling.compiles import compile_window, snapshot
 from dflash_train.profiling.device_time import DeviceTimer
@@ -103,6 +104,7 @@ class Window:
     syncs: dict[Key, str] = field(default_factory=dict)  # stage -> the host sync its span declared
     allocator: dict[str, Any] | None = None  # allocator.allocator_window(); None without CUDA
     compiles: dict[str, Any] | None = None  # compiles.compile_window(); None when nothing compiled
+    gc: dict[str, Any] | None = None  # gc_pauses.gc_window(); None when the collector barely ran
 
     @property
     def seconds(self) -> float:
@@ -209,6 +211,8 @@ class ProfileStats:
         self._alloc_prev: Mapping[str, Any] = {}
         self._alloc_index = 0
         self._compiles_prev = snapshot()
+        gc_pauses.install()
+        self._gc_prev = gc_pauses.snapshot()
         self.started = clock()
         self._reset(self.started)
 
@@ -271,9 +275,12 @@ class ProfileStats:
         for k, c in clocks.items():
             self.cumulative_clocks[k].merge(c)
         compiled, self._compiles_prev = self._compiles_prev, snapshot()
+        collected, self._gc_prev = self._gc_prev, gc_pauses.snapshot()
+        full = gc_pauses.full_pauses(collected["full"], self._gc_prev["full"])
         return Window(start, now, dict(durations), dict(counters), dict(gauges), dict(clocks),
                       {k: v for k, v in syncs.items() if k in clocks}, self._sample_allocator(),
-                      compile_window(compiled, self._compiles_prev))
+                      compile_window(compiled, self._compiles_prev),
+                      gc_pauses.gc_window(collected, self._gc_prev, full))
 
     def _sample_allocator(self) -> dict[str, Any] | None:
         """This window's allocator telemetry; None without a memory_stats source or before CUDA starts."""
