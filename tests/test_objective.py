@@ -193,6 +193,37 @@ def test_compiled_mask_tiles_equal_the_eager_ones_with_one_graph_per_layer_kind(
     assert counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: inductor's GPU code, what training runs"))])
+def test_compiled_interval_masks_equal_the_eager_ones_with_one_graph_per_layer_kind(backend):
+    """--compile-masks with the interval kernels: rows and dK/dV tables of packs of other token and anchor counts
+    come from one graph per window setting, in either grad mode, and equal the eager mask's, at the recipe's
+    head width's launches."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from dflash_train.objective.masks import compiled_interval_tables, interval_mask
+
+    device = "cuda" if backend == "inductor" else "cpu"
+    tables = compiled_interval_tables(backend=backend)
+    torch._dynamo.reset()
+    counters.clear()
+    for seed, lens in enumerate([(130, 90, 111), (400, 70, 220, 300), (900, 50)]):
+        b = _packed(lens, seed).to(device)
+        anchors = sample_packed_anchors(b, 40, torch.Generator().manual_seed(seed)).to(device)
+        for window in (None, 5):
+            spec = MaskSpec(b.seq_ids, b.positions, anchors, 8, window)
+            want = interval_mask(spec, 64)
+            with torch.set_grad_enabled(seed % 2 == 0):
+                got = tables(b.seq_ids, b.positions, anchors, 8, window, 64, 64)
+            assert torch.equal(got[0], want.rows) and torch.equal(got[1], want.tile_table)
+            assert got[0].dtype == got[1].dtype == torch.int32
+    assert counters["stats"]["unique_graphs"] == 2
+    if backend == "inductor":  # what the objective builds with --compile-masks
+        compiled = interval_mask(spec, 64, compiled=True)
+        assert torch.equal(compiled.tile_table, want.tile_table) and compiled.launch == want.launch
+
+
 def test_compiled_flex_compiles_once():
     """Eager draft layers' FlexAttention (CUDA, without --compile-drafter): packs of other token, anchor and
     tile counts run on one graph, with the eager attention's output."""
@@ -704,9 +735,9 @@ def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, t
     with pytest.raises(UsageError, match="--compile-drafter"):
         DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,
                          tiny_target.lm_head, tmp_path, 1, compile_drafter=cfg.trainer.compile_drafter)
-    # compiled masks are FlexAttention's: refused where the resolved backend is another (auto picks the interval
-    # kernels for most heads on CUDA, dense on a CPU)
-    with pytest.raises(UsageError, match="--compile-masks: .* runs dense .*pass --attention flex"):
+    # compiled masks are FlexAttention's and the interval kernels': refused where the resolved backend is another
+    # (auto picks dense on a CPU)
+    with pytest.raises(UsageError, match="--compile-masks: .* runs dense .*pass --attention intervals or flex"):
         DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,
                          tiny_target.lm_head, tmp_path, 1, compile_masks=True)
 

@@ -99,8 +99,12 @@ class IntervalMask:
         kernels = kernels or launches(head_dim)
         rows = rows.to(torch.int32).contiguous()
         dkdv = kernels[2]
-        return cls(rows, dkdv_tile_table(rows, num_keys, dkdv.block_m, dkdv.block_n),
-                   [x for k in kernels for x in (k.block_m, k.block_n, k.warps, k.stages)])
+        return cls(rows, dkdv_tile_table(rows, num_keys, dkdv.block_m, dkdv.block_n), launch_list(kernels))
+
+
+def launch_list(kernels: tuple[Launch, Launch, Launch]) -> list[int]:
+    """The forward's, dQ's and dK/dV's launches as IntervalMask.launch holds them."""
+    return [x for k in kernels for x in (k.block_m, k.block_n, k.warps, k.stages)]
 
 
 def per_query_tile(x: torch.Tensor, tile: torch.Tensor, num_tiles: int, pad: int, reduce: str) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from dflash_train.data.packing import PackedBatch
 from dflash_train.models.attention import Segment, SegmentedMask, SplitBlockMask
-from dflash_train.models.interval_attention import IntervalMask, per_query_tile
+from dflash_train.models.interval_attention import IntervalMask, dkdv_tile_table, launch_list, launches, per_query_tile
 from dflash_train.objective.blocks import Blocks
 
 
@@ -202,11 +202,43 @@ def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Te
     return (*indices(partial), *indices(full), rows)
 
 
-def interval_mask(spec: MaskSpec, head_dim: int) -> IntervalMask:
+def interval_mask(spec: MaskSpec, head_dim: int, compiled: bool = False) -> IntervalMask:
     """The predicate as the interval kernels read it (attention backend intervals): each row's two key
-    intervals and, per key tile, the query tiles that may see it."""
-    rows = row_intervals(spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window)
-    return IntervalMask.of(rows, spec.context_len + spec.num_queries, head_dim)
+    intervals and, per key tile, the query tiles that may see it.
+
+    compiled: both from one compiled function (--compile-masks; compiled_interval_tables). Eagerly they are ~68
+    small operators a mask, each launched from the host, and the drafter builds two masks a step: on one H100 the
+    recipe's cached steps spent ~5.7 ms of host time in their masks for 1.9 ms of GPU time, and the GPU idled
+    meanwhile (2026-12-07, docs/performance.md)."""
+    kernels = launches(head_dim)
+    if not compiled:
+        rows = row_intervals(spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window)
+        return IntervalMask.of(rows, spec.context_len + spec.num_queries, head_dim, kernels)
+    dkdv = kernels[2]
+    rows, table = compiled_interval_tables()(spec.seq_ids, spec.positions, spec.anchors, spec.block_size,
+                                             spec.window, dkdv.block_m, dkdv.block_n)
+    return IntervalMask(rows, table, launch_list(kernels))
+
+
+def interval_tables(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                    window: int | None, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_intervals, dkdv_tile_table) of one mask: what IntervalMask.of computes, as one function to compile."""
+    rows = row_intervals(seq_ids, positions, anchors, block_size, window)
+    return rows, dkdv_tile_table(rows, seq_ids.numel() + anchors.numel() * block_size, block_m, block_n)
+
+
+@functools.cache  # one per process: its graphs are reused by every pack
+def compiled_interval_tables(backend: str = "inductor"):
+    """interval_tables under torch.compile, every size dynamic from the first call (token and anchor counts change
+    every pack): one graph per layer kind (window or none), in either grad mode."""
+    from dflash_train.models.compiled import compile_serialized
+
+    compiled = compile_serialized(interval_tables, dynamic=True, backend=backend)
+
+    @torch.no_grad()
+    def tables(*args):
+        return compiled(*args)
+    return tables
 
 
 def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = False) -> SplitBlockMask:

@@ -92,11 +92,12 @@ def check_backend_heads(attention: str, head_dim: int) -> None:
 
 
 def check_compile_masks(compile_masks: bool, attention: str, backend: str) -> None:
-    """--compile-masks compiles FlexAttention's masks: refused where the attention that runs (`backend`, what
-    `attention` resolved to) is another, instead of doing nothing."""
-    if compile_masks and not uses_flex(backend):
-        raise UsageError(f"--compile-masks: compiled masks are FlexAttention's; this drafter's attention runs "
-                         f"{backend} (--attention {attention}): pass --attention flex, or drop --compile-masks")
+    """--compile-masks compiles FlexAttention's or the interval kernels' masks: refused where the attention that runs
+    (`backend`, what `attention` resolved to) is another, instead of doing nothing."""
+    if compile_masks and not tiled(backend):
+        raise UsageError(f"--compile-masks: compiled masks are FlexAttention's and the interval kernels'; this "
+                         f"drafter's attention runs {backend} (--attention {attention}): pass --attention intervals "
+                         "or flex, or drop --compile-masks")
 
 
 def check_backend_device(attention: str, device: torch.device) -> None:
@@ -134,7 +135,7 @@ class DFlashObjective(nn.Module):
         self.cfg = cfg
         self.prof = prof
         self.gamma = gamma_for(drafter.block_size, cfg.gamma)
-        self.compiled_masks = compiled_masks  # FlexAttention masks from a compiled function (--compile-masks)
+        self.compiled_masks = compiled_masks  # the attention's masks from a compiled function (--compile-masks)
 
     @property
     def model(self) -> DFlashDrafter:
@@ -166,7 +167,8 @@ class DFlashObjective(nn.Module):
             mask = structured_block_mask if backend == "flex" else split_block_mask
             build = functools.partial(mask, compiled=self.compiled_masks)
         elif backend == "intervals":
-            build = functools.partial(interval_mask, head_dim=self.drafter.config.head_dim)
+            build = functools.partial(interval_mask, head_dim=self.drafter.config.head_dim,
+                                      compiled=self.compiled_masks)
         else:
             build = segmented_mask
         cfg = self.drafter.config

@@ -60,7 +60,7 @@ class TrainConfig:
         """The checks across sections (each section checks its own fields)."""
         device, attention = self.run.device, self.objective.attention
         for name, what in (("compile_drafter", "compiled draft layers need FlexAttention or the interval kernels"),
-                           ("compile_masks", "compiled masks are FlexAttention's")):
+                           ("compile_masks", "compiled masks are FlexAttention's and the interval kernels'")):
             if getattr(self.trainer, name) and (device == "cpu" or attention == "dense"):
                 raise UsageError(f"{config.flag(name)}: {what} on CUDA, not "
                                  + ("--device cpu" if device == "cpu" else "--attention dense (its per-sequence "

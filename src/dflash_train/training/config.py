@@ -48,8 +48,9 @@ class TrainerConfig:
     compile_drafter: bool = setting(False, "torch.compile each draft layer's training forward (one graph for all "
                                            "layers, its attention kernels traced in; CUDA): fewer launches and host "
                                            "time per step")
-    compile_masks: bool = setting(False, "torch.compile the tile computation of the drafter's FlexAttention masks "
-                                         "(CUDA): ~80 launches a mask become a few; experimental, not yet timed")
+    compile_masks: bool = setting(False, "torch.compile the drafter's attention masks (CUDA: FlexAttention's tiles, "
+                                         "the interval kernels' rows and tables): ~70-80 launches a mask become a "
+                                         "few, host time the GPU otherwise waits out")
     precompile: bool = setting(False, "with --compile-drafter on CUDA: compile the drafter's training graphs in a "
                                       "process of its own while the data is regenerated and prepared, so the first "
                                       "steps find them in the compile caches")

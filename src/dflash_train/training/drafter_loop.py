@@ -62,7 +62,7 @@ class DrafterTrainLoop(Trainer):
     """Trains `drafter` against the target's frozen embedding and LM head (trainer.py has the loop).
 
     compile_drafter: torch.compile each draft layer's training forward (--compile-drafter);
-    compile_masks: build the FlexAttention masks with a compiled function (--compile-masks);
+    compile_masks: build the attention's masks with a compiled function (--compile-masks);
     feature_scale: fc trains on unit-RMS feature columns, the scale measured on the first pack (--feature-scale
     rms; a fresh drafter's run). A resumed run takes its scale from the state. hint_feature_scale: a fresh
     drafter's run without the scale says so when the first pack's features hold a column SPREAD_HINT times
