@@ -24,8 +24,8 @@ BENCH = REPO / "benchmarks"
 TINY = "random:tiny"
 # train flags that shrink configs/smollm2-h200.toml to the tiny target on a CPU (raw replies: no regeneration)
 TINY_TRAIN = ("--device cpu --target random:tiny --num-conversations 40 --no-regenerate --regen-samples 1 "
-              "--no-compile-drafter --num-layers 1 --intermediate-size 128 --max-steps 2 --max-length 128 "
-              "--token-budget 512 --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0")
+              "--no-compile-drafter --no-compile-masks --num-layers 1 --intermediate-size 128 --max-steps 2 "
+              "--max-length 128 --token-budget 512 --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0")
 QUICK_EVAL = {"EVAL_LIMIT": "2", "MTBENCH_LIMIT": "2", "EVAL_TOKENS": "8"}
 
 
@@ -513,7 +513,7 @@ def test_profile_h200_plumbing_with_the_shipped_config(tmp_path):
     _run(["bash", str(BENCH / "profile_h200.sh"), str(out)], tmp_path, timeout=240,
          DEVICE="cpu", TARGET=TINY, CONVS="40", TRAIN_SECONDS="2", WARM_SECONDS="1", INTERVAL="1", RUNS="a c",
          TRAIN_FLAGS="--token-budget 256 --max-length 64 --num-anchors 4 --num-layers 1 --intermediate-size 128 "
-                     "--no-compile-drafter",
+                     "--no-compile-drafter --no-compile-masks",
          BENCH_FLAGS="--target random:tiny --device cpu --num-layers 1 --block-size 4 --num-anchors 8 --seq-len 64 "
                      "--steps 2")
     steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
@@ -633,3 +633,26 @@ def test_profile_h200_summary_says_no_without_churn(tmp_path):
     (tmp_path / "c" / "profile.jsonl").write_text(
         "".join(json.dumps(_window("drafter-bound", churning=False, index=i)) + "\n" for i in range(5)))
     assert "allocator-churn verdict in c: NO" in "\n".join(script._run_lines(tmp_path, "c", "churn:x"))
+
+
+def test_trace_gaps_charges_each_idle_gap_to_the_kernel_after_it(tmp_path):
+    """benchmarks/trace_gaps.py on a made-up trace: the union of overlapping kernels is busy time, each gap goes to
+    the kernel that ended it, a trace without kernels is refused."""
+    import gzip
+
+    events = [{"cat": "kernel", "name": "a", "ts": 0, "dur": 10}, {"cat": "kernel", "name": "b", "ts": 5, "dur": 10},
+              {"cat": "kernel", "name": "c", "ts": 45, "dur": 5}, {"cat": "kernel", "name": "c", "ts": 2050, "dur": 10},
+              {"cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 2060}]
+    trace = tmp_path / "t.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    out = tmp_path / "gaps.json"
+    _run([sys.executable, str(BENCH / "trace_gaps.py"), str(trace), "--json", str(out)], tmp_path, timeout=60)
+    got = json.loads(out.read_text())
+    assert got["kernels"] == 4 and got["span_ms"] == 2.06 and got["busy_ms"] == 0.03 and got["steps_ms"] == [2.06]
+    assert got["gaps"][">=20us"] == {"count": 2, "ms": 2.03} and got["gaps"][">=1000us"] == {"count": 1, "ms": 2.0}
+    assert got["before"] == [{"kernel": "c", "gaps": 2, "ms": 2.03}]
+    empty = tmp_path / "cpu.json"
+    empty.write_text(json.dumps({"traceEvents": events[-1:]}))
+    proc = subprocess.run([sys.executable, str(BENCH / "trace_gaps.py"), str(empty)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "no GPU kernels" in proc.stderr
