@@ -1,7 +1,8 @@
 """Where one drafter training step spends its device time: its phases, and its kernels by kind.
 
     python3 benchmarks/drafter_step.py --json OUT.json                # the SmolLM2 recipe's step, one H200, ~1 min
-    python3 benchmarks/drafter_step.py --compile-masks                # the same with compiled mask tiles
+    python3 benchmarks/drafter_step.py --no-compile-masks             # its masks built eagerly (the default before
+                                                                      # the recipe compiled them, 2026-12-07)
     python3 benchmarks/drafter_step.py --target random:tiny --device cpu --num-layers 2 --block-size 4 \\
         --num-anchors 8 --seq-len 64 --token-budget 256 --intermediate-size 128 --num-key-value-heads 4 \\
         --steps 2   # the CPU plumbing
@@ -118,7 +119,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=614)
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--attention", choices=("auto", "flex", "flex-split", "intervals"), default="auto")  # train's
-    p.add_argument("--compile-masks", action="store_true")
+    p.add_argument("--compile-masks", action=argparse.BooleanOptionalAction, default=True)  # the recipe's
     p.add_argument("--no-compile-drafter", dest="compile_drafter", action="store_false")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)

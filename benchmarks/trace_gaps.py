@@ -2,6 +2,7 @@
 
     python3 benchmarks/trace_gaps.py RUN_DIR/traces/main_cuda_0.json          # a train job's --torch-profile
     python3 benchmarks/trace_gaps.py TRACE.json --top 20 --json OUT.json
+    python3 benchmarks/trace_gaps.py TRACE.json --device 1                    # a trace of a process driving several
 
 A gap between two kernels (on any stream) is time the GPU ran nothing: the host had not launched the next
 kernel yet, or waited for something. Each gap is charged to the kernel that ended it, so a launch that is slow
@@ -27,9 +28,15 @@ def load(path: Path) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def kernels(events: list[dict]) -> list[tuple[float, float, str]]:
-    """(start, end, name) of every GPU kernel, in start order (microseconds, the trace's clock)."""
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+def kernels(events: list[dict], device: int | None = None) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every GPU kernel of `device` (None: the trace's only GPU), in start order (microseconds,
+    the trace's clock). One GPU's idle time is the question: kernels of two GPUs would hide each other's gaps."""
+    ks = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    devices = sorted({e.get("args", {}).get("device", 0) for e in ks})
+    if device is None and len(devices) > 1:
+        raise SystemExit(f"trace_gaps: the trace holds kernels of GPUs {devices}: pick one with --device")
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ks
+                  if device is None or e.get("args", {}).get("device", 0) == device)
 
 
 def gaps(ks: list[tuple[float, float, str]], min_us: float = 0.0) -> tuple[float, list[tuple[float, str]]]:
@@ -43,8 +50,8 @@ def gaps(ks: list[tuple[float, float, str]], min_us: float = 0.0) -> tuple[float
     return busy, out
 
 
-def summary(events: list[dict], top: int = 12) -> dict:
-    ks = kernels(events)
+def summary(events: list[dict], top: int = 12, device: int | None = None) -> dict:
+    ks = kernels(events, device)
     if not ks:
         raise SystemExit("trace_gaps: the trace holds no GPU kernels (a CPU run, or no CUDA activity recorded)")
     span = max(stop for _, stop, _ in ks) - ks[0][0]
@@ -68,9 +75,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="a torch.profiler Chrome trace (.json or .json.gz)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed by the idle time before them")
+    ap.add_argument("--device", type=int, default=None, help="the GPU whose kernels to read (a trace of several)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    out = summary(load(args.trace), args.top)
+    out = summary(load(args.trace), args.top, args.device)
     print(f"{out['kernels']} kernels over {out['span_ms']} ms: busy {out['busy_ms']} ms ({out['busy_share']:.0%}); "
           f"steps {out['steps_ms']} ms")
     for t, g in out["gaps"].items():

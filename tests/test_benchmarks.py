@@ -656,3 +656,10 @@ def test_trace_gaps_charges_each_idle_gap_to_the_kernel_after_it(tmp_path):
     empty.write_text(json.dumps({"traceEvents": events[-1:]}))
     proc = subprocess.run([sys.executable, str(BENCH / "trace_gaps.py"), str(empty)], capture_output=True, text=True)
     assert proc.returncode != 0 and "no GPU kernels" in proc.stderr
+    two = tmp_path / "two.json"  # a second GPU's kernel: named, then left out with --device
+    two.write_text(json.dumps({"traceEvents": events + [{"cat": "kernel", "name": "d", "ts": 20, "dur": 900,
+                                                         "args": {"device": 1}}]}))
+    proc = subprocess.run([sys.executable, str(BENCH / "trace_gaps.py"), str(two)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "GPUs [0, 1]" in proc.stderr
+    _run([sys.executable, str(BENCH / "trace_gaps.py"), str(two), "--device", "0", "--json", str(out)], tmp_path)
+    assert json.loads(out.read_text())["before"] == got["before"]

@@ -235,8 +235,7 @@ def test_a_mask_token_inside_the_data_is_refused(prepared, tmp_path, capsys):
     (["--labels", "teacher"], "--labels"),
     (["--attention", "flex", "--device", "cpu"], "--attention flex: its kernels run on CUDA, not cpu"),
     (["--attention", "intervals", "--device", "cpu"], "--attention intervals: its kernels run on CUDA, not cpu"),
-    # auto resolves to dense on a CPU: refused before the data work
-    (["--compile-masks", "--device", "auto"], "--compile-masks: compiled masks are FlexAttention's and the interval"),
+    (["--compile-masks", "--device", "cpu"], "--compile-masks: compiled masks are FlexAttention's and the interval"),
 ])
 def test_bad_train_options(tmp_path, capsys, argv, needle):
     assert main(["train", "--target", "random:tiny", "--run-dir", str(tmp_path / "r"), *argv]) == 2

@@ -207,9 +207,8 @@ def interval_mask(spec: MaskSpec, head_dim: int, compiled: bool = False) -> Inte
     intervals and, per key tile, the query tiles that may see it.
 
     compiled: both from one compiled function (--compile-masks; compiled_interval_tables). Eagerly they are ~68
-    small operators a mask, each launched from the host, and the drafter builds two masks a step: on one H100 the
-    recipe's cached steps spent ~5.7 ms of host time in their masks for 1.9 ms of GPU time, and the GPU idled
-    meanwhile (2026-12-07, docs/performance.md)."""
+    small operators a mask, each launched from the drafter's thread, two masks a step, while the GPU waits out
+    that host time (docs/performance.md, "The host's share of a cached step")."""
     kernels = launches(head_dim)
     if not compiled:
         rows = row_intervals(spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window)
@@ -230,7 +229,8 @@ def interval_tables(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: tor
 @functools.cache  # one per process: its graphs are reused by every pack
 def compiled_interval_tables(backend: str = "inductor"):
     """interval_tables under torch.compile, every size dynamic from the first call (token and anchor counts change
-    every pack): one graph per layer kind (window or none), in either grad mode."""
+    every pack): one graph per layer kind (window or none), in either grad mode. A pack of a single query tile (at
+    most 8 anchors at B=8) specializes one more graph per layer kind, once."""
     from dflash_train.models.compiled import compile_serialized
 
     compiled = compile_serialized(interval_tables, dynamic=True, backend=backend)

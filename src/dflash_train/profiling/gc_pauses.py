@@ -4,7 +4,7 @@ A collection stops every Python thread of the process at whatever line allocated
 target's forward or the batch producer. A full (generation-2) one walks every tracked object: ~0.2 s for the
 ~370K objects of a loaded SmolLM2 target on a 2-core machine, and torch.compile's graphs and guards add more. In
 the stage tables such a pause is one slow call of an unrelated stage; each window's record gets, when the
-collector ran long enough to matter:
+collector ran in it:
 
     {"collections": [<gen 0>, <gen 1>, <gen 2>], "seconds": <total pause>, "full_max_ms": <longest gen-2 pause>}
 
@@ -20,15 +20,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-SHOWN = 0.01  # seconds of pauses in a window from which its record says so (a full collection always does)
+SHOWN = 0.01  # seconds of pauses in a window from which its summary line says so (a full collection always does)
 
 
 class _Pauses:
     """The hook: cumulative collections and pause seconds by generation, and each full collection's pause."""
 
     def __init__(self) -> None:
-        self.collections = [0, 0, 0]
-        self.seconds = 0.0
+        # (gen 0, gen 1, gen 2, seconds): replaced in one assignment, so a reader on another thread never sees a
+        # collection counted without its seconds
+        self.totals: tuple[int, int, int, float] = (0, 0, 0, 0.0)
         self.full: list[float] = []  # gen-2 pauses in order: rare (seconds apart at most), read by index
         self._started: float | None = None
 
@@ -41,10 +42,11 @@ class _Pauses:
             return
         pause, self._started = now - self._started, None
         generation = min(int(info.get("generation", 0)), 2)
-        self.collections[generation] += 1
-        self.seconds += pause
         if generation == 2:
-            self.full.append(pause)
+            self.full.append(pause)  # before the totals: a snapshot's count of full pauses is never ahead of them
+        counts = list(self.totals[:3])
+        counts[generation] += 1
+        self.totals = (*counts, self.totals[3] + pause)
 
 
 _PAUSES: _Pauses | None = None
@@ -62,7 +64,8 @@ def snapshot() -> dict[str, Any]:
     """Cumulative {"collections", "seconds", "full"} (full: how many gen-2 pauses so far); zeros before install()."""
     if _PAUSES is None:
         return {"collections": [0, 0, 0], "seconds": 0.0, "full": 0}
-    return {"collections": list(_PAUSES.collections), "seconds": _PAUSES.seconds, "full": len(_PAUSES.full)}
+    *counts, seconds = _PAUSES.totals
+    return {"collections": counts, "seconds": seconds, "full": counts[2]}
 
 
 def full_pauses(start: int, stop: int) -> list[float]:
@@ -71,18 +74,23 @@ def full_pauses(start: int, stop: int) -> list[float]:
 
 
 def gc_window(prev: Mapping[str, Any], cur: Mapping[str, Any], full: list[float]) -> dict[str, Any] | None:
-    """The window's collections and pause seconds (full: its gen-2 pauses), or None when the collector took under
-    SHOWN seconds and ran no full collection."""
+    """The window's collections and pause seconds (full: its gen-2 pauses), or None when nothing was collected."""
     counts = [max(int(c) - int(p), 0) for c, p in zip(cur["collections"], prev.get("collections", [0, 0, 0]),
                                                        strict=True)]
     seconds = max(float(cur["seconds"]) - float(prev.get("seconds", 0.0)), 0.0)
-    if seconds < SHOWN and counts[2] == 0:
+    if not any(counts):
         return None
     return {"collections": counts, "seconds": round(seconds, 4),
             "full_max_ms": round(max(full) * 1e3, 1) if full else 0.0}
 
 
+def worth_a_line(record: Mapping[str, Any]) -> bool:
+    """Whether a window's summary prints its gc line: SHOWN seconds of pauses or a full collection."""
+    return record["seconds"] >= SHOWN or record["collections"][2] > 0
+
+
 def format_gc(record: Mapping[str, Any]) -> str:
+    """The summary's line for a window's collector record."""
     g0, g1, g2 = record["collections"]
     full = f", the longest full one {record['full_max_ms']:.0f} ms" if g2 else ""
     return (f"gc: {g0 + g1 + g2} collections ({g2} full), {record['seconds'] * 1e3:.0f} ms with every thread "

@@ -104,7 +104,7 @@ class Window:
     syncs: dict[Key, str] = field(default_factory=dict)  # stage -> the host sync its span declared
     allocator: dict[str, Any] | None = None  # allocator.allocator_window(); None without CUDA
     compiles: dict[str, Any] | None = None  # compiles.compile_window(); None when nothing compiled
-    gc: dict[str, Any] | None = None  # gc_pauses.gc_window(); None when the collector barely ran
+    gc: dict[str, Any] | None = None  # gc_pauses.gc_window(); None when nothing was collected
 
     @property
     def seconds(self) -> float:
@@ -261,6 +261,7 @@ class ProfileStats:
             durations, counters, gauges = self._durations, self._counters, self._gauges
             clocks, syncs, start = self._clocks, dict(self.syncs), self._window_start
             pending = self.device_timer.detach()  # this window's event spans; later ones queue anew
+            collected, self._gc_prev = self._gc_prev, gc_pauses.snapshot()  # at the window's end, not after resolve
             self._reset(now)
         # Waiting here blocks only this (reporter) thread, never the streams the loops feed.
         for device, (key, wall, cpu, starved) in pending.resolve():
@@ -275,7 +276,6 @@ class ProfileStats:
         for k, c in clocks.items():
             self.cumulative_clocks[k].merge(c)
         compiled, self._compiles_prev = self._compiles_prev, snapshot()
-        collected, self._gc_prev = self._gc_prev, gc_pauses.snapshot()
         full = gc_pauses.full_pauses(collected["full"], self._gc_prev["full"])
         return Window(start, now, dict(durations), dict(counters), dict(gauges), dict(clocks),
                       {k: v for k, v in syncs.items() if k in clocks}, self._sample_allocator(),

@@ -19,7 +19,7 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
                                        "counters": {...}}}},
      "allocator": {...},   # CUDA only: allocator telemetry of the window, schema in allocator.py
      "compiles": {"graphs", "seconds"},  # when torch.compile compiled in the window: compiles.py
-     "gc": {"collections", "seconds", "full_max_ms"},  # when Python's collector paused long enough: gc_pauses.py
+     "gc": {"collections", "seconds", "full_max_ms"},  # when Python's collector ran in the window: gc_pauses.py
      "verdict": {"kind": "compiling" | "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound"
                          | "allocator-churn" | "sync-bound" | "launch-bound" | "balanced" | "idle",
                  "message": <one line>,
@@ -46,7 +46,7 @@ import numpy as np
 
 from dflash_train.profiling.allocator import format_allocator
 from dflash_train.profiling.compiles import format_compiles
-from dflash_train.profiling.gc_pauses import format_gc
+from dflash_train.profiling.gc_pauses import format_gc, worth_a_line
 from dflash_train.profiling.stats import ProfileStats, SpanClocks, Window
 
 # Display order; stages not listed follow alphabetically.
@@ -178,7 +178,7 @@ def format_record(record: dict[str, Any], limit: int | None = None) -> str:
         lines.append("  " + format_allocator(record["allocator"]))
     if "compiles" in record:
         lines.append("  " + format_compiles(record["compiles"]))
-    if "gc" in record:
+    if "gc" in record and worth_a_line(record["gc"]):
         lines.append("  " + format_gc(record["gc"]))
     if "verdict" in record:
         lines.append(f"  verdict: {record['verdict']['message']}")
