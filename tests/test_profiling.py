@@ -150,10 +150,10 @@ def test_a_full_garbage_collection_lands_in_its_window_and_the_run_report():
     from dflash_train.profiling.gc_pauses import gc_window, worth_a_line
     from dflash_train.profiling.report import summarize
 
-    quiet = {"collections": [5, 1, 0], "seconds": 0.002, "full": 0}
+    quiet = {"collections": [5, 1, 0], "seconds": 0.002}
     assert gc_window(quiet, quiet, []) is None
-    assert not worth_a_line(gc_window({"collections": [0, 0, 0], "seconds": 0.0, "full": 0}, quiet, []))
-    assert gc_window(quiet, {"collections": [9, 1, 1], "seconds": 0.252, "full": 1}, [0.25]) == {
+    assert not worth_a_line(gc_window({"collections": [0, 0, 0], "seconds": 0.0}, quiet, []))
+    assert gc_window(quiet, {"collections": [9, 1, 1], "seconds": 0.252}, [0.25]) == {
         "collections": [4, 0, 1], "seconds": 0.25, "full_max_ms": 250.0}
     clock = Clock()
     stats = ProfileStats("main", clock=clock)

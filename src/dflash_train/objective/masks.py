@@ -210,18 +210,15 @@ def interval_mask(spec: MaskSpec, head_dim: int, compiled: bool = False) -> Inte
     small operators a mask, each launched from the drafter's thread, two masks a step, while the GPU waits out
     that host time (docs/performance.md, "The host's share of a cached step")."""
     kernels = launches(head_dim)
-    if not compiled:
-        rows = row_intervals(spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window)
-        return IntervalMask.of(rows, spec.context_len + spec.num_queries, head_dim, kernels)
-    dkdv = kernels[2]
-    rows, table = compiled_interval_tables()(spec.seq_ids, spec.positions, spec.anchors, spec.block_size,
-                                             spec.window, dkdv.block_m, dkdv.block_n)
+    tables = compiled_interval_tables() if compiled else interval_tables
+    rows, table = tables(spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window,
+                         kernels[2].block_m, kernels[2].block_n)
     return IntervalMask(rows, table, launch_list(kernels))
 
 
 def interval_tables(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor, block_size: int,
                     window: int | None, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_intervals, dkdv_tile_table) of one mask: what IntervalMask.of computes, as one function to compile."""
+    """(row_intervals, dkdv_tile_table) of one mask, in one function that compiled_interval_tables can compile."""
     rows = row_intervals(seq_ids, positions, anchors, block_size, window)
     return rows, dkdv_tile_table(rows, seq_ids.numel() + anchors.numel() * block_size, block_m, block_n)
 

@@ -61,16 +61,16 @@ def install() -> None:
 
 
 def snapshot() -> dict[str, Any]:
-    """Cumulative {"collections", "seconds", "full"} (full: how many gen-2 pauses so far); zeros before install()."""
+    """Cumulative {"collections", "seconds"}; zeros before install()."""
     if _PAUSES is None:
-        return {"collections": [0, 0, 0], "seconds": 0.0, "full": 0}
+        return {"collections": [0, 0, 0], "seconds": 0.0}
     *counts, seconds = _PAUSES.totals
-    return {"collections": counts, "seconds": seconds, "full": counts[2]}
+    return {"collections": counts, "seconds": seconds}
 
 
-def full_pauses(start: int, stop: int) -> list[float]:
-    """The gen-2 pauses numbered [start, stop) since install()."""
-    return [] if _PAUSES is None else _PAUSES.full[start:stop]
+def full_pauses(prev: Mapping[str, Any], cur: Mapping[str, Any]) -> list[float]:
+    """The gen-2 pauses between two snapshots."""
+    return [] if _PAUSES is None else _PAUSES.full[prev["collections"][2]:cur["collections"][2]]
 
 
 def gc_window(prev: Mapping[str, Any], cur: Mapping[str, Any], full: list[float]) -> dict[str, Any] | None:

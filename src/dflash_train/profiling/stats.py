@@ -276,7 +276,7 @@ class ProfileStats:
         for k, c in clocks.items():
             self.cumulative_clocks[k].merge(c)
         compiled, self._compiles_prev = self._compiles_prev, snapshot()
-        full = gc_pauses.full_pauses(collected["full"], self._gc_prev["full"])
+        full = gc_pauses.full_pauses(collected, self._gc_prev)
         return Window(start, now, dict(durations), dict(counters), dict(gauges), dict(clocks),
                       {k: v for k, v in syncs.items() if k in clocks}, self._sample_allocator(),
                       compile_window(compiled, self._compiles_prev),
