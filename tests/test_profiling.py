@@ -62,15 +62,21 @@ def test_span_statistics_from_a_mocked_clock():
 
 
 def test_jsonl_schema_and_log_lines(tmp_path):
+    import gc
+
     clock = Clock()
-    stats = ProfileStats("rank0/target/cpu", clock=clock)
-    prof = stats.loop("target")
-    _timed(prof, clock, "target_forward", 0.03)
-    prof.add("hs_queue_full_wait", 0.06)
-    clock.t += 0.01
-    lines = []
-    rep = ProfileReporter(stats, 60, tmp_path, log=lines.append, tensorboard=False)
-    rep.emit()
+    gc.disable()  # a collection in the window would add its optional "gc" record (test_a_full_garbage_collection...)
+    try:
+        stats = ProfileStats("rank0/target/cpu", clock=clock)
+        prof = stats.loop("target")
+        _timed(prof, clock, "target_forward", 0.03)
+        prof.add("hs_queue_full_wait", 0.06)
+        clock.t += 0.01
+        lines = []
+        rep = ProfileReporter(stats, 60, tmp_path, log=lines.append, tensorboard=False)
+        rep.emit()
+    finally:
+        gc.enable()
     (rec,) = [json.loads(x) for x in (tmp_path / "profile.jsonl").read_text().splitlines()]
     assert set(rec) == {"type", "time", "elapsed_s", "process", "mode", "window_s", "loops", "verdict"}
     assert rec["type"] == "profile" and rec["mode"] == "wall" and rec["process"] == "rank0/target/cpu"
