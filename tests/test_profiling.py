@@ -1,5 +1,7 @@
 """ProfileStats, summaries, verdicts, the interval setting and the no-op path."""
 
+import contextlib
+import gc
 import json
 
 import pytest
@@ -61,12 +63,20 @@ def test_span_statistics_from_a_mocked_clock():
     assert cum["counters"]["tokens"] == 1000
 
 
-def test_jsonl_schema_and_log_lines(tmp_path):
-    import gc
-
-    clock = Clock()
-    gc.disable()  # a collection in the window would add its optional "gc" record (test_a_full_garbage_collection...)
+@contextlib.contextmanager
+def _collector_off():
+    """Python's collector paused: a collection inside a window adds its optional "gc" record (and past 10 ms or a
+    full one, a summary line), which tests of a record's exact keys or lines would otherwise meet by chance."""
+    gc.disable()
     try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_jsonl_schema_and_log_lines(tmp_path):
+    clock = Clock()
+    with _collector_off():
         stats = ProfileStats("rank0/target/cpu", clock=clock)
         prof = stats.loop("target")
         _timed(prof, clock, "target_forward", 0.03)
@@ -75,8 +85,6 @@ def test_jsonl_schema_and_log_lines(tmp_path):
         lines = []
         rep = ProfileReporter(stats, 60, tmp_path, log=lines.append, tensorboard=False)
         rep.emit()
-    finally:
-        gc.enable()
     (rec,) = [json.loads(x) for x in (tmp_path / "profile.jsonl").read_text().splitlines()]
     assert set(rec) == {"type", "time", "elapsed_s", "process", "mode", "window_s", "loops", "verdict"}
     assert rec["type"] == "profile" and rec["mode"] == "wall" and rec["process"] == "rank0/target/cpu"
@@ -151,8 +159,6 @@ def test_a_window_that_compiles_says_so_and_its_verdict_is_compiling():
 def test_a_full_garbage_collection_lands_in_its_window_and_the_run_report():
     """A gen-2 collection is counted in the window it ran in, with its pause, and only there; a window where
     nothing was collected has no record of it, and one with a few quick collections prints no line."""
-    import gc
-
     from dflash_train.profiling.gc_pauses import gc_window, worth_a_line
     from dflash_train.profiling.report import summarize
 
@@ -223,11 +229,12 @@ def test_a_muted_view_records_only_the_span_around_it():
 
 def test_format_limits_lines():
     clock = Clock()
-    stats = ProfileStats("p", clock=clock)
-    prof = stats.loop("drafter")
-    for key in ("a", "b", "c"):
-        _timed(prof, clock, key, 0.01)
-    text = format_record(attach_verdict(window_record(stats, stats.take_window())), limit=2)
+    with _collector_off():
+        stats = ProfileStats("p", clock=clock)
+        prof = stats.loop("drafter")
+        for key in ("a", "b", "c"):
+            _timed(prof, clock, key, 0.01)
+        text = format_record(attach_verdict(window_record(stats, stats.take_window())), limit=2)
     assert text.count("\n") == 4  # header, column line, 2 stages, verdict
 
 
