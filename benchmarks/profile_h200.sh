@@ -37,7 +37,7 @@
 # c cannot churn; OMP_NUM_THREADS=1 on a busy host; tests/test_benchmarks.py runs a shorter one):
 #   OMP_NUM_THREADS=1 DEVICE=cpu TARGET=random:tiny CONVS=200 TRAIN_SECONDS=15 WARM_SECONDS=1 INTERVAL=2 \
 #   TRAIN_FLAGS="--token-budget 512 --max-length 128 --num-anchors 8 --num-layers 1 --intermediate-size 128 \
-#   --no-compile-drafter --no-compile-masks" \
+#   --no-compile-drafter --no-compile-masks --no-compile-target" \
 #   BENCH_FLAGS="--target random:tiny --device cpu --num-layers 1 --block-size 4 --num-anchors 8 --seq-len 64 \
 #   --steps 2" bash benchmarks/profile_h200.sh /tmp/profile-smoke
 set -uo pipefail

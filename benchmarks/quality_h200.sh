@@ -13,8 +13,9 @@
 # device call (~15 min on an H200): start it with setsid nohup and poll.
 # The plumbing on a CPU (~15 s; tests/test_benchmarks.py runs it):
 #   EVAL_LIMIT=2 MTBENCH_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/quality_h200.sh /tmp/q --device cpu --target random:tiny \
-#   --num-conversations 40 --no-regenerate --regen-samples 1 --no-compile-drafter --no-compile-masks --num-layers 2 --intermediate-size 128 \
-#   --max-steps 4 --max-length 128 --token-budget 512 --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0
+#   --num-conversations 40 --no-regenerate --regen-samples 1 --no-compile-drafter --no-compile-masks --no-compile-target \
+#   --num-layers 2 --intermediate-size 128 --max-steps 4 --max-length 128 --token-budget 512 --eval-limit 2 \
+#   --eval-max-new-tokens 8 --val-conversations 0
 set -uo pipefail
 run=${1:?usage: quality_h200.sh RUN_DIR [train flags]}
 shift

@@ -17,7 +17,7 @@
 # target: give the variants the same --target.
 # The plumbing on a CPU (~30 s; tests/test_benchmarks.py runs it):
 #   TARGET=random:tiny EVAL_LIMIT=2 MTBENCH_LIMIT=2 EVAL_TOKENS=8 bash benchmarks/recipe_sweep.sh /tmp/sweep \
-#   'base|--device cpu --target random:tiny --num-conversations 40 --no-regenerate --regen-samples 1 --no-compile-drafter --no-compile-masks
+#   'base|--device cpu --target random:tiny --num-conversations 40 --no-regenerate --regen-samples 1 --no-compile-drafter --no-compile-masks --no-compile-target
 #   --num-layers 1 --intermediate-size 128 --max-steps 2 --max-length 128 --token-budget 512 --eval-limit 2
 #   --eval-max-new-tokens 8 --val-conversations 0' 'lr|(the same) --lr 2e-3'
 set -uo pipefail

@@ -24,8 +24,9 @@ BENCH = REPO / "benchmarks"
 TINY = "random:tiny"
 # train flags that shrink configs/smollm2-h200.toml to the tiny target on a CPU (raw replies: no regeneration)
 TINY_TRAIN = ("--device cpu --target random:tiny --num-conversations 40 --no-regenerate --regen-samples 1 "
-              "--no-compile-drafter --no-compile-masks --num-layers 1 --intermediate-size 128 --max-steps 2 "
-              "--max-length 128 --token-budget 512 --eval-limit 2 --eval-max-new-tokens 8 --val-conversations 0")
+              "--no-compile-drafter --no-compile-masks --no-compile-target --num-layers 1 --intermediate-size 128 "
+              "--max-steps 2 --max-length 128 --token-budget 512 --eval-limit 2 --eval-max-new-tokens 8 "
+              "--val-conversations 0")
 QUICK_EVAL = {"EVAL_LIMIT": "2", "MTBENCH_LIMIT": "2", "EVAL_TOKENS": "8"}
 
 
@@ -513,7 +514,7 @@ def test_profile_h200_plumbing_with_the_shipped_config(tmp_path):
     _run(["bash", str(BENCH / "profile_h200.sh"), str(out)], tmp_path, timeout=240,
          DEVICE="cpu", TARGET=TINY, CONVS="40", TRAIN_SECONDS="2", WARM_SECONDS="1", INTERVAL="1", RUNS="a c",
          TRAIN_FLAGS="--token-budget 256 --max-length 64 --num-anchors 4 --num-layers 1 --intermediate-size 128 "
-                     "--no-compile-drafter --no-compile-masks",
+                     "--no-compile-drafter --no-compile-masks --no-compile-target",
          BENCH_FLAGS="--target random:tiny --device cpu --num-layers 1 --block-size 4 --num-anchors 8 --seq-len 64 "
                      "--steps 2")
     steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
