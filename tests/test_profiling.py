@@ -184,6 +184,44 @@ def test_a_full_garbage_collection_lands_in_its_window_and_the_run_report():
     assert quiet.get("gc", {"collections": [0, 0, 0]})["collections"][2] == 0
 
 
+STAT = """cpu  1000 0 500 8000 100 0 0 0 0 0
+cpu0 500 0 250 4000 50 0 0 0 0 0
+cpu1 500 0 250 4000 50 0 0 0 0 0
+intr 12345
+"""
+
+
+def test_host_load_reads_proc_and_says_when_the_rest_of_the_machine_is_busy():
+    """/proc/stat's busy ticks (idle and iowait left out) over all ticks, times the CPUs, against this process's
+    CPU seconds over the wall clock; the summary line only when the rest of the machine used a CPU or more."""
+    from dflash_train.profiling import host_load
+    from dflash_train.profiling.report import summarize
+
+    assert host_load.parse_stat(STAT) == (1500, 9600, 2)
+    assert host_load.parse_stat("intr 1\n") is None
+    assert host_load.parse_mhz("cpu MHz\t\t: 2000.0\ncpu MHz\t\t: 3000.5\n") == pytest.approx(2500.25)
+    assert host_load.parse_mhz("processor : 0\n") is None
+    before = {"wall": 10.0, "process_cpu": 4.0, "busy": 1500, "ticks": 9600, "cpus": 16, "mhz": 2450.4}
+    after = {"wall": 40.0, "process_cpu": 61.0, "busy": 3500, "ticks": 14600, "cpus": 16, "mhz": 2450.4}
+    rec = host_load.host_window(before, after)  # 57 CPU s over 30 s; 2,000 of 5,000 ticks busy on 16 CPUs
+    assert rec == {"process_cores": 1.9, "machine_cores": 6.4, "cpus": 16, "mhz": 2450}
+    assert host_load.worth_a_line(rec) and "4.5 of 16 CPUs busy" in host_load.format_host(rec)
+    alone = host_load.host_window(before, {**after, "busy": 2100})  # 0.6 of a CPU beyond the process: no line
+    assert not host_load.worth_a_line(alone) and host_load.others({**alone, "machine_cores": 1.0}) == 0.0
+    assert host_load.host_window(None, after) is None and host_load.host_window(after, after) is None
+    samples = iter([before, after])
+    clock = Clock()
+    stats = ProfileStats("main", clock=clock, host=lambda: next(samples))
+    with stats.loop("drafter").span("drafter_forward"):
+        clock.t += 1.0
+    record = attach_verdict(window_record(stats, stats.take_window()))
+    assert record["host"] == rec and "host: the rest of the machine" in format_record(record)
+    assert "host (over windows): this process 1.9 CPUs (most 1.9), the rest of the machine 4.5" in summarize([record])
+    if host_load.STAT.exists():  # Linux: a real window
+        now = host_load.snapshot()
+        assert now is not None and now["cpus"] >= 1 and now["ticks"] >= now["busy"] > 0
+
+
 def test_interval_from_env_and_flag_precedence(monkeypatch):
     monkeypatch.delenv("DFLASH_PROFILE_INTERVAL", raising=False)
     assert resolve_interval(None) is None  # off by default

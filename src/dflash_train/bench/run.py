@@ -55,6 +55,7 @@ from dflash_train.models.loading import load_target
 from dflash_train.pipeline.features import packed_features
 from dflash_train.pipeline.stream import PackStream
 from dflash_train.pipeline.worker import die_with_parent
+from dflash_train.profiling import host_load
 from dflash_train.profiling.flops import PEAK_BF16, PackFlops
 from dflash_train.profiling.report import load_records
 from dflash_train.profiling.reporter import ProfileReporter
@@ -247,7 +248,8 @@ def _train_variant(cfg: BenchConfig, variant: str, experts: str, target, drafter
         profiled = "+" in variant
         # as `train` profiles: allocator telemetry on CUDA too; the records go to tmp/profile.jsonl for the verdicts
         stats = ProfileStats(f"bench/{variant}", cuda_events=tcfg.profiling.profile_cuda_events,
-                             memory_stats=(lambda: torch.cuda.memory_stats(device)) if cuda else None) \
+                             memory_stats=(lambda: torch.cuda.memory_stats(device)) if cuda else None,
+                             host=host_load.snapshot) \
             if profiled else NULL_PROFILE
         reporter = ProfileReporter(stats, 10.0, Path(tmp), log=lambda text: None, tensorboard=False).start() \
             if profiled else None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.errors import UsageError
+from dflash_train.profiling import host_load
 from dflash_train.profiling.summary import in_stage_order
 
 Record = dict[str, Any]
@@ -133,6 +134,18 @@ def _gc_line(recs: list[Record]) -> list[str]:
             + (f", the longest {longest:.0f} ms" if full else "")]
 
 
+def _host_line(recs: list[Record]) -> list[str]:
+    """The machine's CPUs over the process's windows: this process's and the rest's mean and most, the clock's range."""
+    windows = [r["host"] for r in recs if isinstance(r.get("host"), dict)]
+    if not windows:
+        return []
+    mine, rest = [w["process_cores"] for w in windows], [host_load.others(w) for w in windows]
+    mhz = [w["mhz"] for w in windows if "mhz" in w]
+    clock = f", CPUs at {min(mhz):,}-{max(mhz):,} MHz" if mhz else ""
+    return [f"    host (over windows): this process {sum(mine) / len(mine):.1f} CPUs (most {max(mine):.1f}), the rest "
+            f"of the machine {sum(rest) / len(rest):.1f} (most {max(rest):.1f}) of {windows[-1]['cpus']}{clock}"]
+
+
 def _extras(recs: list[Record], loop: str) -> list[str]:
     """Rates (mean over the windows that report them) and gauges (max over windows)."""
     rates: dict[str, list[float]] = defaultdict(list)
@@ -182,7 +195,7 @@ def summarize(records: list[Record]) -> str:
         for loop in loops_of(recs):
             lines.append(f"{process} [{loop}]  profiled {wall:.1f} s over {len(recs)} windows")
             lines += _stage_table(recs, loop, wall) + _extras(recs, loop)
-        lines += _allocator_line(recs) + _compiles_line(recs) + _gc_line(recs)
+        lines += _allocator_line(recs) + _compiles_line(recs) + _gc_line(recs) + _host_line(recs)
         lines.append("")
     lines.append("verdicts")
     for process, recs in groups.items():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dflash_train.config import PROFILE_INTERVAL_ENV
 from dflash_train.errors import UsageError
+from dflash_train.profiling import host_load
 from dflash_train.profiling.stats import ProfileStats
 from dflash_train.profiling.summary import format_record, window_record
 from dflash_train.profiling.tools import file_label
@@ -86,6 +87,9 @@ class ProfileReporter:
                     self.tb.add_scalar(f"profile/{loop}/{name}", g["mean"], step)
             if "gc" in record:
                 self.tb.add_scalar("profile/gc/seconds", record["gc"]["seconds"], step)
+            if "host" in record:
+                self.tb.add_scalar("profile/host/process_cores", record["host"]["process_cores"], step)
+                self.tb.add_scalar("profile/host/other_cores", host_load.others(record["host"]), step)
             for name, value in record.get("allocator", {}).items():
                 if name != "window":
                     self.tb.add_scalar(f"profile/allocator/{name}", value, step)

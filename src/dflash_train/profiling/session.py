@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from dflash_train.config import PROFILE_INTERVAL_ENV, at_least, setting, validate
+from dflash_train.profiling import host_load
 from dflash_train.profiling.reporter import ProfileReporter, resolve_interval
 from dflash_train.profiling.stats import NULL_PROFILE, ProfileStats
 from dflash_train.profiling.tools import NoTrace, TraceWindow, oom_snapshot, parse_steps
@@ -72,8 +73,8 @@ def cuda_device(process: str) -> torch.device | None:
 def profile_session(cfg: ProfilingConfig, run_dir: Path, process: str, oom_hint: str) -> Iterator[Session]:
     """oom_hint: what an out-of-memory message tells the user to lower."""
     interval = resolve_interval(cfg.profile_interval)
-    stats = (ProfileStats(process, cuda_events=cfg.profile_cuda_events, memory_stats=memory_stats_source(process))
-             if interval else NULL_PROFILE)
+    stats = (ProfileStats(process, cuda_events=cfg.profile_cuda_events, memory_stats=memory_stats_source(process),
+                          host=host_load.snapshot) if interval else NULL_PROFILE)
     reporter = ProfileReporter(stats, interval, run_dir).start() if interval else None
     steps = cfg.torch_profile_steps()
     trace = TraceWindow(*steps, run_dir, process) if steps else NoTrace()

@@ -46,6 +46,7 @@ from dflash_train.profiling import gc_pauses
 from dflash_train.profiling.allocator import allocator_window
 from dflash_train.profiling.compiles import compile_window, snapshot
 from dflash_train.profiling.device_time import DeviceTimer
+from dflash_train.profiling.host_load import host_window
 
 _NULL_CONTEXT = contextlib.nullcontext()
 Key = tuple[str, str]  # (loop, stage)
@@ -105,6 +106,7 @@ class Window:
     allocator: dict[str, Any] | None = None  # allocator.allocator_window(); None without CUDA
     compiles: dict[str, Any] | None = None  # compiles.compile_window(); None when nothing compiled
     gc: dict[str, Any] | None = None  # gc_pauses.gc_window(); None when nothing was collected
+    host: dict[str, Any] | None = None  # host_load.host_window(); None without a host source or /proc
 
     @property
     def seconds(self) -> float:
@@ -192,14 +194,18 @@ class ProfileStats:
                  clock: Callable[[], float] = time.perf_counter,
                  cpu_clock: Callable[[], float] = time.thread_time,
                  stream_drained: Callable[[], bool] = cuda_stream_drained,
-                 memory_stats: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 memory_stats: Callable[[], Mapping[str, Any]] | None = None,
+                 host: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
         """stream_drained: asked once per event-span start (event mode on CUDA only), True when the
         calling thread's stream has no unfinished work; memory_stats: e.g.
         `lambda: torch.cuda.memory_stats(device)`, sampled once per window (a host-side read of the
-        allocator's counters, no device sync); None = no allocator telemetry."""
+        allocator's counters, no device sync); None = no allocator telemetry. host: e.g.
+        host_load.snapshot, sampled once per window; None = no host telemetry."""
         self.process, self.cuda_events, self.clock, self.cpu_clock = process, cuda_events, clock, cpu_clock
         self.stream_drained = stream_drained
         self.memory_stats = memory_stats
+        self.host = host
+        self._host_prev = host() if host is not None else None
         # event spans: (start, end) event pairs queued in order, resolved when a window is taken
         self.device_timer = DeviceTimer(cuda_events and torch.cuda.is_available())
         self._lock = threading.Lock()
@@ -280,7 +286,16 @@ class ProfileStats:
         return Window(start, now, dict(durations), dict(counters), dict(gauges), dict(clocks),
                       {k: v for k, v in syncs.items() if k in clocks}, self._sample_allocator(),
                       compile_window(compiled, self._compiles_prev),
-                      gc_pauses.gc_window(collected, self._gc_prev, full))
+                      gc_pauses.gc_window(collected, self._gc_prev, full), self._sample_host())
+
+    def _sample_host(self) -> dict[str, Any] | None:
+        """The machine's CPUs since the last window (host_load.py); None without a host source."""
+        if self.host is None:
+            return None
+        now = self.host()
+        record = host_window(self._host_prev, now)
+        self._host_prev = now if now is not None else self._host_prev
+        return record
 
     def _sample_allocator(self) -> dict[str, Any] | None:
         """This window's allocator telemetry; None without a memory_stats source or before CUDA starts."""

@@ -20,6 +20,7 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
      "allocator": {...},   # CUDA only: allocator telemetry of the window, schema in allocator.py
      "compiles": {"graphs", "seconds"},  # when torch.compile compiled in the window: compiles.py
      "gc": {"collections", "seconds", "full_max_ms"},  # when Python's collector ran in the window: gc_pauses.py
+     "host": {"process_cores", "machine_cores", "cpus", "mhz"},  # Linux: the machine's CPUs, host_load.py
      "verdict": {"kind": "compiling" | "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound"
                          | "allocator-churn" | "sync-bound" | "launch-bound" | "balanced" | "idle",
                  "message": <one line>,
@@ -44,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_train.profiling import host_load
 from dflash_train.profiling.allocator import format_allocator
 from dflash_train.profiling.compiles import format_compiles
 from dflash_train.profiling.gc_pauses import format_gc, worth_a_line
@@ -147,6 +149,8 @@ def window_record(stats: ProfileStats, window: Window) -> dict[str, Any]:
         record["compiles"] = window.compiles
     if window.gc is not None:
         record["gc"] = window.gc
+    if window.host is not None:
+        record["host"] = window.host
     return record
 
 
@@ -180,6 +184,8 @@ def format_record(record: dict[str, Any], limit: int | None = None) -> str:
         lines.append("  " + format_compiles(record["compiles"]))
     if "gc" in record and worth_a_line(record["gc"]):
         lines.append("  " + format_gc(record["gc"]))
+    if "host" in record and host_load.worth_a_line(record["host"]):
+        lines.append("  " + host_load.format_host(record["host"]))
     if "verdict" in record:
         lines.append(f"  verdict: {record['verdict']['message']}")
     return "\n".join(lines)
