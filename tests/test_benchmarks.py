@@ -664,3 +664,14 @@ def test_trace_gaps_charges_each_idle_gap_to_the_kernel_after_it(tmp_path):
     assert proc.returncode != 0 and "GPUs [0, 1]" in proc.stderr
     _run([sys.executable, str(BENCH / "trace_gaps.py"), str(two), "--device", "0", "--json", str(out)], tmp_path)
     assert json.loads(out.read_text())["before"] == got["before"]
+
+
+def test_compiled_calls_times_the_three_ways_of_running_the_layers(tmp_path):
+    """benchmarks/compiled_calls.py's plumbing (dynamo's eager backend, 2 layers): a step under each mode, and
+    the per-call estimate from the per-layer and stacked steps."""
+    out = tmp_path / "calls.json"
+    _run(_py("compiled_calls.py", "--layers", "2", "--reps", "1", "--backend", "eager", "--json", str(out)), tmp_path,
+         timeout=300)
+    got = _json(out, "modes", "ms_per_call", "backend")
+    assert set(got["modes"]) == {"eager", "layers", "stack"} and got["backend"] == "eager"
+    assert all(r["step_ms"] > 0 for r in got["modes"].values())

@@ -578,9 +578,11 @@ def _batches(device="cpu", width=3 * 64):
     return out
 
 
-def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, make_drafter):
-    """--compile-drafter's plumbing (inductor is what runs on the GPU): every layer's forward compiled, the same
-    loss and gradients on packs of three shapes, the eager forward back on exit."""
+@pytest.mark.parametrize("stack", [False, True])
+def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, make_drafter, stack):
+    """--compile-drafter's plumbing (inductor is what runs on the GPU): every layer's forward compiled (with
+    --compile-stack the loop over them), the same loss and gradients on packs of three shapes, the eager forward
+    back on exit."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -589,21 +591,21 @@ def test_compiled_draft_layers_give_the_same_loss_and_gradients(tiny_target, mak
     want = _loss_and_grads(obj, batches)
     torch._dynamo.reset()
     counters.clear()
-    with obj.drafter.compiled_layers(backend="eager"):
+    with obj.drafter.compiled_layers(backend="eager", stack=stack):
         got = _loss_and_grads(obj, batches)
     assert counters["stats"]["unique_graphs"] >= 1  # it did compile
     for (lg, gg), (lw, gw) in zip(got, want, strict=True):
         torch.testing.assert_close(lg, lw, rtol=1e-6, atol=1e-6)
         for a, b in zip(gg, gw, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert all("forward" not in vars(layer) for layer in obj.drafter.layers)
+    assert all("forward" not in vars(m) for m in [obj.drafter.layers, *obj.drafter.layers])
 
 
-@pytest.mark.parametrize("backend", ["flex", "flex-split"])
-def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_drafter, backend):
+@pytest.mark.parametrize("backend,stack", [("flex", False), ("flex-split", False), ("flex", True)])
+def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_drafter, backend, stack):
     """--compile-drafter on packs of new shapes (token counts, tile counts, anchors): one graph per layer kind
-    (full, sliding), not a static one first, and under flex-split the block size a constant in them.
-    Forward only: FlexAttention has no CPU backward."""
+    (full, sliding), not a static one first, and under flex-split the block size a constant in them; with
+    --compile-stack one graph for both. Forward only: FlexAttention has no CPU backward."""
     import torch._dynamo
     from torch._dynamo.testing import EagerAndRecordGraphs
     from torch._dynamo.utils import counters
@@ -612,12 +614,12 @@ def test_compiled_draft_layers_compile_once_per_layer_kind(tiny_target, make_dra
     torch._dynamo.reset()
     counters.clear()
     graphs = EagerAndRecordGraphs()
-    with torch.no_grad(), obj.drafter.compiled_layers(backend=graphs):
+    with torch.no_grad(), obj.drafter.compiled_layers(backend=graphs, stack=stack):
         for seed, lens in enumerate([(300, 150), (90, 400, 220), (520, 60)]):  # 1-3 tiles of 128 queries
             b = _packed(lens, seed)
             obj(b, sample_packed_anchors(b, 20 + 15 * seed, torch.Generator().manual_seed(seed)),
                 torch.randn(b.num_tokens, 3 * 64))
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == (1 if stack else 2)
     # the block size is a constant of the graphs, never a symbol: Inductor's CUDA codegen could not prove
     # the queries a multiple of a symbolic one (CantSplit)
     blocks = [node.meta["example_value"].shape[-2] for g in graphs.graphs for node in g.graph.nodes
@@ -733,6 +735,8 @@ def test_compiled_draft_layers_are_refused_off_cuda(tiny_target, make_drafter, t
         TrainConfig.of(run_dir=str(tmp_path), compile_masks=True, device="cpu")
     with pytest.raises(UsageError, match="--compile-masks.*--attention dense"):
         TrainConfig.of(run_dir=str(tmp_path), compile_masks=True, device="cuda", attention="dense")
+    with pytest.raises(UsageError, match="--compile-stack .*needs --compile-drafter"):
+        TrainConfig.of(run_dir=str(tmp_path), compile_stack=True, device="cuda")
     cfg = TrainConfig.of(run_dir=str(tmp_path), compile_drafter=True, device="auto")
     with pytest.raises(UsageError, match="--compile-drafter"):
         DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, make_drafter(), tiny_target.embedding_weight,

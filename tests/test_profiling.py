@@ -724,8 +724,10 @@ def test_a_profiled_run_times_the_drafter_internals(tiny_target, make_drafter, i
     assert sum(stages[k]["total_s"] for k in internals) <= stages["drafter_forward"]["total_s"]
 
 
-def test_compiled_layers_are_timed_whole(make_drafter):
-    """--compile-drafter: a hook inside a compiled layer would break its graph, so each layer is one span."""
+@pytest.mark.parametrize("stack", [False, True])
+def test_compiled_layers_are_timed_whole(make_drafter, stack):
+    """--compile-drafter: a hook inside a compiled layer would break its graph, so each layer is one span (with
+    --compile-stack, the layers one span together)."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -737,14 +739,17 @@ def test_compiled_layers_are_timed_whole(make_drafter):
     prof = stats.loop("drafter")
     torch._dynamo.reset()
     counters.clear()
-    with drafter.compiled_layers(backend="eager"), drafter_spans(drafter, prof, whole_layers=True), torch.no_grad():
-        assert all("forward" in vars(layer) for layer in drafter.layers)  # compiled
+    compiled = [drafter.layers] if stack else list(drafter.layers)
+    with drafter.compiled_layers(backend="eager", stack=stack), torch.no_grad(), \
+            drafter_spans(drafter, prof, whole_layers=True, whole_stack=stack):
+        assert all("forward" in vars(m) for m in compiled)  # compiled
         drafter(torch.randn(1, 4, 64), torch.randn(1, 6, 3 * 64), torch.arange(10)[None])
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # the spans stayed outside
     stages = window_record(stats, stats.take_window())["loops"]["drafter"]["stages"]
-    assert {k for k in stages if k.startswith("drafter.")} == {"drafter.fc", "drafter.L0", "drafter.L1"}
-    assert all(stages[k]["count"] == 1 for k in ("drafter.L0", "drafter.L1"))
-    assert all("forward" not in vars(layer) for layer in drafter.layers)  # eager again
+    spans = ["drafter.layers"] if stack else ["drafter.L0", "drafter.L1"]
+    assert {k for k in stages if k.startswith("drafter.")} == {"drafter.fc", *spans}
+    assert all(stages[k]["count"] == 1 for k in spans)
+    assert all("forward" not in vars(m) for m in compiled)  # eager again
 
 
 # --- does each event span start find its stream drained (the GPU waiting for the host)?

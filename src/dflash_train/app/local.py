@@ -142,6 +142,7 @@ def train_loop(cfg: TrainConfig, target: Target, drafter: DFlashDrafter, run_dir
     fresh, rms = not cfg.drafter.init_drafter, cfg.optimizer.feature_scale == "rms"
     return DrafterTrainLoop(cfg.optimizer, cfg.trainer, cfg.objective, drafter, target.embedding_weight,
                             target.lm_head, run_dir, steps, compile_drafter=cfg.trainer.compile_drafter,
+                            compile_stack=cfg.trainer.compile_stack,
                             compile_masks=cfg.trainer.compile_masks, embed_scale=target.embed_scale,
                             feature_scale=fresh and rms, hint_feature_scale=fresh and not rms, **trainer_args)
 

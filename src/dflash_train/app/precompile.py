@@ -69,7 +69,8 @@ def spec_of(cfg: TrainConfig, drafter: DFlashConfig, target: Target) -> dict:
         "dtype": str(target.dtype).removeprefix("torch."), "head_bias": target.lm_head.bias is not None,
         "embed_scale": target.embed_scale, "objective": dataclasses.asdict(cfg.objective),
         "token_budget": cfg.data.token_budget, "max_length": cfg.data.max_length,
-        "compile_masks": cfg.trainer.compile_masks, "device": str(target.device), "seed": cfg.run.seed,
+        "compile_masks": cfg.trainer.compile_masks, "compile_stack": cfg.trainer.compile_stack,
+        "device": str(target.device), "seed": cfg.run.seed,
     }
 
 
@@ -126,7 +127,7 @@ def run(spec: dict) -> float:
     width = len(feature_layer_ids(dcfg, ocfg.kd_weight > 0)) * hidden
     features = torch.randn(pack.batch.num_tokens, width, dtype=dtype, device=device, generator=gen)
     update = Update(objective, torch.optim.SGD(drafter.parameters(), lr=0.0), None, grad_clip=0.0)
-    with drafter.compiled_layers(device.type == "cuda"):
+    with drafter.compiled_layers(device.type == "cuda", stack=spec.get("compile_stack", False)):
         out = update.micro(pack.batch.to(device), pack.anchors.to(device), features)
     return float(out.loss)
 

@@ -54,6 +54,7 @@ class BenchConfig:
                       "comma-separated, e.g. 1+1,x2 (bench/multi.py)")
     compile_target: bool = same_as(PipelineConfig, "compile_target")
     compile_drafter: bool = same_as(TrainerConfig, "compile_drafter")
+    compile_stack: bool = same_as(TrainerConfig, "compile_stack")
     compile_masks: bool = same_as(TrainerConfig, "compile_masks")
     target_experts: str = setting("auto", "train's --target-experts (the kernel of a mixture-of-experts target's "
                                   "experts); comma-separated runs every variant under each, side by side, e.g. "
@@ -105,7 +106,7 @@ def train_config(cfg: BenchConfig, run_dir: Path, variant: str, total: int, expe
                 block_size=cfg.block_size, num_anchors=cfg.num_anchors, token_budget=cfg.pack_tokens,
                 max_length=cfg.seq_len, intermediate_size=cfg.intermediate_size,
                 num_key_value_heads=cfg.num_key_value_heads, sliding_layers=cfg.sliding_layers,
-                sliding_window=cfg.sliding_window, compile_drafter=cfg.compile_drafter,
+                sliding_window=cfg.sliding_window, compile_drafter=cfg.compile_drafter, compile_stack=cfg.compile_stack,
                 compile_masks=cfg.compile_masks, attention=cfg.attention, loss_chunk_rows=cfg.loss_chunk_rows,
                 max_steps=total, log_every=cfg.steps, checkpoint_every=0, cache_features=variant == "drafter-only",
                 overlap=variant.startswith("overlap"), profile_interval=10.0 if "+" in variant else None,

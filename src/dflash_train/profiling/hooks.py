@@ -10,6 +10,7 @@ The drafter's breakdown inside `drafter_forward` (the objective adds `drafter.ma
     drafter.L{i}.attention layer i from its start to its post-attention norm (input norm, attention, residual)
     drafter.L{i}.mlp       layer i from its post-attention norm to its end (norm, MLP, residual)
     drafter.L{i}           layer i whole, instead of the two above, when its forward is compiled
+    drafter.layers         all layers, instead of any of the above, when they are compiled as one graph
 
 Hooks are installed only when profiling is on (a disabled profile costs nothing) and removed
 when the block ends. The drafter is read by its module names (fc, hidden_norm, layers[i] with
@@ -43,16 +44,19 @@ def span_hooks(prof, key: str, start: nn.Module, end: nn.Module, *, before_end: 
 
 
 @contextlib.contextmanager
-def drafter_spans(drafter: nn.Module, prof, whole_layers: bool = False) -> Iterator[None]:
+def drafter_spans(drafter: nn.Module, prof, whole_layers: bool = False, whole_stack: bool = False) -> Iterator[None]:
     """Time the drafter's fusion and each layer's attention and MLP into `prof` while the block runs.
 
     whole_layers: one span per layer (drafter.L{i}), for compiled layers, whose insides are one graph
-    that a hook inside would break."""
+    that a hook inside would break. whole_stack: one span for all layers (drafter.layers), for layers
+    compiled as one graph."""
     if not prof.enabled:
         yield
         return
     handles = span_hooks(prof, "drafter.fc", drafter.fc, drafter.hidden_norm)
-    for layer in drafter.layers:
+    if whole_stack:
+        handles += span_hooks(prof, "drafter.layers", drafter.layers, drafter.layers)
+    for layer in [] if whole_stack else drafter.layers:
         if whole_layers:
             handles += span_hooks(prof, f"drafter.L{layer.layer_idx}", layer, layer)
             continue

@@ -61,7 +61,8 @@ class DrafterStep:
 class DrafterTrainLoop(Trainer):
     """Trains `drafter` against the target's frozen embedding and LM head (trainer.py has the loop).
 
-    compile_drafter: torch.compile each draft layer's training forward (--compile-drafter);
+    compile_drafter: torch.compile each draft layer's training forward (--compile-drafter); compile_stack: the
+    layers as one graph instead (--compile-stack);
     compile_masks: build the attention's masks with a compiled function (--compile-masks);
     feature_scale: fc trains on unit-RMS feature columns, the scale measured on the first pack (--feature-scale
     rms; a fresh drafter's run). A resumed run takes its scale from the state. hint_feature_scale: a fresh
@@ -72,7 +73,8 @@ class DrafterTrainLoop(Trainer):
     def __init__(self, optim: OptimizerConfig, cfg: TrainerConfig, objective_cfg: ObjectiveConfig,
                  drafter: DFlashDrafter,
                  embed_weight: torch.Tensor, lm_head: torch.nn.Module, run_dir: Path, total_steps: int, *,
-                 compile_drafter: bool = False, compile_masks: bool = False, embed_scale: float = 1.0,
+                 compile_drafter: bool = False, compile_stack: bool = False, compile_masks: bool = False,
+                 embed_scale: float = 1.0,
                  feature_scale: bool = False, hint_feature_scale: bool = False, hooks: Hooks | None = None,
                  **trainer_args: Any) -> None:
         hooks = hooks or Hooks()
@@ -87,6 +89,7 @@ class DrafterTrainLoop(Trainer):
                              f"on CUDA, not {backend} attention on {device.type}")
         check_compile_masks(compile_masks, objective_cfg.attention, backend)
         self.drafter, self.compile_drafter = drafter, compile_drafter  # before the Trainer restores a state
+        self.compile_stack = compile_drafter and compile_stack
         step = DrafterStep(objective)
         super().__init__(step, optim, cfg, run_dir, total_steps, hooks=hooks, **trainer_args)
         if feature_scale and self.step == 0 and drafter.feature_scale is None:  # a new run (or one stopped before
@@ -145,9 +148,11 @@ class DrafterTrainLoop(Trainer):
         return torch.enable_grad() if self.compile_drafter else super()._validation_mode()
 
     def train(self, source) -> TrainResult:
-        compiled = self.compile_drafter
-        # its fusion, attention and MLP into this loop's view (whole layers when compiled: their insides are one graph)
-        with self.drafter.compiled_layers(compiled), drafter_spans(self.drafter, self.prof, whole_layers=compiled):
+        compiled, stack = self.compile_drafter, self.compile_stack
+        # its fusion, attention and MLP into this loop's view (whole layers, or the whole stack, when compiled: their
+        # insides are one graph)
+        with self.drafter.compiled_layers(compiled, stack=stack), \
+                drafter_spans(self.drafter, self.prof, whole_layers=compiled, whole_stack=stack):
             return super().train(source)
 
 
