@@ -8,9 +8,9 @@ process) or a slower clock. Each window's record gets, where Linux's /proc can b
     {"process_cores": <this process's CPU seconds / wall seconds>, "machine_cores": <busy CPUs over the window>,
      "cpus": <CPUs counted in /proc/stat>, "mhz": <mean of the CPUs' listed clocks; absent where none is listed>}
 
-machine_cores - process_cores is what the rest of the machine used. A snapshot reads /proc/stat and /proc/cpuinfo
-(tens of microseconds) and takes its own wall clock, so windows timed by a test's fake clock stay right. Pure
-functions of plain dicts below the readers, so the math is tested on any machine.
+machine_cores - process_cores is what the rest of the machine used. A snapshot reads /proc/stat and /proc/cpuinfo once
+a window (0.12 ms on a 2-CPU machine; cpuinfo grows with the CPUs) and takes its own wall clock, so windows timed by a
+test's fake clock stay right. Pure functions of plain dicts below the readers, so the math is tested on any machine.
 """
 
 from __future__ import annotations

@@ -66,7 +66,5 @@ class TrainerConfig:
         validate(self)
         if self.compile_stack and not self.compile_drafter:
             raise UsageError("--compile-stack compiles the draft layers as one graph: it needs --compile-drafter")
-        if self.compile_stack and not self.compile_drafter:
-            raise UsageError("--compile-stack compiles the draft layers as one graph: it needs --compile-drafter")
 
 
