@@ -146,3 +146,18 @@ def test_cli_compare_prints_the_answer(runs, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == f"wrote {b / 'profile-compare.png'}"
     assert out[-2].startswith(f"{b} is 28% slower")
+
+
+def test_compare_says_how_busy_each_machine_was(runs):
+    """Where both runs' records have the host's CPUs (host_load.py), the compare gives the rest of the machine and
+    this process side by side: the same stages slowed by a busier machine show there; none without host records."""
+    from dflash_train.profiling.compare import summarize_compare
+
+    a, b = (load_records(r / "profile.jsonl") for r in runs)
+    assert "host:" not in summarize_compare("a", "b", a, b)
+    for recs, others in ((a, 0.2), (b, 3.4)):
+        for r in recs:
+            r["host"] = {"process_cores": 1.8, "machine_cores": 1.8 + others, "cpus": 16, "mhz": 2400}
+    line = [x for x in summarize_compare("a", "b", a, b).splitlines() if x.strip().startswith("host:")]
+    assert line == ["  host: the rest of the machine 0.2 -> 3.4 CPUs busy, this process 1.8 -> 1.8, CPUs at "
+                    "2,400 -> 2,400 MHz (means over windows)"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_train.profiling import host_load
 from dflash_train.profiling.report import Record, by_process, loops_of, read_run, save_figure, wall_seconds
 
 SAME = 0.01  # throughputs within 1% are reported as matching
@@ -205,7 +206,8 @@ def summarize_compare(name_a: str, name_b: str, records_a: list[Record], records
     ranked, total = deltas(a, b), _loop_delta(a, b)
     lines = [f"compare {name_a} (A) -> {name_b} (B); d = B - A, ranked by contribution to the change "
              f"in time per token of [{headline_loop(a, b)}] (waits last: they are symptoms)"]
-    lines += _loop_lines(a, b) + _table(ranked, total) + ["", answer(name_a, name_b, a, b, ranked)]
+    lines += _loop_lines(a, b) + host_load.compare_line(records_a, records_b) + _table(ranked, total)
+    lines += ["", answer(name_a, name_b, a, b, ranked)]
     return "\n".join(lines)
 
 

@@ -95,3 +95,26 @@ def format_host(record: Mapping[str, Any]) -> str:
     clock = f", CPUs at {record['mhz']:,} MHz" if "mhz" in record else ""
     return (f"host: the rest of the machine kept {others(record):.1f} of {record['cpus']} CPUs busy beside this "
             f"process's {record['process_cores']:.1f}{clock}")
+
+
+def windows_of(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The host records of profile records that have one."""
+    return [r["host"] for r in records if isinstance(r.get("host"), Mapping)]
+
+
+def compare_line(records_a: list[Mapping[str, Any]], records_b: list[Mapping[str, Any]]) -> list[str]:
+    """profile-report --compare's line on the machines of two runs (means over their windows), where both have host
+    records: a host-bound run slowed by the rest of the machine or a lower clock says so here, not in its stages."""
+    a, b = windows_of(records_a), windows_of(records_b)
+    if not (a and b):
+        return []
+
+    def mean(ws, f):
+        return sum(f(w) for w in ws) / len(ws)
+
+    clock = ""
+    if all("mhz" in w for w in a + b):
+        clock = f", CPUs at {mean(a, lambda w: w['mhz']):,.0f} -> {mean(b, lambda w: w['mhz']):,.0f} MHz"
+    return [f"  host: the rest of the machine {mean(a, others):.1f} -> {mean(b, others):.1f} CPUs busy, this process "
+            f"{mean(a, lambda w: w['process_cores']):.1f} -> {mean(b, lambda w: w['process_cores']):.1f}{clock} "
+            "(means over windows)"]

@@ -136,7 +136,7 @@ def _gc_line(recs: list[Record]) -> list[str]:
 
 def _host_line(recs: list[Record]) -> list[str]:
     """The machine's CPUs over the process's windows: this process's and the rest's mean and most, the clock's range."""
-    windows = [r["host"] for r in recs if isinstance(r.get("host"), dict)]
+    windows = host_load.windows_of(recs)
     if not windows:
         return []
     mine, rest = [w["process_cores"] for w in windows], [host_load.others(w) for w in windows]
