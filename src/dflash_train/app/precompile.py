@@ -127,7 +127,7 @@ def run(spec: dict) -> float:
     width = len(feature_layer_ids(dcfg, ocfg.kd_weight > 0)) * hidden
     features = torch.randn(pack.batch.num_tokens, width, dtype=dtype, device=device, generator=gen)
     update = Update(objective, torch.optim.SGD(drafter.parameters(), lr=0.0), None, grad_clip=0.0)
-    with drafter.compiled_layers(device.type == "cuda", stack=spec.get("compile_stack", False)):
+    with drafter.compiled_layers(device.type == "cuda", stack=spec["compile_stack"]):
         out = update.micro(pack.batch.to(device), pack.anchors.to(device), features)
     return float(out.loss)
 
