@@ -168,7 +168,7 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
     from dflash_train.eval.lookup import decode_commits
     from dflash_train.models.factory import drafter_config_for, new_drafter
     from dflash_train.settings.tree import TrainConfig
-    from dflash_train.training.replay import accepted_runs, replay_commits
+    from dflash_train.training.replay import accepted_runs, packed_runs, replay_commits
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (6,), generator=g).tolist() for _ in range(2)]
@@ -191,6 +191,10 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
             # the target's labels of its own greedy output are that output: the same runs checked against them
             assert accepted_runs(tiny, obj, p, res.tokens, limit, target_labels=True) == runs
             decoded += res.accepted
+        # both prompts in one pack (the eval's replay): each sequence's blocks see only its own context
+        outs = [speculative_generate(tiny, drafter, p, limit).tokens for p in prompts]
+        assert packed_runs(tiny, obj, list(zip(prompts, outs, strict=True)), limit) == \
+            [accepted_runs(tiny, obj, p, o, limit) for p, o in zip(prompts, outs, strict=True)], limit
     assert 0 < sum(decoded) < (B - 1) * len(decoded), decoded  # neither nothing nor everything accepted
     report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False,
                       replay=replay_commits)

@@ -48,9 +48,10 @@ class TrainerConfig:
     compile_drafter: bool = setting(False, "torch.compile each draft layer's training forward (one graph for all "
                                            "layers, its attention kernels traced in; CUDA): fewer launches and host "
                                            "time per step")
-    compile_stack: bool = setting(False, "with --compile-drafter: the draft layers as one graph, one compiled call "
-                                         "forward and one backward a step instead of one a layer (each call costs "
-                                         "~0.2 ms of host time before its first kernel); a longer compile")
+    compile_stack: bool = setting(False, "with --compile-drafter (nothing without it): the draft layers as one "
+                                         "graph, one compiled call forward and one backward a step instead of one a "
+                                         "layer (each call costs ~0.3 ms of host time before its first kernel); a "
+                                         "longer compile")
     compile_masks: bool = setting(False, "torch.compile the drafter's attention masks (CUDA: FlexAttention's tiles, "
                                          "the interval kernels' rows and tables): ~70-80 launches a mask become a "
                                          "few, host time the GPU otherwise waits out")
@@ -64,7 +65,5 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         validate(self)
-        if self.compile_stack and not self.compile_drafter:
-            raise UsageError("--compile-stack compiles the draft layers as one graph: it needs --compile-drafter")
 
 

@@ -26,7 +26,8 @@ from dflash_train.pipeline.features import target_features
 from dflash_train.pipeline.target_features import FeatureSpec
 
 _HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 GB
-_ANCHORS = 256  # blocks a forward: its dense mask is [256 B, context + 256 B], whatever the output's length
+_ANCHORS = 256  # blocks a forward: its dense mask is [256 B, pack + 256 B]
+_PACK_TOKENS = 8192  # padded tokens a pack of (prompt, output) sequences: one target forward, few drafter forwards
 
 
 @torch.no_grad()
@@ -37,11 +38,11 @@ def replay_commits(target: Target, drafter: DFlashDrafter, prompts: list[list[in
     tokens, the first from its prefill; at most `max_new_tokens`) with the drafter's blocks from the training
     path, as the decode counts them: their mean is the replay's tau. evaluate() runs it inside
     fused.eager_chains(), outside training's grad mode and autocast."""
-    # dense masks: one short sequence at a time, each of its own length (FlexAttention would compile per shape)
+    # dense masks: packs of a few sequences of their own lengths (FlexAttention would compile per shape)
     obj = DFlashObjective(drafter, target.embedding_weight, target.lm_head, ObjectiveConfig(attention="dense"),
                           embed_scale=target.embed_scale)
-    return [decode_commits(len(out), accepted_runs(target, obj, prompt, out, max_new_tokens).__getitem__)
-            for prompt, out in zip(prompts, outputs, strict=True)]
+    runs = packed_runs(target, obj, list(zip(prompts, outputs, strict=True)), max_new_tokens)
+    return [decode_commits(len(out), row.__getitem__) for out, row in zip(outputs, runs, strict=True)]
 
 
 def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: list[int],
@@ -53,20 +54,55 @@ def accepted_runs(target: Target, obj: DFlashObjective, prompt: list[int], out: 
     run as blocks of their own width. target_labels: the drafts are checked against the target's greedy
     tokens instead, as training labels them (--labels target: while `out` agrees with the target), for
     outputs that are not the target's greedy ones (sampled replies)."""
+    return packed_runs(target, obj, [(prompt, out)], max_new_tokens, target_labels)[0]
+
+
+def packed_runs(target: Target, obj: DFlashObjective, pairs: list[tuple[list[int], list[int]]], max_new_tokens: int,
+                target_labels: bool = False) -> list[list[int]]:
+    """accepted_runs of each (prompt, output) pair. The pairs go through in packs of similar lengths (a sequence
+    sees only itself, in the target's padded batch as in the drafter's dense masks), so 40 prompts cost a few
+    forwards where one at a time they cost a target forward and up to B drafter forwards each."""
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    runs: list[list[int]] = [[] for _ in pairs]
+    pack: list[int] = []
+    for k, i in enumerate(order):
+        pack.append(i)
+        # sorted by length: with the next pair, the pack pads to that pair's length
+        if k + 1 == len(order) or (len(pack) + 1) * sum(map(len, pairs[order[k + 1]])) > _PACK_TOKENS:
+            for j, row in zip(pack, _pack_runs(target, obj, [pairs[j] for j in pack], max_new_tokens, target_labels),
+                              strict=True):
+                runs[j] = row
+            pack = []
+    return runs
+
+
+def _pack_runs(target: Target, obj: DFlashObjective, pairs: list[tuple[list[int], list[int]]], max_new_tokens: int,
+               target_labels: bool) -> list[list[int]]:
+    """packed_runs of one pack: its target features in one padded forward, then its blocks grouped by width."""
     dev, B = target.device, obj.drafter.block_size
-    ids = prompt + out
-    n, p = len(ids), len(prompt)
-    positions = torch.arange(n, device=dev)
-    batch = PackedBatch(torch.tensor(ids, device=dev), (positions >= p).long(), torch.zeros_like(positions), positions)
+    ids, loss, seq, pos, starts = [], [], [], [], []
+    for i, (prompt, out) in enumerate(pairs):
+        n, p = len(prompt) + len(out), len(prompt)
+        starts.append(len(ids) + p)  # the packed index of the output's first token
+        ids += prompt + out
+        loss += [0] * p + [1] * len(out)
+        seq += [i] * n
+        pos += range(n)
+    batch = PackedBatch(*(torch.tensor(t, device=dev) for t in (ids, loss, seq, pos)))
     spec = FeatureSpec(layers=tuple(obj.drafter.config.target_layer_ids), labels=target_labels)
-    found = target_features(target, batch, spec)
+    found = target_features(target, batch, spec, mode="padded")  # no compile, whatever the lengths
     feats, batch = found.hidden, replace(batch, labels=found.labels)
-    width = [min(B, max_new_tokens - j) for j in range(len(out))]
-    runs: list[int] = []
-    for w in sorted(set(width), reverse=True):  # B first: every anchor up to the last B - 1
-        js = [j for j in range(len(out)) if width[j] == w]
-        for i in range(0, len(js), _ANCHORS):  # blocks see the context, not each other: any grouping is exact
-            runs += _runs(obj, batch, feats, torch.tensor(js[i:i + _ANCHORS], device=dev) + p, w)
+    by_width: dict[int, list[tuple[int, int]]] = {}  # block width -> (sequence, output token) anchors
+    for i, (_, out) in enumerate(pairs):
+        for j in range(len(out)):
+            by_width.setdefault(min(B, max_new_tokens - j), []).append((i, j))
+    runs = [[0] * len(out) for _, out in pairs]
+    for w, anchors in by_width.items():
+        for k in range(0, len(anchors), _ANCHORS):  # blocks see the context, not each other: any grouping is exact
+            chunk = anchors[k:k + _ANCHORS]
+            at = torch.tensor([starts[i] + j for i, j in chunk], device=dev)
+            for (i, j), run in zip(chunk, _runs(obj, batch, feats, at, w), strict=True):
+                runs[i][j] = run
     return runs
 
 
