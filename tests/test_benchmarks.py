@@ -675,3 +675,12 @@ def test_compiled_calls_times_the_three_ways_of_running_the_layers(tmp_path):
     got = _json(out, "modes", "ms_per_call", "backend")
     assert set(got["modes"]) == {"eager", "layers", "stack"} and got["backend"] == "eager"
     assert all(r["step_ms"] > 0 for r in got["modes"].values())
+
+
+def test_replay_speed_times_both_ways_on_equal_runs(tmp_path):
+    """benchmarks/replay_speed.py's plumbing (the tiny target): the replay one prompt at a time and packed, timed, with
+    the same runs for every prompt."""
+    out = tmp_path / "replay.json"
+    _run(_py("replay_speed.py", "--prompts", "4", "--json", str(out)), tmp_path, timeout=300)
+    got = _json(out, "one_at_a_time_s", "packed_s", "prompts_equal")
+    assert got["prompts_equal"] == 4 and got["one_at_a_time_s"] > 0 and got["packed_s"] > 0
