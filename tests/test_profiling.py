@@ -130,11 +130,16 @@ def test_verdict_message_names_the_wait_and_the_remedy():
 def test_a_window_that_compiles_says_so_and_its_verdict_is_compiling():
     """torch.compile's graphs and seconds land in the window they happened in, and only there; a window
     that spent a quarter of its time compiling is judged 'compiling', whatever it waited on."""
-    from dflash_train.profiling.compiles import compile_window
+    from dflash_train.profiling.compiles import compile_window, format_compiles
 
     assert compile_window({"graphs": 3, "seconds": 10.0}, {"graphs": 3, "seconds": 10.0}) is None
     assert compile_window({"graphs": 3, "seconds": 10.0},
-                          {"graphs": 5, "seconds": 48.25}) == {"graphs": 2, "seconds": 38.25}
+                          {"graphs": 5, "seconds": 48.25}) == {"graphs": 2, "seconds": 38.25, "cache_hits": 0,
+                                                               "cache_misses": 0}
+    cold = compile_window({"graphs": 3, "seconds": 10.0, "cache_hits": 4, "cache_misses": 0},
+                          {"graphs": 5, "seconds": 61.5, "cache_hits": 4, "cache_misses": 2})
+    assert cold == {"graphs": 2, "seconds": 51.5, "cache_hits": 0, "cache_misses": 2}
+    assert format_compiles(cold).endswith("; Inductor's disk cache: 0 of 2 graphs found")
     clock = Clock()
     stats = ProfileStats("main", clock=clock)
     prof = stats.loop("drafter")

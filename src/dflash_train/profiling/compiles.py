@@ -6,7 +6,11 @@ its 467 s training phase compiling (H200, 2026-12-02: the first steps, one targe
 forward, the first validation, the epoch boundary), which the stage tables alone could not tell
 from slow work. Each window's record gets, when something compiled in it:
 
-    {"graphs": <frames dynamo compiled>, "seconds": <seconds in dynamo's compile and lazy backward compiles>}
+    {"graphs": <frames dynamo compiled>, "seconds": <seconds in dynamo's compile and lazy backward compiles>,
+     "cache_hits": <Inductor graphs found in its on-disk cache>, "cache_misses": <Inductor graphs compiled anew>}
+
+The cache counts say whether a compile was the cheap kind: --precompile fills the disk cache so that the job's own
+first compiles find their graphs there (a hit costs seconds, a miss of the stacked draft layers close to a minute).
 
 Read from torch._dynamo's process-wide counters (every thread's compiles), and only once dynamo is
 imported: a run that compiles nothing never imports it for this. Pure functions of plain dicts
@@ -26,25 +30,39 @@ from typing import Any
 TIMERS = ("compile_inner", "_backward_impl")
 
 
+COUNTS = ("graphs", "cache_hits", "cache_misses")
+
+
 def snapshot() -> dict[str, float]:
-    """Cumulative {"graphs", "seconds"} of this process so far; zeros before anything imported dynamo."""
+    """Cumulative {"graphs", "seconds", "cache_hits", "cache_misses"} of this process so far; zeros before anything
+    imported dynamo."""
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
-        return {"graphs": 0, "seconds": 0.0}
+        return {"graphs": 0, "seconds": 0.0, "cache_hits": 0, "cache_misses": 0}
     times = dict(getattr(utils, "compilation_time_metrics", {}))  # a copy: other threads add to it
+    inductor = utils.counters["inductor"]
     return {"graphs": int(utils.counters["frames"].get("ok", 0)),
-            "seconds": float(sum(sum(v) for k, v in times.items() if k.endswith(TIMERS)))}
+            "seconds": float(sum(sum(v) for k, v in times.items() if k.endswith(TIMERS))),
+            "cache_hits": int(inductor.get("fxgraph_cache_hit", 0)),
+            "cache_misses": int(inductor.get("fxgraph_cache_miss", 0))}
 
 
 def compile_window(prev: Mapping[str, float], cur: Mapping[str, float]) -> dict[str, Any] | None:
     """The window's increase, or None when nothing compiled in it."""
-    graphs = max(int(cur["graphs"]) - int(prev.get("graphs", 0)), 0)
+    counts = {k: max(int(cur.get(k, 0)) - int(prev.get(k, 0)), 0) for k in COUNTS}
     seconds = max(float(cur["seconds"]) - float(prev.get("seconds", 0.0)), 0.0)
-    if graphs == 0 and seconds < 0.01:
+    if counts["graphs"] == 0 and seconds < 0.01:
         return None
-    return {"graphs": graphs, "seconds": round(seconds, 2)}
+    return {"graphs": counts["graphs"], "seconds": round(seconds, 2), "cache_hits": counts["cache_hits"],
+            "cache_misses": counts["cache_misses"]}
+
+
+def cache_words(hits: int, misses: int) -> str:
+    """'; Inductor's cache: H of N graphs found' where Inductor looked (records from before the counts: none)."""
+    return f"; Inductor's disk cache: {hits} of {hits + misses} graphs found" if hits + misses else ""
 
 
 def format_compiles(record: Mapping[str, Any]) -> str:
     return (f"compiles: +{record['graphs']} graphs, {record['seconds']:.1f} s compiling "
-            "(inside the stages that triggered them)")
+            "(inside the stages that triggered them)"
+            + cache_words(record.get("cache_hits", 0), record.get("cache_misses", 0)))

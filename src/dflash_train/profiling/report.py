@@ -19,6 +19,7 @@ from typing import Any
 
 from dflash_train.errors import UsageError
 from dflash_train.profiling import host_load
+from dflash_train.profiling.compiles import cache_words
 from dflash_train.profiling.summary import in_stage_order
 
 Record = dict[str, Any]
@@ -119,8 +120,9 @@ def _compiles_line(recs: list[Record]) -> list[str]:
         return []
     seconds = sum(c["seconds"] for _, c in windows)
     where = ", ".join(f"{c['seconds']:.0f} s at {t:.0f} s" for t, c in windows if c["seconds"] >= 1)
+    hits, misses = (sum(c.get(k, 0) for _, c in windows) for k in ("cache_hits", "cache_misses"))
     return [f"    compiles (sum over windows): {sum(c['graphs'] for _, c in windows)} graphs, {seconds:.1f} s"
-            + (f" ({where})" if where else "")]
+            + (f" ({where})" if where else "") + cache_words(hits, misses)]
 
 
 def _gc_line(recs: list[Record]) -> list[str]:

@@ -18,7 +18,7 @@ Record schema (one per process per interval, a line of RUN_DIR/profile.jsonl):
                                                             "starts", "starved"}},  # clocks as above
                                        "counters": {...}}}},
      "allocator": {...},   # CUDA only: allocator telemetry of the window, schema in allocator.py
-     "compiles": {"graphs", "seconds"},  # when torch.compile compiled in the window: compiles.py
+     "compiles": {"graphs", "seconds", "cache_hits", "cache_misses"},  # when torch.compile compiled: compiles.py
      "gc": {"collections", "seconds", "full_max_ms"},  # when Python's collector ran in the window: gc_pauses.py
      "host": {"process_cores", "machine_cores", "cpus", "mhz"},  # Linux: the machine's CPUs, host_load.py
      "verdict": {"kind": "compiling" | "drafter-bound" | "target-bound" | "input-bound" | "handoff-bound"
