@@ -33,6 +33,7 @@ from torch import nn
 from dflash_train.errors import say
 from dflash_train.models.config import DFlashConfig
 from dflash_train.models.target import Target
+from dflash_train.profiling import compiles
 from dflash_train.settings.tree import TrainConfig
 
 SPEC_FILE = "precompile.json"
@@ -93,10 +94,12 @@ def finish(handle: Handle | None) -> None:
     except subprocess.TimeoutExpired:
         code = None
     seconds = time.perf_counter() - handle.started
+    lines = (handle.folder / LOG_FILE).read_text(errors="replace").strip().splitlines()
     if code == 0:
-        say(f"precompile: the drafter's training graphs compiled ahead ({seconds:.0f} s since it started)")
+        said = lines[-1].removeprefix("precompile: ") if lines else ""
+        say(f"precompile: the drafter's training graphs compiled ahead ({seconds:.0f} s since it started"
+            f"{'; ' + said if said else ''})")
     else:
-        lines = (handle.folder / LOG_FILE).read_text(errors="replace").strip().splitlines()
         say(f"precompile: {'timed out' if code is None else f'exit {code}'} ({lines[-1] if lines else 'no output'});"
             " the training compiles its graphs itself")
     stop(handle)
@@ -136,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     path = Path((argv or sys.argv[1:])[0])
     t0 = time.perf_counter()
     loss = run(json.loads(path.read_text()))
-    print(f"precompile: one step compiled and run in {time.perf_counter() - t0:.1f} s (loss {loss:.3f})")
+    counts = compiles.snapshot()  # a cold machine's compiles miss; a warm one's hit (then precompile gained nothing)
+    print(f"precompile: one step compiled and run in {time.perf_counter() - t0:.1f} s (loss {loss:.3f})"
+          + compiles.cache_words(counts["cache_hits"], counts["cache_misses"]))
     return 0
 
 
