@@ -61,3 +61,24 @@ def test_an_unknown_preset_names_the_flag():
 
     with pytest.raises(UsageError, match="--target: unknown preset random:nope"):
         load_tokenizer("random:nope")
+
+
+@pytest.mark.parametrize("spec", ["smollm2-135m", "random:gemma3-270m", "random:tiny"])
+def test_texts_encode_as_the_tokenizers_own_call(spec):
+    """encode_texts goes through a fast tokenizer's backend (no per-encoding conversion in Python) where that encodes
+    as transformers' call does: the same ids and offsets for chat-rendered text with its special tokens, whitespace
+    runs, accents and an emoji, and an empty text; where the backend would pad, through the tokenizer's call."""
+    from dflash_train.models.chat import _backend_agrees, encode_texts
+    from dflash_train.models.loading import load_tokenizer
+
+    tok = load_tokenizer(spec)
+    chat = [{"role": "user", "content": "Hé  llo\t\n wörld 🙂"}, {"role": "assistant", "content": "  x = 1;\n\n\ty"}]
+    texts = [tok.apply_chat_template(chat, tokenize=False), "", "plain text   with spaces  "]
+    want = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    want = [(list(i), [tuple(o) for o in m]) for i, m in zip(want["input_ids"], want["offset_mapping"], strict=True)]
+    assert encode_texts(tok, texts, offsets=True) == want
+    assert _backend_agrees(tok, texts[0])  # the backend's path was the one taken
+    assert encode_texts(tok, texts) == [(ids, []) for ids, _ in want]
+    padded = load_tokenizer(spec)
+    padded.backend_tokenizer.enable_padding(length=128)
+    assert not _backend_agrees(padded, texts[0]) and encode_texts(padded, texts, offsets=True) == want

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from dflash_train.data.conversations import BadRecord
+from dflash_train.models.chat import encode_texts
 
 # End-of-turn / end-of-sequence tokens of the common chat formats (ChatML, Llama 3, GPT-2 style,
 # SentencePiece, Gemma, Phi). Only tokens the tokenizer actually has are used.
@@ -92,9 +93,9 @@ def encode_chats(tokenizer, conversations: list[list[dict[str, str]]], *,
         except BadRecord as e:
             out.append(e)
     if rendered:
-        enc = tokenizer([text for _, text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-        for (i, text, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"], strict=True):
-            out[i] = _loss_mask(list(ids), [tuple(o) for o in offsets], text, spans, stops)
+        enc = encode_texts(tokenizer, [text for _, text, _ in rendered], offsets=True)
+        for (i, text, spans), (ids, offsets) in zip(rendered, enc, strict=True):
+            out[i] = _loss_mask(ids, offsets, text, spans, stops)
     return out
 
 
