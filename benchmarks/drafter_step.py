@@ -3,7 +3,8 @@
     python3 benchmarks/drafter_step.py --json OUT.json                # the SmolLM2 recipe's step, one H200, ~1 min
     python3 benchmarks/drafter_step.py --no-compile-masks             # its masks built eagerly (the default before
                                                                       # the recipe compiled them, 2026-12-07)
-    python3 benchmarks/drafter_step.py --compile-stack                # the draft layers compiled as one graph
+    python3 benchmarks/drafter_step.py --no-compile-stack             # a compiled call a layer (the default before
+                                                                      # the recipe stacked them, 2026-12-07)
     python3 benchmarks/drafter_step.py --target random:tiny --device cpu --num-layers 2 --block-size 4 \\
         --num-anchors 8 --seq-len 64 --token-budget 256 --intermediate-size 128 --num-key-value-heads 4 \\
         --steps 2   # the CPU plumbing
@@ -122,7 +123,7 @@ def main() -> int:
     p.add_argument("--attention", choices=("auto", "flex", "flex-split", "intervals"), default="auto")  # train's
     p.add_argument("--compile-masks", action=argparse.BooleanOptionalAction, default=True)  # the recipe's
     p.add_argument("--no-compile-drafter", dest="compile_drafter", action="store_false")
-    p.add_argument("--compile-stack", action="store_true")  # train's: the layers as one graph
+    p.add_argument("--compile-stack", action=argparse.BooleanOptionalAction, default=True)  # the recipe's
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=15)

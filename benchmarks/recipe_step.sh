@@ -10,9 +10,10 @@
 # (profiling/flops.py): 15.6 TFLOP a step, so the recipe's ~200K target tokens/s is MFU ~0.19 and the
 # goal of 290K is ~0.28.
 # Levers, one bench each (each variant in a fresh process; the JSON of each in OUT_DIR/<lever>.json):
-#   base       the recipe's settings: --compile-drafter --compile-masks (attention auto: the interval kernels)
+#   base       the recipe's settings: --compile-drafter --compile-masks --compile-stack (attention auto: the
+#              interval kernels; the 12 layers as one graph, 2 compiled calls a step)
 #   eager-masks  base with the interval kernels' masks built eagerly (without --compile-masks)
-#   stack      base with --compile-stack: the 12 layers as one graph, 2 compiled calls a step instead of 24
+#   layers     base with a compiled call a layer (without --compile-stack: 24 calls a step)
 #   flex       --compile-drafter --attention flex (FlexAttention; the levers masks, tiles64, tiles128, autotune are its)
 #   masks      flex + --compile-masks (the FlexAttention mask tiles compiled: ~80 launches a mask become a few)
 #   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
@@ -47,16 +48,16 @@ SHAPE=${SHAPE:---num-layers 12 --block-size 8 --intermediate-size 3072 --sliding
 dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
 flags() {  # the lever's flags on top of SHAPE (a later flag wins)
   case $1 in
-    base) echo "--compile-drafter --compile-masks" ;;
-    eager-masks) echo "--compile-drafter" ;;
-    stack) echo "--compile-drafter --compile-masks --compile-stack" ;;
+    base) echo "--compile-drafter --compile-masks --compile-stack" ;;
+    eager-masks) echo "--compile-drafter --compile-stack" ;;
+    layers) echo "--compile-drafter --compile-masks" ;;
     flex) echo "--compile-drafter --attention flex" ;;
     masks) echo "--compile-drafter --attention flex --compile-masks" ;;
-    pack32k) echo "--compile-drafter --compile-masks --token-budget $(( 2 * $(budget) ))" ;;
+    pack32k) echo "--compile-drafter --compile-masks --compile-stack --token-budget $(( 2 * $(budget) ))" ;;
     eager) echo "" ;;
     split) echo "--compile-drafter --attention flex-split" ;;
     autotune|tiles64|tiles128) echo "--compile-drafter --attention flex" ;;  # and the environment below
-    *) echo "recipe_step.sh: unknown lever $1 (base, eager-masks, stack, flex, masks, split, pack32k, eager, autotune, tiles64, tiles128)" >&2
+    *) echo "recipe_step.sh: unknown lever $1 (base, eager-masks, layers, flex, masks, split, pack32k, eager, autotune, tiles64, tiles128)" >&2
        return 2 ;;
   esac
 }
