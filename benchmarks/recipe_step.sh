@@ -14,12 +14,13 @@
 #              interval kernels; the 12 layers as one graph, 2 compiled calls a step)
 #   eager-masks  base with the interval kernels' masks built eagerly (without --compile-masks)
 #   layers     base with a compiled call a layer (without --compile-stack: 24 calls a step)
-#   flex       --compile-drafter --attention flex (FlexAttention; the levers masks, tiles64, tiles128, autotune are its)
+#   flex       --compile-drafter --attention flex (FlexAttention, a compiled call a layer, masks eager: against
+#              `layers` and `eager-masks` for the attention alone; the levers masks, tiles64, tiles128, autotune are its)
 #   masks      flex + --compile-masks (the FlexAttention mask tiles compiled: ~80 launches a mask become a few)
 #   pack32k    base with 32K-token packs: the same tokens in half the steps, so each launch carries twice
 #              the work (a quality question too: the recipe's optimizer steps would halve)
 #   eager      base without --compile-drafter (the reference the compiled layers are measured against)
-#   split      base with --attention flex-split (each block's own keys apart from FlexAttention)
+#   split      flex with --attention flex-split (each block's own keys apart from FlexAttention)
 #   tiles64    flex with FlexAttention's 64 x 64 tiles forward and backward (DFLASH_FLEX_KERNEL_OPTIONS)
 #   tiles128   flex with 128 x 128 forward tiles
 #   autotune   flex under TORCHINDUCTOR_MAX_AUTOTUNE=1: Inductor tries its FlexAttention (and GEMM) configs

@@ -82,3 +82,6 @@ def test_texts_encode_as_the_tokenizers_own_call(spec):
     padded = load_tokenizer(spec)
     padded.backend_tokenizer.enable_padding(length=128)
     assert not _backend_agrees(padded, texts[0]) and encode_texts(padded, texts, offsets=True) == want
+    tok.split_special_tokens = True  # after the agreement was cached: the call now splits <|im_start|> and the like
+    split = tok(texts, add_special_tokens=False)["input_ids"]
+    assert encode_texts(tok, texts) == [(list(ids), []) for ids in split]

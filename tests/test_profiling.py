@@ -139,7 +139,7 @@ def test_a_window_that_compiles_says_so_and_its_verdict_is_compiling():
     cold = compile_window({"graphs": 3, "seconds": 10.0, "cache_hits": 4, "cache_misses": 0},
                           {"graphs": 5, "seconds": 61.5, "cache_hits": 4, "cache_misses": 2})
     assert cold == {"graphs": 2, "seconds": 51.5, "cache_hits": 0, "cache_misses": 2}
-    assert format_compiles(cold).endswith("; Inductor's disk cache: 0 of 2 graphs found")
+    assert format_compiles(cold).endswith("; Inductor's disk cache: 0 of 2 Inductor graphs found")
     clock = Clock()
     stats = ProfileStats("main", clock=clock)
     prof = stats.loop("drafter")

@@ -191,10 +191,12 @@ def test_the_decodes_tau_replays_through_the_training_path(tiny, in_memory_datas
             # the target's labels of its own greedy output are that output: the same runs checked against them
             assert accepted_runs(tiny, obj, p, res.tokens, limit, target_labels=True) == runs
             decoded += res.accepted
-        # both prompts in one pack (the eval's replay): each sequence's blocks see only its own context
-        outs = [speculative_generate(tiny, drafter, p, limit).tokens for p in prompts]
-        assert packed_runs(tiny, obj, list(zip(prompts, outs, strict=True)), limit) == \
-            [accepted_runs(tiny, obj, p, o, limit) for p, o in zip(prompts, outs, strict=True)], limit
+        # prompts of three lengths in one pack (the eval's replay): the padded target forward and the blocks of
+        # each sequence see only its own context
+        mixed = [prompts[0], prompts[1][:3], prompts[0][2:] + prompts[1]]
+        outs = [speculative_generate(tiny, drafter, p, limit).tokens for p in mixed]
+        assert packed_runs(tiny, obj, list(zip(mixed, outs, strict=True)), limit) == \
+            [accepted_runs(tiny, obj, p, o, limit) for p, o in zip(mixed, outs, strict=True)], limit
     assert 0 < sum(decoded) < (B - 1) * len(decoded), decoded  # neither nothing nor everything accepted
     report = evaluate(tiny, drafter, prompts, EvalConfig(limit=2, max_new_tokens=10, baseline=False), progress=False,
                       replay=replay_commits)

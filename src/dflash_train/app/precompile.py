@@ -96,7 +96,9 @@ def finish(handle: Handle | None) -> None:
     seconds = time.perf_counter() - handle.started
     lines = (handle.folder / LOG_FILE).read_text(errors="replace").strip().splitlines()
     if code == 0:
-        said = lines[-1].removeprefix("precompile: ") if lines else ""
+        # its own last line (the log also holds stderr: a warning at exit may come after it)
+        said = next((line.removeprefix("precompile: ") for line in reversed(lines) if line.startswith("precompile: ")),
+                    "")
         say(f"precompile: the drafter's training graphs compiled ahead ({seconds:.0f} s since it started"
             f"{'; ' + said if said else ''})")
     else:

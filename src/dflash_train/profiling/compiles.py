@@ -58,8 +58,9 @@ def compile_window(prev: Mapping[str, float], cur: Mapping[str, float]) -> dict[
 
 
 def cache_words(hits: int, misses: int) -> str:
-    """'; Inductor's cache: H of N graphs found' where Inductor looked (records from before the counts: none)."""
-    return f"; Inductor's disk cache: {hits} of {hits + misses} graphs found" if hits + misses else ""
+    """'; Inductor's disk cache: H of N Inductor graphs found' where Inductor looked (forward and backward graphs
+    count apart, so N is not the dynamo frames' count; records from before the counts: none)."""
+    return f"; Inductor's disk cache: {hits} of {hits + misses} Inductor graphs found" if hits + misses else ""
 
 
 def format_compiles(record: Mapping[str, Any]) -> str:

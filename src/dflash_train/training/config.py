@@ -50,7 +50,7 @@ class TrainerConfig:
                                            "time per step")
     compile_stack: bool = setting(False, "with --compile-drafter (nothing without it): the draft layers as one "
                                          "graph, one compiled call forward and one backward a step instead of one a "
-                                         "layer (each call costs ~0.3 ms of host time before its first kernel); a "
+                                         "layer (each call costs ~0.2-0.3 ms of host time before its first kernel); a "
                                          "longer compile")
     compile_masks: bool = setting(False, "torch.compile the drafter's attention masks (CUDA: FlexAttention's tiles, "
                                          "the interval kernels' rows and tables): ~70-80 launches a mask become a "

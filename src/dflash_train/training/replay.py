@@ -26,7 +26,7 @@ from dflash_train.pipeline.features import target_features
 from dflash_train.pipeline.target_features import FeatureSpec
 
 _HEAD_ROWS = 2048  # LM-head rows at a time: [2048, 262,144] bf16 logits are 1 GB
-_ANCHORS = 256  # blocks a forward: its dense mask is [256 B, pack + 256 B]
+_ANCHORS = 256  # blocks a forward: each sequence's dense mask is [its blocks' B rows, its context + those rows]
 _PACK_TOKENS = 8192  # padded tokens a pack of (prompt, output) sequences: one target forward, few drafter forwards
 
 
