@@ -135,8 +135,8 @@ def encode_texts(tokenizer, texts: list[str], offsets: bool = False) -> list[tup
 def _backend_agrees(tokenizer, text: str) -> bool:
     """Whether the fast tokenizer's backend encodes as the tokenizer's own call does: no truncation or padding set
     on it, special tokens split (or not) as the tokenizer says, and the same ids and offsets for the first text it
-    is asked to encode (a tokenizer class that edits the
-    text in Python first does not). Checked once a tokenizer object."""
+    is asked to encode (a tokenizer class that edits the text in Python first does not). Checked once a tokenizer
+    object."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.truncation is not None or backend.padding is not None:
         return False

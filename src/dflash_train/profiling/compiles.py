@@ -53,8 +53,7 @@ def compile_window(prev: Mapping[str, float], cur: Mapping[str, float]) -> dict[
     seconds = max(float(cur["seconds"]) - float(prev.get("seconds", 0.0)), 0.0)
     if counts["graphs"] == 0 and seconds < 0.01:
         return None
-    return {"graphs": counts["graphs"], "seconds": round(seconds, 2), "cache_hits": counts["cache_hits"],
-            "cache_misses": counts["cache_misses"]}
+    return {**counts, "seconds": round(seconds, 2)}
 
 
 def cache_words(hits: int, misses: int) -> str:
