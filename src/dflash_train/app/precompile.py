@@ -7,8 +7,8 @@
 On a fresh machine the first training steps wait for torch.compile: the draft layers (forward and
 backward, their attention traced in), the LM-head loss's kernels and the fused chains (50.7 s of the SmolLM2
 recipe's first 50 steps on an H200, 2026-12-05). None of that depends on the data, only on the
-drafter's and the target's shapes. The process started here runs one training step of a drafter of the
-same config on a synthetic pack under the same code, settings and autocast; what it compiles lands in
+drafter's and the target's shapes. The process started here runs the training step of a drafter of the
+same config on synthetic packs under the same code, settings and autocast; what it compiles lands in
 Inductor's and Triton's on-disk caches, which the job's own compiles then hit (a fresh process with warm
 caches: 11.5 s instead of 44.8 s for that first window, 2026-12-02). It runs beside regeneration, which
 keeps the GPU busy and the host mostly idle, and in a process of its own so that it takes neither the
@@ -38,6 +38,7 @@ from dflash_train.settings.tree import TrainConfig
 
 SPEC_FILE = "precompile.json"
 LOG_FILE = "precompile.log"
+PACKS = 2  # steps run (run's docstring says why two)
 WAIT_S = 600  # at most this long for the process once the data is ready; then the job compiles itself
 
 
@@ -108,12 +109,18 @@ def finish(handle: Handle | None) -> None:
 
 
 def run(spec: dict) -> float:
-    """One training step (forward and backward) of a drafter of `spec`'s config on a synthetic pack, compiled
-    as training compiles it on CUDA (eager elsewhere: the same math, nothing compiled). Returns the loss."""
-    from dflash_train.data.synthetic import SyntheticSequences
+    """The training step (forward and backward) of a drafter of `spec`'s config on PACKS synthetic packs of
+    varied sequences, compiled as training compiles it on CUDA (eager elsewhere: the same math, nothing
+    compiled). Returns the last loss.
+
+    The packs are shaped like the data's: sequences of many lengths, their anchors fewer than their tokens.
+    torch.compile's first graph takes sizes that happen to be equal for one (a pack of equal sequences whose
+    anchors times the block size equal their length, as in the SmolLM2 recipe: 128 x 8 = 1,024) and
+    specializes on them, so a pack of real data compiled a second graph and the one compiled here went unused
+    (counted on the CPU: test_precompile). The second pack is a guard: a graph the first specialized is
+    compiled again in the general form the job's packs meet."""
     from dflash_train.models.factory import new_drafter
     from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, feature_layer_ids
-    from dflash_train.pipeline.stream import PackStream
     from dflash_train.training.update import Update
 
     device = torch.device(spec["device"])
@@ -126,15 +133,24 @@ def run(spec: dict) -> float:
     ocfg = ObjectiveConfig(**spec["objective"])
     objective = DFlashObjective(drafter, embed, head, ocfg, compiled_masks=spec["compile_masks"],
                                 embed_scale=spec["embed_scale"])
-    seq_len = min(spec["max_length"], spec["token_budget"])
-    data = SyntheticSequences(max(1, spec["token_budget"] // seq_len), seq_len, vocab, spec["seed"])
-    pack = next(iter(PackStream(data, spec["token_budget"], ocfg.num_anchors, spec["seed"], 1).packs(1)))
     width = len(feature_layer_ids(dcfg, ocfg.kd_weight > 0)) * hidden
-    features = torch.randn(pack.batch.num_tokens, width, dtype=dtype, device=device, generator=gen)
     update = Update(objective, torch.optim.SGD(drafter.parameters(), lr=0.0), None, grad_clip=0.0)
     with drafter.compiled_layers(device.type == "cuda", stack=spec["compile_stack"]):
-        out = update.micro(pack.batch.to(device), pack.anchors.to(device), features)
+        for pack in packs(spec):
+            features = torch.randn(pack.batch.num_tokens, width, dtype=dtype, device=device, generator=gen)
+            out = update.micro(pack.batch.to(device), pack.anchors.to(device), features)
     return float(out.loss)
+
+
+def packs(spec: dict) -> list:
+    """run's PACKS packs: the job's token budget and anchors, sequences of varied lengths up to --max-length."""
+    from dflash_train.data.synthetic import SyntheticSequences
+    from dflash_train.pipeline.stream import PackStream
+
+    seq_len = min(spec["max_length"], spec["token_budget"])
+    data = SyntheticSequences.varied(4 * PACKS * max(1, spec["token_budget"] // seq_len), seq_len, spec["vocab"],
+                                     spec["seed"])
+    return list(PackStream(data, spec["token_budget"], spec["objective"]["num_anchors"], spec["seed"], 1).packs(PACKS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     loss = run(json.loads(path.read_text()))
     counts = compiles.snapshot()  # a cold machine's compiles miss; a warm one's hit (then precompile gained nothing)
-    print(f"precompile: one step compiled and run in {time.perf_counter() - t0:.1f} s (loss {loss:.3f})"
+    print(f"precompile: {PACKS} steps compiled and run in {time.perf_counter() - t0:.1f} s (loss {loss:.3f})"
           + compiles.cache_words(counts["cache_hits"], counts["cache_misses"]))
     return 0
 
