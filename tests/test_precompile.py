@@ -40,8 +40,8 @@ def test_nothing_starts_off_cuda_or_without_compiled_layers(tiny_target):
 def test_the_packs_compiled_ahead_leave_nothing_to_compile_for_the_data(tiny_target, stack):
     """The graphs precompile's packs compile are the ones packs of real data run: none of those compiles another.
     At the SmolLM2 recipe's ratio (anchors x B = --max-length, 128 x 8 = 1,024; here 32 x 4 = 128) a pack of
-    equal sequences made sizes equal that torch.compile then specialized on, and the data compiled anew.
-    Forward only: FlexAttention has no CPU backward."""
+    equal sequences made FlexAttention's tile counts equal, torch.compile specialized on them, and the data
+    compiled anew. Forward only: FlexAttention has no CPU backward."""
     import torch._dynamo
     from torch._dynamo.testing import EagerAndRecordGraphs
     from torch._dynamo.utils import counters

@@ -114,10 +114,10 @@ def run(spec: dict) -> float:
     compiled). Returns the last loss.
 
     The packs are shaped like the data's: sequences of many lengths, their anchors fewer than their tokens.
-    torch.compile's first graph takes sizes that happen to be equal for one (a pack of equal sequences whose
-    anchors times the block size equal their length, as in the SmolLM2 recipe: 128 x 8 = 1,024) and
-    specializes on them, so a pack of real data compiled a second graph and the one compiled here went unused
-    (counted on the CPU: test_precompile). The second pack is a guard: a graph the first specialized is
+    torch.compile may specialize its first graph on sizes that happen to be equal: in a pack of equal sequences
+    whose anchors times the block size equal their length (the SmolLM2 recipe's 128 x 8 = 1,024) FlexAttention's
+    tile counts were, and packs of data compiled every layer graph again (counted on the CPU: test_precompile;
+    the interval kernels did not, on an H100). The second pack is a guard: a graph the first specialized is
     compiled again in the general form the job's packs meet."""
     from dflash_train.models.factory import new_drafter
     from dflash_train.objective.objective import DFlashObjective, ObjectiveConfig, feature_layer_ids
