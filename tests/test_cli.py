@@ -245,6 +245,24 @@ def test_console_script_usage_error_exit_code(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "random:nope" in proc.stderr
 
 
+def test_the_console_script_runs_the_command_line_and_imports_it_only_then():
+    """Spawned tokenizer workers import the script that started the job as their main module (dflash_train/entry.py):
+    the module the installed `dflash-train` imports at its top must not pull in torch or the project."""
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, func = scripts["dflash-train"].partition(":")
+    heavy = ("torch", "transformers", "dflash_train.cli")
+    probe = f"import sys, {module}; print([m for m in {heavy!r} if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+    run = subprocess.run([sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())",
+                          "eval", "--drafter", "/nonexistent", "--target", "random:nope"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "random:nope" in run.stderr  # the command line's own one-line error
+
+
 def test_filesystem_failures_are_one_line_errors(tmp_path, capsys):
     """A directory where the output file goes, and a full disk (/dev/full): one line naming the path, exit 2."""
     data = tmp_path / "convs.jsonl"
