@@ -84,7 +84,7 @@ def test_the_process_runs_the_spec(tiny_target, tmp_path):
 
 @pytest.mark.parametrize("code, last, said", [
     (0, "precompile: one step in 9 s; Inductor's disk cache: 0 of 6 Inductor graphs found\n[W] a warning at exit",
-     "s since it started; one step in 9 s; Inductor's disk cache: 0 of 6 Inductor graphs found)"),
+     "s of them; one step in 9 s; Inductor's disk cache: 0 of 6 Inductor graphs found)"),
     (3, "boom", "exit 3 (boom); the training compiles")])
 def test_finish_says_how_it_went_and_removes_its_folder(tmp_path, capsys, code, last, said):
     folder = tmp_path / "ahead"

@@ -90,18 +90,19 @@ def finish(handle: Handle | None) -> None:
     """Wait for the process (its compiles are the ones the first step would do), at most WAIT_S."""
     if handle is None:
         return
+    waiting = time.perf_counter()
     try:
         code = handle.process.wait(timeout=WAIT_S)
     except subprocess.TimeoutExpired:
         code = None
-    seconds = time.perf_counter() - handle.started
+    seconds, waited = time.perf_counter() - handle.started, time.perf_counter() - waiting
     lines = (handle.folder / LOG_FILE).read_text(errors="replace").strip().splitlines()
     if code == 0:
         # its own last line (the log also holds stderr: a warning at exit may come after it)
         said = next((line.removeprefix("precompile: ") for line in reversed(lines) if line.startswith("precompile: ")),
                     "")
-        say(f"precompile: the drafter's training graphs compiled ahead ({seconds:.0f} s since it started"
-            f"{'; ' + said if said else ''})")
+        say(f"precompile: the drafter's training graphs compiled ahead ({seconds:.0f} s since it started, the job "
+            f"waiting {waited:.0f} s of them{'; ' + said if said else ''})")
     else:
         say(f"precompile: {'timed out' if code is None else f'exit {code}'} ({lines[-1] if lines else 'no output'});"
             " the training compiles its graphs itself")

@@ -136,7 +136,9 @@ def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool)
     except BaseException:
         precompile.stop(ahead)
         raise
-    precompile.finish(ahead)
+    if ahead is not None:
+        with phases.time("precompile wait"):  # 0 s where it ended before the data was ready
+            precompile.finish(ahead)
     drafter = make_drafter(cfg, target, ckpt)
     plan = RunPlan.make(cfg, dataset, drafter.config, drafter_count(roles) * cfg.optimizer.grad_accum, state)
     check_mask_token_absent(dataset, drafter.mask_token_id, target)
