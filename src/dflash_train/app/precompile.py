@@ -140,7 +140,7 @@ def run(spec: dict) -> float:
         for pack in packs(spec):
             features = torch.randn(pack.batch.num_tokens, width, dtype=dtype, device=device, generator=gen)
             out = update.micro(pack.batch.to(device), pack.anchors.to(device), features)
-    return float(out.loss)
+    return float(out.loss.detach())
 
 
 def packs(spec: dict) -> list:
