@@ -170,9 +170,11 @@ def test_structured_block_mask_covers_the_predicate_and_full_tiles_are_full(wind
                                            torch.arange(dense.shape[1])[None, :]), dense)
 
 
-def test_compiled_mask_tiles_equal_the_eager_ones_with_one_graph_per_layer_kind():
+@pytest.mark.parametrize("own_blocks", [True, False])
+def test_compiled_mask_tiles_equal_the_eager_ones_with_one_graph_per_layer_kind(own_blocks):
     """--compile-masks: the tiles of packs of other sizes come from one graph per window setting (every size
-    dynamic from the first call), in either grad mode, and equal the eager tiles."""
+    dynamic from the first call), in either grad mode, and equal the eager tiles; over [context | own blocks]
+    (flex) and over the context alone (flex-split), the flag passed as the masks pass it."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -185,7 +187,7 @@ def test_compiled_mask_tiles_equal_the_eager_ones_with_one_graph_per_layer_kind(
         b = _packed(lens, seed)
         anchors = sample_packed_anchors(b, 9, torch.Generator().manual_seed(seed))
         for window in (None, 5):
-            args = (b.seq_ids, b.positions, anchors, 4, window, 16)
+            args = (b.seq_ids, b.positions, anchors, 4, window, 16, own_blocks)
             with torch.set_grad_enabled(seed % 2 == 0):
                 got = tiles(*args)
             for g, want in zip(got, mask_tiles(*args), strict=True):

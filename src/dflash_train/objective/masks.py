@@ -159,7 +159,7 @@ def _tiled_block_mask(spec: MaskSpec, tile: int, compiled: bool, own_blocks: boo
 
     *tiles, rows = (compiled_mask_tiles() if compiled else mask_tiles)(
         spec.seq_ids, spec.positions, spec.anchors, spec.block_size, spec.window, tile, own_blocks)
-    keys = spec.context_len + spec.num_queries * own_blocks
+    keys = spec.context_len + (spec.num_queries if own_blocks else 0)
     return BlockMask.from_kv_blocks(*tiles, BLOCK_SIZE=tile, mask_mod=_interval_mask_mod(rows),
                                     seq_lengths=(spec.num_queries, keys))
 
@@ -171,7 +171,8 @@ def mask_tiles(seq_ids: torch.Tensor, positions: torch.Tensor, anchors: torch.Te
     (row_intervals, [4, Q] int32) for its mask_mod. own_blocks=False: the context keys alone (S of them;
     split_block_mask), every row's own-block interval empty. Tensors in, tensors out (compilable)."""
     S, Q = seq_ids.numel(), anchors.numel() * block_size
-    dev, kv_len = seq_ids.device, S + Q * own_blocks
+    # not Q * own_blocks: torch 2.11's Dynamo fails to multiply a dynamic size by a bool ("BooleanAtom not allowed")
+    dev, kv_len = seq_ids.device, S + (Q if own_blocks else 0)
     nq, nkv = -(-Q // tile), -(-kv_len // tile)
     r = torch.arange(Q, device=dev)
     rows = row_intervals(seq_ids, positions, anchors, block_size, window)
