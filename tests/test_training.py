@@ -134,6 +134,46 @@ def test_feature_rms_scale_sets_unit_columns_without_first_tokens():
     assert feature_rms_scale(quiet, torch.arange(50) + 1).tolist() == [1.0, 1, 1, 1024, 1024]
 
 
+@pytest.mark.parametrize("clip", [0.5, 1e6, 0.0])
+def test_the_clip_folded_into_a_fused_adamw_steps_as_clipping_first(clip):
+    """A fused AdamW takes the clip as its grad_scale (training/update.py): the same weights as clipping the
+    gradients and then stepping, whether the clip binds (0.5), does not (1e6) or is off; the pre-clip norm
+    returned either way."""
+    from types import SimpleNamespace
+
+    from dflash_train.training.update import Update, make_optimizer
+
+    class Objective(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+        def forward(self, x):
+            return SimpleNamespace(loss=self.model(x).square().sum() * 50)  # a norm far above 0.5
+
+    torch.manual_seed(0)
+    fused, plain = Objective(), Objective()
+    plain.load_state_dict(fused.state_dict())
+    start = [p.detach().clone() for p in fused.parameters()]
+    updates = []
+    for obj, on in ((fused, True), (plain, None)):
+        opt = make_optimizer(obj.model, 1e-2, 0.1)
+        for group in opt.param_groups:  # CPU: make_optimizer picks the unfused one
+            group["fused"], group["foreach"], group["eps"] = on, None, 1e-3  # eps: the step feels the clip
+        updates.append(Update(obj, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), grad_clip=clip))
+    for step in range(3):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        norms = []
+        for update in updates:
+            update.micro(x)
+            norms.append(update.step())
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-6, atol=0)
+        assert norms[0] > 100  # the clip at 0.5 binds
+    for a, b in zip(fused.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(not torch.equal(a, b) for a, b in zip(fused.parameters(), start, strict=True))
+
+
 def test_column_spread_is_each_layers_largest_column_over_its_median():
     from dflash_train.training.drafter_loop import column_spread
 

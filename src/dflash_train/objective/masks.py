@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.data.packing import PackedBatch
+from dflash_train.errors import say
 from dflash_train.models.attention import Segment, SegmentedMask, SplitBlockMask
 from dflash_train.models.interval_attention import IntervalMask, dkdv_tile_table, launch_list, launches, per_query_tile
 from dflash_train.objective.blocks import Blocks
@@ -249,18 +250,41 @@ def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = Fal
                              spec.block_size, spec.window, spec.seq_ids.device)
 
 
+@functools.cache
+def _compiler_errors() -> tuple[type[Exception], ...]:
+    """What torch.compile raises when it cannot compile (imported when first needed: Dynamo is slow to import)."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    inductor = getattr(torch._inductor.exc, "InductorError", None)  # raised unwrapped by some versions
+    return (torch._dynamo.exc.TorchDynamoException, *([inductor] if inductor else []))
+
+
 @functools.cache  # one per process: its graphs are reused by every pack
 def compiled_mask_tiles(backend: str = "inductor"):
     """mask_tiles under torch.compile, every size dynamic from the first call (token and anchor counts
     change every pack): one graph per (block size, window, tile), i.e. one per layer kind, in either
-    grad mode (no grad: the caller's mode is not part of its guards)."""
+    grad mode (no grad: the caller's mode is not part of its guards). Where the compiler fails on it (torch
+    2.11's Inductor could not split its dynamic tile ranges: CantSplit, on an H100), the tiles are made eagerly
+    from then on, after one line: the same tiles, in more launches."""
     from dflash_train.models.compiled import compile_serialized
 
     compiled = compile_serialized(mask_tiles, dynamic=True, backend=backend)
+    run = [compiled]
 
     @torch.no_grad()
     def tiles(*args):
-        return compiled(*args)
+        try:
+            return run[0](*args)
+        except Exception as e:
+            if run[0] is mask_tiles or not isinstance(e, _compiler_errors()):
+                raise
+            cause = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed's first line names the backend
+            first = (str(cause).strip().splitlines() or [""])[0][:160]
+            say(f"--compile-masks: the mask's tiles failed to compile ({type(cause).__name__}: {first}); "
+                "they are made eagerly")
+            run[0] = mask_tiles
+            return mask_tiles(*args)
     return tiles
 
 
