@@ -55,7 +55,7 @@ PLANT_B=${PLANT_B:-sleep:drafter.lm_head_loss:15} PLANT_C=${PLANT_C:-churn:draft
 BENCH_FLAGS=${BENCH_FLAGS:---target random:qwen3-8b --num-layers 5 --block-size 16 --num-anchors 512 --seq-len 3072 --steps 10 --compile-target}
 export DEVICE TARGET CONFIG CONVS INTERVAL MAX_STEPS TRAIN_FLAGS
 
-dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
+dft() { python3 -m dflash_train "$@"; }  # the console script's entry (a train job's phases count from the start)
 say() { echo "[profile_h200 $(date +%H:%M:%S)] $*"; }
 : > "$out/steps.tsv"
 step() {  # name, time limit (s), command...: output to OUT_DIR/name.log, "name rc seconds" to steps.tsv

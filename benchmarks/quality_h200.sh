@@ -26,7 +26,7 @@ limit=${EVAL_LIMIT:-40} mt_limit=${MTBENCH_LIMIT:-80} tokens=${EVAL_TOKENS:-128}
 # the target the evals decode with: the config's, or a --target among the flags
 target=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb")).get("run", {}).get("target", "smollm2-135m"))' "$config") || exit 2
 for ((i = 1; i < $#; i++)); do [ "${!i}" = --target ] && { j=$((i + 1)); target=${!j}; }; done
-dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
+dft() { python3 -m dflash_train "$@"; }  # the console script's entry (a train job's phases count from the start)
 mkdir -p "$run"
 # The train job refuses a run directory that holds files it did not write, so this script's own logs are
 # written beside RUN_DIR while the job runs (RUN_DIR.train.log, RUN_DIR.gpu.log) and moved in once it succeeded.

@@ -46,7 +46,7 @@ LEVERS=${LEVERS:-base flex split pack32k eager}
 SHAPE=${SHAPE:---num-layers 12 --block-size 8 --intermediate-size 3072 --sliding-layers 1 --num-anchors 128 \
 --seq-len 614 --token-budget 16384}
 
-dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
+dft() { python3 -m dflash_train "$@"; }  # the console script's entry (a train job's phases count from the start)
 flags() {  # the lever's flags on top of SHAPE (a later flag wins)
   case $1 in
     base) echo "--compile-drafter --compile-masks --compile-stack" ;;

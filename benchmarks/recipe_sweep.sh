@@ -30,7 +30,7 @@ config=${CONFIG:-$repo/configs/smollm2-h200.toml} target=${TARGET:-smollm2-135m}
 limit=${EVAL_LIMIT:-40} mt_limit=${MTBENCH_LIMIT:-80} tokens=${EVAL_TOKENS:-128}  # smaller for a quick check of the script
 eval_flags=${EVAL_FLAGS:-}
 mkdir -p "$out"
-dft() { python3 -c 'import sys; from dflash_train.cli import main; sys.exit(main())' "$@"; }
+dft() { python3 -m dflash_train "$@"; }  # the console script's entry (a train job's phases count from the start)
 
 variant() {  # name, data flag (empty for the first), flags...
   local name=$1 data=$2; shift 2

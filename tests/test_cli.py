@@ -257,10 +257,38 @@ def test_the_console_script_runs_the_command_line_and_imports_it_only_then():
     probe = f"import sys, {module}; print([m for m in {heavy!r} if m in sys.modules])"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
-    run = subprocess.run([sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())",
-                          "eval", "--drafter", "/nonexistent", "--target", "random:nope"],
-                         capture_output=True, text=True)
-    assert run.returncode == 2 and "random:nope" in run.stderr  # the command line's own one-line error
+    for command in ([sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"],
+                    [sys.executable, "-m", "dflash_train"]):  # a source tree's way in (the recipe's scripts)
+        run = subprocess.run([*command, "eval", "--drafter", "/nonexistent", "--target", "random:nope"],
+                             capture_output=True, text=True)
+        assert run.returncode == 2 and "random:nope" in run.stderr  # the command line's own one-line error
+    probe = f"import sys, dflash_train.__main__; print([m for m in {heavy!r} if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+
+
+def test_a_job_started_by_the_command_counts_its_start_up_and_one_inside_a_process_does_not(monkeypatch):
+    """phases.json's `start-up`: the process's age when the job's clock starts, where the command started the
+    process (entry.py), so the phases' total is the process's wall time; a job called inside a longer-lived process
+    (here: the tests') has no such phase."""
+    import time
+
+    from dflash_train.app import phases
+
+    monkeypatch.setattr(phases, "_process_start", None)
+    assert "start-up" not in phases.Phases.of_job().report()
+    age = phases.process_age()
+    if age is None:
+        pytest.skip("no /proc: the process's start cannot be read here")
+    probe = "import time; time.sleep(1.5); from dflash_train.app.phases import process_age; print(process_age())"
+    child = float(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+    assert 1.5 <= child < 30  # the sleep, plus the interpreter's start
+    phases.command_started()
+    job = phases.Phases.of_job()
+    time.sleep(0.05)
+    rep = job.report()
+    assert list(rep)[0] == "start-up" and rep["start-up"] >= age and rep["total"] >= rep["start-up"] + 0.05
+    assert abs(rep["total"] - phases.process_age()) < 0.05  # the job's clock is the process's
 
 
 def test_filesystem_failures_are_one_line_errors(tmp_path, capsys):

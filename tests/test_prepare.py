@@ -165,6 +165,8 @@ def test_round_trip(tok, tmp_path):
     assert meta["source"] == "2 conversations used of 2 read"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temporary directory left behind
     assert "2 sequences" in report.summary()
+    assert 0 < report.first_s <= report.tokenize_s and report.write_s > 0  # where its time went, in the summary
+    assert f"tokenized in {report.tokenize_s:.1f} s (the first batch after {report.first_s:.1f} s)" in report.summary()
 
 
 def test_truncation_is_reported(tok, tmp_path):

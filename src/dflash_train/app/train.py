@@ -105,7 +105,7 @@ def job_target(cfg: TrainConfig, device: torch.device, ckpt: Path | None = None)
 
 
 def _run(cfg: TrainConfig, roles, resume: bool, overwrite: bool, progress: bool) -> int:
-    phases = Phases()
+    phases = Phases.of_job()
     run_dir, ckpt = prepare_run_dir(cfg, resume, overwrite)
     state = load_state(ckpt) if ckpt else None  # a corrupt state fails before the target loads
     device = resolve_device(roles[0][1]) if roles else resolve_device(cfg.run.device)

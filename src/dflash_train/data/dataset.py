@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -62,6 +63,11 @@ class PrepareReport:
     truncated: int = 0  # conversations cut at max_length (kept: their prefix still has loss tokens)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count (on_bad="skip")
     examples: list[str] = field(default_factory=list)  # first few "id: reason" of skipped records
+    # the clock, left out of comparisons: to the first batch's results (with worker processes, mostly their start),
+    # to the last batch's (rendering, tokenizing, the loss masks), and writing the arrays
+    first_s: float = field(default=0.0, compare=False)
+    tokenize_s: float = field(default=0.0, compare=False)
+    write_s: float = field(default=0.0, compare=False)
 
     def skip(self, conv_id: str, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -71,7 +77,8 @@ class PrepareReport:
     def summary(self) -> str:
         share = self.loss_tokens / self.tokens if self.tokens else 0.0
         text = (f"{self.sequences} sequences, {self.tokens} tokens, {self.loss_tokens} loss tokens ({share:.0%}); "
-                f"{self.truncated} truncated at --max-length")
+                f"{self.truncated} truncated at --max-length; tokenized in {self.tokenize_s:.1f} s (the first batch "
+                f"after {self.first_s:.1f} s), written in {self.write_s:.1f} s")
         if self.skipped:
             text += f"; skipped {sum(self.skipped.values())}: " + ", ".join(
                 f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
@@ -103,7 +110,9 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
     seq_masks: list[np.ndarray] = []
     conv_ids: list[str] = []
     clipped = _clipped(conversations, max(CHARS_PER_TOKEN, max_token_chars(tokenizer)) * (max_length + 1))
+    t0 = time.perf_counter()
     for conv, encoded in _encoded(tokenizer, clipped, stops, workers):
+        report.first_s = report.first_s or time.perf_counter() - t0
         try:
             if isinstance(encoded, BadRecord):
                 raise encoded
@@ -122,6 +131,7 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
         seq_masks.append(np.array(mask, dtype=np.uint8))
         conv_ids.append(conv.id)
 
+    report.tokenize_s = time.perf_counter() - t0
     if not conv_ids:
         why = f" (skipped: {'; '.join(report.examples)})" if report.examples else ""
         raise UsageError(f"--data: no usable record to prepare{why}")
@@ -140,7 +150,9 @@ def prepare_dataset(tokenizer, conversations: Iterable[Conversation], out_dir: s
         "skipped": report.skipped,
         "source": source_summary() if source_summary is not None else "",
     }
+    t1 = time.perf_counter()
     write_sequences(out, seq_ids, seq_masks, conv_ids, meta, overwrite, out_flag)
+    report.write_s = time.perf_counter() - t1
     return report
 
 
