@@ -195,25 +195,28 @@ def test_compiled_mask_tiles_equal_the_eager_ones_with_one_graph_per_layer_kind(
     assert counters["stats"]["unique_graphs"] == 2
 
 
-def test_mask_tiles_the_compiler_fails_on_are_made_eagerly_after_one_line(capsys):
-    """--compile-masks where torch.compile cannot compile mask_tiles (torch 2.11's Inductor on a GPU): the eager
-    tiles, the line said once; an error of the masks' own still raises."""
-    from dflash_train.objective.masks import compiled_mask_tiles, mask_tiles
+@pytest.mark.parametrize("kind", ["tiles", "intervals"])
+def test_masks_the_compiler_fails_on_are_made_eagerly_after_one_line(kind, capsys):
+    """--compile-masks where torch.compile cannot compile the mask (torch 2.11's Inductor failed on mask_tiles on a
+    GPU): the eager tensors, the line said once; an error of the masks' own still raises."""
+    from dflash_train.objective.masks import compiled_interval_tables, compiled_mask_tiles, interval_tables, mask_tiles
 
     def failing(gm, example_inputs):
         raise RuntimeError("CantSplit: no such split")
 
-    tiles = compiled_mask_tiles(backend=failing)
+    compiled, eager = ((compiled_mask_tiles, mask_tiles) if kind == "tiles" else
+                       (compiled_interval_tables, interval_tables))
+    masks, last = compiled(backend=failing), (16, True) if kind == "tiles" else (16, 16)
     for seed, lens in enumerate([(13, 9, 11), (40, 7, 22, 30)]):
         b = _packed(lens, seed)
         args = (b.seq_ids, b.positions, sample_packed_anchors(b, 9, torch.Generator().manual_seed(seed)), 4, None,
-                16, True)
-        for got, want in zip(tiles(*args), mask_tiles(*args), strict=True):
+                *last)
+        for got, want in zip(masks(*args), eager(*args), strict=True):
             assert torch.equal(got, want)
     err = capsys.readouterr().err
     assert err.count("failed to compile") == 1 and "CantSplit: no such split" in err, err
     with pytest.raises(IndexError):
-        tiles(b.seq_ids, b.positions, torch.tensor([10**6]), 4, None, 16, True)  # an anchor past the pack
+        masks(b.seq_ids, b.positions, torch.tensor([10**6]), 4, None, *last)  # an anchor past the pack
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(

@@ -232,12 +232,8 @@ def compiled_interval_tables(backend: str = "inductor"):
     most 8 anchors at B=8) specializes one more graph per layer kind, once."""
     from dflash_train.models.compiled import compile_serialized
 
-    compiled = compile_serialized(interval_tables, dynamic=True, backend=backend)
-
-    @torch.no_grad()
-    def tables(*args):
-        return compiled(*args)
-    return tables
+    return _eager_if_it_fails(compile_serialized(interval_tables, dynamic=True, backend=backend), interval_tables,
+                              "the interval mask's tables")
 
 
 def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = False) -> SplitBlockMask:
@@ -266,26 +262,31 @@ def compiled_mask_tiles(backend: str = "inductor"):
     change every pack): one graph per (block size, window, tile), i.e. one per layer kind, in either
     grad mode (no grad: the caller's mode is not part of its guards). Where the compiler fails on it (torch
     2.11's Inductor could not split its dynamic tile ranges: CantSplit, on an H100), the tiles are made eagerly
-    from then on, after one line: the same tiles, in more launches."""
+    (_eager_if_it_fails)."""
     from dflash_train.models.compiled import compile_serialized
 
-    compiled = compile_serialized(mask_tiles, dynamic=True, backend=backend)
+    return _eager_if_it_fails(compile_serialized(mask_tiles, dynamic=True, backend=backend), mask_tiles,
+                              "the mask's tiles")
+
+
+def _eager_if_it_fails(compiled, eager, what: str):
+    """compiled(*args) under no_grad; where torch.compile fails on it, one line and `eager` from then on: the same
+    tensors, in more launches (--compile-masks is a speed setting, not worth a run)."""
     run = [compiled]
 
     @torch.no_grad()
-    def tiles(*args):
+    def call(*args):
         try:
             return run[0](*args)
         except Exception as e:
-            if run[0] is mask_tiles or not isinstance(e, _compiler_errors()):
+            if run[0] is eager or not isinstance(e, _compiler_errors()):
                 raise
             cause = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed's first line names the backend
             first = (str(cause).strip().splitlines() or [""])[0][:160]
-            say(f"--compile-masks: the mask's tiles failed to compile ({type(cause).__name__}: {first}); "
-                "they are made eagerly")
-            run[0] = mask_tiles
-            return mask_tiles(*args)
-    return tiles
+            say(f"--compile-masks: {what} failed to compile ({type(cause).__name__}: {first}); they are made eagerly")
+            run[0] = eager
+            return eager(*args)
+    return call
 
 
 def flex_block_mask(spec: MaskSpec):
