@@ -33,6 +33,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from dflash_train.errors import say
+
 F = TypeVar("F", bound=Callable)
 
 _LOCK = threading.RLock()
@@ -131,6 +133,36 @@ def compile_serialized(fn: F, dynamic: Mapping[int, int] | bool | None = None, *
             _compile_settings_here()
             return compiled(*args, **kwargs)
     return call  # type: ignore[return-value]
+
+
+def eager_on_failure(compiled: F, eager: F, what: str) -> F:
+    """compiled(*args); where torch.compile fails on it, one line naming `what` and `eager` from then on (the same
+    results, for a compiled function that only buys speed). Errors that are not the compiler's still raise."""
+    run = [compiled]
+
+    @functools.wraps(eager)
+    def call(*args, **kwargs):
+        try:
+            return run[0](*args, **kwargs)
+        except Exception as e:
+            if run[0] is eager or not isinstance(e, _compiler_errors()):
+                raise
+            cause = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed's first line names the backend
+            first = (str(cause).strip().splitlines() or [""])[0][:160]
+            say(f"{what} failed to compile ({type(cause).__name__}: {first}); they are made eagerly")
+            run[0] = eager
+            return eager(*args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
+@functools.cache
+def _compiler_errors() -> tuple[type[Exception], ...]:
+    """What torch.compile raises when it cannot compile (imported when first needed: Dynamo is slow to import)."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    inductor = getattr(torch._inductor.exc, "InductorError", None)  # raised unwrapped by some versions
+    return (torch._dynamo.exc.TorchDynamoException, *([inductor] if inductor else []))
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.data.packing import PackedBatch
-from dflash_train.errors import say
 from dflash_train.models.attention import Segment, SegmentedMask, SplitBlockMask
 from dflash_train.models.interval_attention import IntervalMask, dkdv_tile_table, launch_list, launches, per_query_tile
 from dflash_train.objective.blocks import Blocks
@@ -230,10 +229,11 @@ def compiled_interval_tables(backend: str = "inductor"):
     """interval_tables under torch.compile, every size dynamic from the first call (token and anchor counts change
     every pack): one graph per layer kind (window or none), in either grad mode. A pack of a single query tile (at
     most 8 anchors at B=8) specializes one more graph per layer kind, once."""
-    from dflash_train.models.compiled import compile_serialized
+    from dflash_train.models.compiled import compile_serialized, eager_on_failure
 
-    return _eager_if_it_fails(compile_serialized(interval_tables, dynamic=True, backend=backend), interval_tables,
-                              "the interval mask's tables")
+    # --compile-masks is a speed setting, not worth a run: the same tensors eagerly where the compiler fails
+    return torch.no_grad()(eager_on_failure(compile_serialized(interval_tables, dynamic=True, backend=backend),
+                                            interval_tables, "--compile-masks: the interval mask's tables"))
 
 
 def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = False) -> SplitBlockMask:
@@ -246,47 +246,17 @@ def split_block_mask(spec: MaskSpec, tile: int = MASK_TILE, compiled: bool = Fal
                              spec.block_size, spec.window, spec.seq_ids.device)
 
 
-@functools.cache
-def _compiler_errors() -> tuple[type[Exception], ...]:
-    """What torch.compile raises when it cannot compile (imported when first needed: Dynamo is slow to import)."""
-    import torch._dynamo.exc
-    import torch._inductor.exc
-
-    inductor = getattr(torch._inductor.exc, "InductorError", None)  # raised unwrapped by some versions
-    return (torch._dynamo.exc.TorchDynamoException, *([inductor] if inductor else []))
-
-
 @functools.cache  # one per process: its graphs are reused by every pack
 def compiled_mask_tiles(backend: str = "inductor"):
     """mask_tiles under torch.compile, every size dynamic from the first call (token and anchor counts
     change every pack): one graph per (block size, window, tile), i.e. one per layer kind, in either
     grad mode (no grad: the caller's mode is not part of its guards). Where the compiler fails on it (torch
     2.11's Inductor could not split its dynamic tile ranges: CantSplit, on an H100), the tiles are made eagerly
-    (_eager_if_it_fails)."""
-    from dflash_train.models.compiled import compile_serialized
+    (models/compiled.eager_on_failure)."""
+    from dflash_train.models.compiled import compile_serialized, eager_on_failure
 
-    return _eager_if_it_fails(compile_serialized(mask_tiles, dynamic=True, backend=backend), mask_tiles,
-                              "the mask's tiles")
-
-
-def _eager_if_it_fails(compiled, eager, what: str):
-    """compiled(*args) under no_grad; where torch.compile fails on it, one line and `eager` from then on: the same
-    tensors, in more launches (--compile-masks is a speed setting, not worth a run)."""
-    run = [compiled]
-
-    @torch.no_grad()
-    def call(*args):
-        try:
-            return run[0](*args)
-        except Exception as e:
-            if run[0] is eager or not isinstance(e, _compiler_errors()):
-                raise
-            cause = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed's first line names the backend
-            first = (str(cause).strip().splitlines() or [""])[0][:160]
-            say(f"--compile-masks: {what} failed to compile ({type(cause).__name__}: {first}); they are made eagerly")
-            run[0] = eager
-            return eager(*args)
-    return call
+    return torch.no_grad()(eager_on_failure(compile_serialized(mask_tiles, dynamic=True, backend=backend),
+                                            mask_tiles, "--compile-masks: the mask's tiles"))
 
 
 def flex_block_mask(spec: MaskSpec):
