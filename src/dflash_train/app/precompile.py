@@ -95,7 +95,8 @@ def finish(handle: Handle | None) -> None:
         code = handle.process.wait(timeout=WAIT_S)
     except subprocess.TimeoutExpired:
         code = None
-    seconds, waited = time.perf_counter() - handle.started, time.perf_counter() - waiting
+    now = time.perf_counter()
+    seconds, waited = now - handle.started, now - waiting
     lines = (handle.folder / LOG_FILE).read_text(errors="replace").strip().splitlines()
     if code == 0:
         # its own last line (the log also holds stderr: a warning at exit may come after it)
